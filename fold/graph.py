@@ -1,0 +1,549 @@
+"""Recording: the :class:`Fold` graph, its :class:`Node` handles, and the eager :class:`Unfold`.
+
+Recording is the user's inner loop, so :meth:`Fold.add` only appends to flat per-Fold lists
+(op, arguments, signature id, depth) and returns a tiny ``__slots__`` handle.  Nothing is
+computed until :meth:`Fold.apply`, which asks a scheduler (``fold.scheduler``) for a plan and
+hands it to the executor (``fold.executor``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fold.errors import FoldError
+
+__all__ = ["Fold", "Node", "Unfold", "op_name"]
+
+# Argument kind codes stored in a node's signature.  A literal tensor's kind is the tuple
+# (shape[1:], dtype) instead, so nodes whose literal tensors differ in shape never share a group.
+NODE, INT, FLOAT, BOOL = 0, 1, 2, 3
+KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool"}
+
+# A whole-node handle whose node was later split gets this output index, so any use of it
+# (before or after the split) is caught: see Node.split.
+_POISONED = -(1 << 40)
+
+
+def op_name(op: Any) -> str:
+    """A readable name for an op: the method name, or a callable's qualified name."""
+    if isinstance(op, str):
+        return op
+    return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+
+
+class Node:
+    """A handle on one recorded value: output ``_out`` of node ``_id`` of Fold ``_fold``.
+
+    Handles are canonical (one per node output), so they hash and compare by identity, which
+    keeps memoisation cheap.
+    """
+
+    __slots__ = ("_fold", "_id", "_out")
+
+    def __init__(self, fold: Fold, nid: int, out: int = 0) -> None:
+        self._fold = fold
+        self._id = nid
+        self._out = out
+
+    def split(self, n: int) -> tuple[Node, ...]:
+        """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``."""
+        return self._fold._split(self, n)
+
+    def nobatch(self) -> Node:
+        """Pass this node's value whole to every consumer instead of one row per consumer.
+
+        The node runs in a group of its own (its output need not have one row), and consumers
+        are grouped only with consumers of the same nobatch node::
+
+            table = f.add("embed_table").nobatch()   # (vocab, dim), shared by every lookup
+            f.add("lookup", table, word_id)
+        """
+        self._fold._mark_nobatch(self._id)
+        return self
+
+    @property
+    def id(self) -> int:
+        """The index of the recorded node in its Fold."""
+        return self._id
+
+    def __repr__(self) -> str:
+        f = self._fold
+        suffix = f"[{self._out}]" if self._id in f.nsplit and self._out >= 0 else ""
+        return f"Node({self._id}{suffix}, op={op_name(f.ops[self._id])!r}, depth={f.depth[self._id]})"
+
+
+def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
+    """The slow path of argument classification: (kind, normalised value), or FoldError."""
+    if isinstance(a, torch.Tensor):
+        if a.dim() == 0 or a.shape[0] != 1:
+            raise FoldError(
+                f"Fold.add({op_name(op)!r}, ...): argument {pos} is a tensor of shape "
+                f"{tuple(a.shape)}; tensor arguments are batch-of-one values of shape (1, ...), "
+                "concatenated along dim 0 across a group. Fix: pass x.unsqueeze(0) for one "
+                "value, a Python number for a scalar, or compute a shared table in a node "
+                "marked .nobatch()."
+            )
+        return (tuple(a.shape[1:]), a.dtype), a
+    if isinstance(a, Node):
+        raise FoldError(
+            f"Fold.add({op_name(op)!r}, ...): argument {pos} is a Node of another Fold "
+            f"({a!r}). Nodes can only be combined within the Fold that recorded them. Fix: "
+            "record the whole computation in one Fold."
+        )
+    if isinstance(a, bool) or type(a).__name__ == "bool_":  # numpy.bool_ is no numbers.Integral
+        return BOOL, bool(a)
+    if isinstance(a, numbers.Integral):
+        return INT, int(a)
+    if isinstance(a, numbers.Real):
+        return FLOAT, float(a)
+    shown = repr(a)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    raise FoldError(
+        f"Fold.add({op_name(op)!r}, ...): argument {pos} is a {type(a).__name__} ({shown}); "
+        "expected a Node of this Fold, an int/float/bool, or a batch-of-one torch.Tensor of "
+        "shape (1, ...). Fix: convert it to a tensor, or give the op's object an attribute "
+        "holding it."
+    )
+
+
+class Fold:
+    """A dynamic-batching computation graph.
+
+    Record per-example ops with :meth:`add`; :meth:`apply` runs the whole graph, executing
+    each group of nodes that share a step and a signature (op, arity, argument kinds, literal
+    tensor shapes/dtypes) as one batched call.
+
+    Example::
+
+        class Exp:
+            def exp(self, x):
+                return x * 2
+
+        f = Fold()
+        x = 1
+        nodes = []
+        for _ in range(4):
+            x = f.add("exp", x)
+            nodes.append(x)
+        (out,) = f.apply(Exp(), [nodes])   # tensor([ 2,  4,  8, 16])
+
+    Every node recorded in the Fold runs on ``apply``, whether or not an output list names it.
+
+    Args:
+        strategy: the scheduler; ``"depth"`` groups same-signature nodes at equal depth.
+    """
+
+    def __init__(self, strategy: str = "depth") -> None:
+        from fold.scheduler import SCHEDULERS
+
+        if strategy not in SCHEDULERS:
+            raise FoldError(
+                f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."
+            )
+        self.strategy = strategy
+        # Flat per-node records, indexed by node id (ids are a topological order).
+        self.ops: list[Any] = []
+        self.args: list[tuple[Any, ...]] = []
+        self.sig: list[int] = []  # signature id, into self.signatures
+        self.depth: list[int] = []
+        self.signatures: list[tuple[Any, tuple[Any, ...]]] = []  # (op, kinds) per id
+        self.nsplit: dict[int, int] = {}  # node id -> n of split(n)
+        self.nobatch_ids: set[int] = set()
+        self._sig_ids: dict[tuple[Any, tuple[Any, ...]], int] = {}
+        self._handles: list[Node] = []  # the canonical whole-node handle of each node
+        self._splits: dict[int, tuple[Node, ...]] = {}
+        self._memo: dict[Any, Node] = {}
+        self.last_run: list[tuple[int, str, int, tuple[str, ...]]] | None = None
+
+    # ------------------------------------------------------------------ recording
+    def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
+        """Record ``op(*args)`` and return a handle on its value.
+
+        ``op`` is the name of a method of the object later given to :meth:`apply`, or a
+        callable (grouped by identity).  Arguments are Nodes of this Fold, Python
+        ``int``/``float``/``bool`` (batched into 1-D tensors; ints become ``torch.long``), or
+        batch-of-one tensors of shape ``(1, ...)`` (concatenated along dim 0).  Recording the
+        same op on the same arguments twice returns the same node.
+        """
+        kinds: list[Any] = []
+        depth = 0
+        dep = self.depth
+        for pos, a in enumerate(args):
+            t = type(a)
+            if t is Node:
+                if a._fold is not self or a._out < 0:
+                    self._bad_node(op, pos, a)
+                d = dep[a._id]
+                if d >= depth:
+                    depth = d + 1
+                kinds.append(NODE)
+            elif t is int:
+                kinds.append(INT)
+            elif t is float:
+                kinds.append(FLOAT)
+            elif t is bool:
+                kinds.append(BOOL)
+            else:
+                kind, value = _arg_kind(op, pos, a)
+                if value is not a:
+                    args = args[:pos] + (value,) + args[pos + 1 :]
+                kinds.append(kind)
+        ktuple = tuple(kinds)
+        if type(op) is not str and not callable(op):
+            raise FoldError(
+                f"Fold.add: op is a {type(op).__name__} ({op!r}); expected a method name (str) "
+                "or a callable."
+            )
+        sig_key = (op, ktuple)
+        try:
+            sid = self._sig_ids[sig_key]
+        except KeyError:
+            sid = self._sig_ids[sig_key] = len(self.signatures)
+            self.signatures.append(sig_key)
+        except TypeError:  # an unhashable callable
+            raise FoldError(
+                f"Fold.add: op {op_name(op)} is not hashable, so nodes of it cannot be grouped. "
+                "Fix: pass a function, a bound method, or a method name."
+            ) from None
+        if ktuple and any(type(k) is tuple for k in ktuple):
+            # Tensors compare elementwise; memoise literal tensors by identity instead.
+            mkey: Any = (sid, tuple(id(a) if type(k) is tuple else a for a, k in zip(args, ktuple)))
+        else:
+            mkey = (sid, args)
+        node = self._memo.get(mkey)
+        if node is not None:
+            return node
+        nid = len(self.ops)
+        self.ops.append(op)
+        self.args.append(args)
+        self.sig.append(sid)
+        dep.append(depth)
+        node = Node(self, nid)
+        self._handles.append(node)
+        self._memo[mkey] = node
+        return node
+
+    def _bad_node(self, op: Any, pos: int, a: Node) -> None:
+        if a._fold is not self:
+            _arg_kind(op, pos, a)  # raises the "Node of another Fold" error
+        n = self.nsplit[a._id]
+        raise FoldError(
+            f"Fold.add({op_name(op)!r}, ...): argument {pos} is node {a._id} "
+            f"({op_name(self.ops[a._id])!r}) as a whole, but that node was split into {n} "
+            f"outputs. Fix: pass one of the handles returned by .split({n})."
+        )
+
+    def _split(self, node: Node, n: int) -> tuple[Node, ...]:
+        nid = node._id
+        done = self._splits.get(nid)
+        if done is not None and node is self._handles[nid]:
+            if len(done) != n:
+                raise FoldError(
+                    f"Node.split({n}) on node {nid} ({op_name(self.ops[nid])!r}), which was "
+                    f"already split into {len(done)} outputs. Fix: call .split({len(done)})."
+                )
+            return done
+        if node is not self._handles[nid]:
+            raise FoldError(
+                f"Node.split({n}) on output {node._out} of node {nid} "
+                f"({op_name(self.ops[nid])!r}), which is already one output of a split. Fix: "
+                "split the node itself once, and have its op return a flat tuple."
+            )
+        if type(n) is not int or n < 1:
+            raise FoldError(
+                f"Node.split({n!r}) on node {nid} ({op_name(self.ops[nid])!r}): n must be a "
+                "positive int, the number of tensors the op returns."
+            )
+        outs = tuple(Node(self, nid, k) for k in range(n))
+        self._splits[nid] = outs
+        self.nsplit[nid] = n
+        # Uses of the whole handle, before or after this call, are now errors.
+        node._out = _POISONED
+        return outs
+
+    def _mark_nobatch(self, nid: int) -> None:
+        self.nobatch_ids.add(nid)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    # ------------------------------------------------------------------ execution
+    def plan(self) -> Any:
+        """The schedule of this graph (a :class:`fold.scheduler.Plan`), as ``apply`` runs it."""
+        from fold.scheduler import SCHEDULERS
+
+        return SCHEDULERS[self.strategy](self)
+
+    def apply(self, obj: Any, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+        """Run the graph with the ops of ``obj`` and return one tensor per list in ``lists``.
+
+        ``obj`` is any object with the op methods (an ``nn.Module`` or a plain class).  Each
+        entry of ``lists`` is a list of nodes (result: their values concatenated along dim 0,
+        in list order), a list of Python numbers (result: a 1-D tensor), or a list of
+        batch-of-one tensors (result: their concatenation).  Results land on the device of
+        ``obj``'s parameters (CPU if it has none).  Gradients flow back through the graph.
+        """
+        from fold.executor import Executor
+
+        specs = _classify_lists(lists)
+        ex = Executor(self, obj)
+        try:
+            ex.run(self.plan())
+            return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
+        finally:
+            self.last_run = ex.report
+
+    # ------------------------------------------------------------------ inspection
+    def summary(self) -> str:
+        """The schedule: per step, each group's op, size and argument kinds or shapes.
+
+        After an ``apply`` it shows the groups as they ran, with runtime argument shapes;
+        before, the planned groups with their static argument kinds.
+        """
+        lines = [f"Fold: {len(self.ops)} nodes, strategy={self.strategy!r}"]
+        if self.last_run is not None:
+            lines[0] += ", last apply:"
+            rows = self.last_run
+        else:
+            lines[0] += ", planned:"
+            rows = []
+            for s, step in enumerate(self.plan().steps):
+                for g in step.groups:
+                    op, kinds = self.signatures[self.sig[g.nodes[0]]]
+                    rows.append((s, op_name(op), len(g.nodes), tuple(_kind_str(k) for k in kinds)))
+        nsteps = 1 + max((r[0] for r in rows), default=-1)
+        lines[0] += f" {nsteps} steps, {len(rows)} groups"
+        last = -1
+        for s, name, size, shapes in rows:
+            if s != last:
+                lines.append(f"step {s}:")
+                last = s
+            lines.append(f"  {name} x{size} ({', '.join(shapes)})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        return f"Fold({len(self.ops)} nodes, strategy={self.strategy!r})"
+
+    def to_networkx(self) -> Any:
+        """The graph as a ``networkx.DiGraph``.
+
+        Node attributes: ``op`` (name), ``depth``, ``split`` (n of ``split(n)``, 0 if never
+        split), ``nobatch``.  Edge attributes: ``arg`` (argument position) and ``out`` (the
+        output index of the source that is used).
+        """
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for nid, op in enumerate(self.ops):
+            g.add_node(
+                nid,
+                op=op_name(op),
+                depth=self.depth[nid],
+                split=self.nsplit.get(nid, 0),
+                nobatch=nid in self.nobatch_ids,
+            )
+        for nid, args in enumerate(self.args):
+            for pos, a in enumerate(args):
+                if type(a) is Node:
+                    g.add_edge(a._id, nid, arg=pos, out=max(a._out, 0))
+        return g
+
+    def draw(self, path: str) -> None:
+        """Write a PNG of the graph to ``path``, nodes placed and coloured by step.
+
+        Needs matplotlib (``pip install torch-fold[draw]``).
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise FoldError(
+                "Fold.draw needs matplotlib. Fix: pip install 'torch-fold[draw]'."
+            ) from err
+        import networkx as nx
+
+        g = self.to_networkx()
+        steps = max(self.depth, default=0) + 1
+        pos = nx.multipartite_layout(g, subset_key="depth") if len(g) else {}
+        fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * steps), max(3.0, 0.15 * len(g) + 2)))
+        colors = [g.nodes[n]["depth"] for n in g.nodes]
+        nx.draw_networkx(
+            g,
+            pos,
+            ax=ax,
+            node_color=colors,
+            cmap=plt.get_cmap("viridis"),
+            labels={n: g.nodes[n]["op"] for n in g.nodes},
+            font_size=7,
+            node_size=300,
+            arrowsize=8,
+        )
+        ax.set_title(f"fold graph: {len(g)} nodes in {steps} steps (colour = step)")
+        ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def _kind_str(k: Any) -> str:
+    if type(k) is tuple:
+        shape, dtype = k
+        return f"tensor(1, {', '.join(map(str, shape))}){str(dtype).replace('torch.', ' ')}".replace(
+            "(1, )", "(1,)"
+        )
+    return KIND_NAMES[k]
+
+
+_NODES, _NUMBERS, _TENSORS = "nodes", "numbers", "tensors"
+
+
+def _classify_lists(lists: Any) -> list[tuple[str, list[Any]]]:
+    """Check the ``lists`` argument of apply: each a list of nodes, numbers or tensors."""
+    if isinstance(lists, (Node, torch.Tensor)) or not isinstance(lists, (list, tuple)):
+        raise FoldError(
+            f"apply(obj, lists): lists is a {type(lists).__name__}; expected a list of lists, "
+            "e.g. apply(model, [roots, labels])."
+        )
+    specs = []
+    for i, items in enumerate(lists):
+        if isinstance(items, (Node, torch.Tensor)) or not isinstance(items, (list, tuple)):
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] is a {type(items).__name__}; each entry must be "
+                f"a list of nodes, numbers or tensors. Fix: wrap it, e.g. [[node]]."
+            )
+        if not items:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] is empty; there is no value to return for it."
+            )
+        kinds = set()
+        for x in items:
+            if isinstance(x, (Node, Unfold.Node)):
+                kinds.add(_NODES)
+            elif isinstance(x, torch.Tensor):
+                kinds.add(_TENSORS)
+            elif isinstance(x, (numbers.Real, bool)):
+                kinds.add(_NUMBERS)
+            else:
+                raise FoldError(
+                    f"apply(obj, lists): lists[{i}] holds a {type(x).__name__} ({x!r:.40}); "
+                    "expected nodes, Python numbers or batch-of-one tensors."
+                )
+        if len(kinds) > 1:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] mixes {' and '.join(sorted(kinds))}; each list "
+                "must hold one kind. Fix: split it into one list per kind."
+            )
+        specs.append((kinds.pop(), list(items)))
+    return specs
+
+
+class Unfold:
+    """The eager twin of :class:`Fold`: every ``add`` runs its op at once on a batch of one.
+
+    Same ``add`` / ``split`` / ``nobatch`` / ``apply`` API; use it to debug a model and as the
+    reference that Fold results are compared with::
+
+        u = Unfold(model)
+        h, c = u.add("leaf", 3).split(2)
+        (out,) = u.apply(model, [[h]])
+    """
+
+    def __init__(self, obj: Any) -> None:
+        from fold.executor import device_of
+
+        self.obj = obj
+        self.device = device_of(obj)
+
+    class Node:
+        """A computed value, with the same ``split`` / ``nobatch`` methods as Fold's Node."""
+
+        __slots__ = ("unfold", "value", "op")
+
+        def __init__(self, unfold: Unfold, value: Any, op: Any) -> None:
+            self.unfold = unfold
+            self.value = value
+            self.op = op
+
+        def split(self, n: int) -> tuple[Unfold.Node, ...]:
+            v = self.value
+            if isinstance(v, torch.Tensor):
+                v = (v,)
+            if type(n) is not int or len(v) != n:
+                raise FoldError(
+                    f"Node.split({n!r}): op {op_name(self.op)!r} returned {len(v)} output(s). "
+                    f"Fix: call .split({len(v)})."
+                )
+            return tuple(Unfold.Node(self.unfold, x, self.op) for x in v)
+
+        def nobatch(self) -> Unfold.Node:
+            return self
+
+        def get(self) -> torch.Tensor:
+            v = self.value
+            if isinstance(v, tuple):
+                if len(v) != 1:
+                    raise FoldError(
+                        f"op {op_name(self.op)!r} returned {len(v)} outputs and its node is used "
+                        f"whole. Fix: call .split({len(v)}) on the node and use its outputs."
+                    )
+                v = v[0]
+            return v
+
+    def add(self, op: str | Callable[..., Any], *args: Any) -> Unfold.Node:
+        """Run ``op(*args)`` now, on batch-of-one arguments, and return its value's handle."""
+        vals = []
+        for pos, a in enumerate(args):
+            if type(a) is Unfold.Node:
+                if a.unfold is not self:
+                    raise FoldError(
+                        f"Unfold.add({op_name(op)!r}, ...): argument {pos} is a Node of another "
+                        "Unfold. Fix: record the whole computation in one Unfold."
+                    )
+                vals.append(a.get())
+                continue
+            value = a if type(a) in (int, float, bool) else _arg_kind(op, pos, a)[1]
+            if isinstance(value, torch.Tensor):
+                vals.append(value.to(self.device))
+            elif isinstance(value, bool):
+                vals.append(torch.tensor([value], dtype=torch.bool, device=self.device))
+            elif isinstance(value, int):
+                vals.append(torch.tensor([value], dtype=torch.long, device=self.device))
+            else:
+                vals.append(torch.tensor([value], dtype=torch.get_default_dtype(), device=self.device))
+        fn = op if not isinstance(op, str) else getattr(self.obj, op, None)
+        if fn is None or not callable(fn):
+            raise FoldError(
+                f"Unfold.add({op_name(op)!r}, ...): {type(self.obj).__name__} has no op "
+                f"{op_name(op)!r}. Fix: define def {op_name(op)}(self, ...) on it."
+            )
+        out = fn(*vals)
+        if isinstance(out, list):
+            out = tuple(out)
+        return Unfold.Node(self, out, op)
+
+    def apply(self, obj: Any, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+        """Concatenate the values of each list, as :meth:`Fold.apply` returns them."""
+        if obj is not self.obj:
+            raise FoldError(
+                "Unfold.apply(obj, lists): obj is not the object this Unfold was built with; "
+                "its ops already ran. Fix: pass the same object, or build a new Unfold(obj)."
+            )
+        res = []
+        for kind, items in _classify_lists(lists):
+            if kind == _NUMBERS:
+                res.append(torch.tensor(items, device=self.device))
+            elif kind == _TENSORS:
+                res.append(torch.cat([t.to(self.device) for t in items], 0))
+            else:
+                res.append(torch.cat([n.get() for n in items], 0))
+        return res
