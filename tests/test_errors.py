@@ -1,0 +1,212 @@
+"""Bad input: each a FoldError naming the op, the argument and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fold
+from fold import FoldError
+
+
+class Obj:
+    def one(self, x):
+        return x * 1.0
+
+    def two(self, x):
+        return x + 1, x - 1
+
+    def boom(self, x, y):
+        raise RuntimeError("kaboom")
+
+    def scalar(self, x):
+        return 3
+
+    def nested(self, x):
+        return [x, "no"]
+
+    def squash(self, x):
+        return x.sum()
+
+    def widen(self, x):
+        return x.float().unsqueeze(1).repeat(1, len(x))
+
+
+def test_fold_error_is_a_value_error() -> None:
+    assert issubclass(FoldError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "bad, shown",
+    [("word", "str"), ([1, 2], "list"), ({"a": 1}, "dict"), (None, "NoneType"), (object(), "object")],
+)
+def test_add_rejects_unsupported_arguments(bad: object, shown: str) -> None:
+    f = fold.Fold()
+    x = f.add("one", 1)
+    with pytest.raises(FoldError, match=rf"Fold.add\('one', \.\.\.\): argument 1 is a {shown}.*Fix"):
+        f.add("one", x, bad)
+    assert len(f) == 1  # nothing was recorded
+
+
+def test_add_rejects_a_node_of_another_fold() -> None:
+    other = fold.Fold().add("one", 1)
+    with pytest.raises(FoldError, match=r"'one'.*argument 0 is a Node of another Fold"):
+        fold.Fold().add("one", other)
+
+
+def test_add_rejects_tensors_that_are_not_batch_of_one() -> None:
+    with pytest.raises(FoldError, match=r"argument 0 is a tensor of shape \(3, 2\).*unsqueeze"):
+        fold.Fold().add("one", torch.zeros(3, 2))
+    with pytest.raises(FoldError, match=r"argument 0 is a tensor of shape \(\)"):
+        fold.Fold().add("one", torch.tensor(1.0))
+
+
+def test_add_rejects_an_op_that_is_neither_name_nor_callable() -> None:
+    with pytest.raises(FoldError, match="op is a int"):
+        fold.Fold().add(3, 1)
+
+
+def test_apply_with_a_missing_op() -> None:
+    f = fold.Fold()
+    f.add("missing", 1)
+    with pytest.raises(FoldError, match=r"op 'missing' is not a method of the Obj.*def missing\(self"):
+        f.apply(Obj(), [[f.add("one", 1)]])
+
+
+def test_multi_output_node_used_without_split() -> None:
+    f = fold.Fold()
+    n = f.add("two", 1)
+    f.add("one", n)
+    with pytest.raises(FoldError, match=r"op 'two' returned 2 outputs.*without split.*split\(2\)"):
+        f.apply(Obj(), [[n]])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_split_with_the_wrong_n(n: int) -> None:
+    f = fold.Fold()
+    outs = f.add("two", 1).split(n)
+    with pytest.raises(FoldError, match=rf"split with \.split\({n}\), but op 'two' returned 2"):
+        f.apply(Obj(), [[outs[0]]])
+
+
+def test_split_of_a_single_output_op_into_two() -> None:
+    f = fold.Fold()
+    a, _ = f.add("one", 1).split(2)
+    with pytest.raises(FoldError, match=r"\.split\(2\), but op 'one' returned 1 output"):
+        f.apply(Obj(), [[a]])
+
+
+def test_split_twice_differently_and_split_of_an_output() -> None:
+    f = fold.Fold()
+    n = f.add("two", 1)
+    a, _ = n.split(2)
+    assert n.split(2)[0] is a
+    with pytest.raises(FoldError, match=r"already split into 2 outputs. Fix: call \.split\(2\)"):
+        n.split(3)
+    with pytest.raises(FoldError, match="already one output of a split"):
+        a.split(2)
+    with pytest.raises(FoldError, match="positive int"):
+        f.add("two", 2).split(0)
+
+
+def test_whole_node_used_after_split_is_rejected_at_add() -> None:
+    f = fold.Fold()
+    n = f.add("two", 1)
+    n.split(2)
+    with pytest.raises(FoldError, match=r"argument 0 is node 0 \('two'\) as a whole.*split into 2"):
+        f.add("one", n)
+
+
+def test_whole_node_used_before_split_is_rejected_at_apply() -> None:
+    f = fold.Fold()
+    n = f.add("two", 1)
+    user = f.add("one", n)
+    n.split(2)
+    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, but it was split"):
+        f.apply(Obj(), [[user]])
+
+
+@pytest.mark.parametrize(
+    "op, shown", [("scalar", "a int"), ("nested", r"a list of \(Tensor, str\)")]
+)
+def test_op_returning_non_tensors(op: str, shown: str) -> None:
+    f = fold.Fold()
+    n = f.add(op, 1)
+    with pytest.raises(FoldError, match=rf"op '{op}' \(step 0\) returned {shown}; an op must return a tensor"):
+        f.apply(Obj(), [[n]])
+
+
+def test_op_dropping_the_batch_dim() -> None:
+    f = fold.Fold()
+    nodes = [f.add("squash", i) for i in range(3)]
+    with pytest.raises(FoldError, match=r"op 'squash' .* shape \(\) for a group of 3 node\(s\)"):
+        f.apply(Obj(), [nodes])
+
+
+def test_list_mixing_nodes_and_numbers() -> None:
+    f = fold.Fold()
+    n = f.add("one", 1)
+    with pytest.raises(FoldError, match=r"lists\[1\] mixes nodes and numbers"):
+        f.apply(Obj(), [[n], [n, 3]])
+
+
+def test_lists_of_the_wrong_type() -> None:
+    f = fold.Fold()
+    n = f.add("one", 1)
+    with pytest.raises(FoldError, match="expected a list of lists"):
+        f.apply(Obj(), n)
+    with pytest.raises(FoldError, match=r"lists\[0\] is a Node"):
+        f.apply(Obj(), [n])
+    with pytest.raises(FoldError, match=r"lists\[0\] is empty"):
+        f.apply(Obj(), [[]])
+    with pytest.raises(FoldError, match=r"lists\[0\] holds a str"):
+        f.apply(Obj(), [["x"]])
+
+
+def test_output_nodes_of_different_shapes_in_one_list() -> None:
+    f = fold.Fold()
+    a = f.add("one", 1)  # (1,) float
+    b = f.add("widen", 2)  # (1, 1)
+    with pytest.raises(FoldError, match=r"lists\[0\] holds output nodes of different shapes"):
+        f.apply(Obj(), [[a, b]])
+
+
+def test_output_nodes_of_another_fold() -> None:
+    f, g = fold.Fold(), fold.Fold()
+    f.add("one", 1)
+    with pytest.raises(FoldError, match="nodes that this Fold did not record"):
+        f.apply(Obj(), [[g.add("one", 1)]])
+
+
+def test_exception_inside_an_op_is_chained_and_the_fold_stays_usable() -> None:
+    f = fold.Fold()
+    xs = [f.add("one", i) for i in range(4)]
+    ys = [f.add("boom", x, torch.zeros(1, 7)) for x in xs]
+    with pytest.raises(FoldError) as info:
+        f.apply(Obj(), [ys])
+    msg = str(info.value)
+    assert "op 'boom' failed at step 1 on a group of 4 node(s)" in msg
+    assert "arguments ((4,), (4, 7))" in msg and "RuntimeError: kaboom" in msg
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # Still inspectable: the summary shows what ran before the failure, networkx the graph.
+    assert "one x4" in f.summary()
+    assert f.to_networkx().number_of_nodes() == 8
+
+
+def test_unknown_strategy() -> None:
+    with pytest.raises(FoldError, match=r"unknown strategy; expected one of \['depth'"):
+        fold.Fold(strategy="magic")
+
+
+def test_unfold_errors_match_fold() -> None:
+    u = fold.Unfold(Obj())
+    with pytest.raises(FoldError, match=r"argument 0 is a str"):
+        u.add("one", "x")
+    with pytest.raises(FoldError, match=r"has no op 'nope'"):
+        u.add("nope", 1)
+    with pytest.raises(FoldError, match=r"returned 2 output\(s\). Fix: call \.split\(2\)"):
+        u.add("two", 1).split(3)
+    with pytest.raises(FoldError, match=r"returned 2 outputs and its node is used whole"):
+        u.add("one", u.add("two", 1))
+    with pytest.raises(FoldError, match="not the object this Unfold was built with"):
+        u.apply(Obj(), [[u.add("one", 1)]])

@@ -1,0 +1,356 @@
+"""Fold.apply against eager references: values and gradients."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fold
+from fold.models import TreeLSTM, record_tree
+from fold.treebank import Tree, random_tree
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"grad of {k}: {m}", **tol)
+
+
+# ---------------------------------------------------------------- the seed notebook's examples
+class Exp:
+    def __init__(self, base: int) -> None:
+        self.b = base
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.b
+
+
+def test_exponentiation_chain_on_a_plain_class() -> None:
+    f = fold.Fold()
+    result, nodes = 1, []
+    for _ in range(4):
+        result = f.add("exp", result)
+        nodes.append(result)
+    (out,) = f.apply(Exp(2), [nodes])
+    assert out.dtype == torch.long
+    assert out.tolist() == [2, 4, 8, 16]
+
+
+class TwoOutputs:
+    def B(self, x1, x2):  # noqa: N802 - the seed's op names
+        return (x1 - x2) * 2, (x1 + x2) * 3
+
+    def D(self, x1, x2):  # noqa: N802
+        return x1 + x2
+
+    def C(self, x1, x2):  # noqa: N802
+        return x1 * x2
+
+
+def test_two_output_split_tree() -> None:
+    f = fold.Fold()
+    bc, bd = f.add("B", 1, 2).split(2)
+    c = f.add("C", bc, 5)
+    d = f.add("D", bd, c)
+    (out,) = f.apply(TwoOutputs(), [[d]])
+    u = fold.Unfold(TwoOutputs())
+    ubc, ubd = u.add("B", 1, 2).split(2)
+    (ref,) = u.apply(u.obj, [[u.add("D", ubd, u.add("C", ubc, 5))]])
+    assert out.tolist() == ref.tolist() == [-1]
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(784, 200)
+        self.lin2 = nn.Linear(200, 100)
+        self.logits = nn.Linear(100, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 784)
+        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
+
+
+def test_per_sample_mnist_forward_and_training_match_eager() -> None:
+    images = [torch.rand(1, 28, 28) for _ in range(32)]
+    labels = [random.Random(i).randrange(10) for i in range(32)]
+    batched, eager = MLP(), MLP()
+    eager.load_state_dict(batched.state_dict())
+    opt_b = torch.optim.Adam(batched.parameters(), lr=1e-3)
+    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-3)
+    for _ in range(3):
+        f = fold.Fold()
+        outs = [f.add("forward", im) for im in images]
+        logits, targets = f.apply(batched, [outs, labels])
+        assert logits.shape == (32, 10) and targets.dtype == torch.long
+        loss = F.cross_entropy(logits, targets)
+        opt_b.zero_grad()
+        loss.backward()
+        ref_logits = torch.cat([eager(im) for im in images])
+        ref_loss = F.cross_entropy(ref_logits, torch.tensor(labels))
+        opt_e.zero_grad()
+        ref_loss.backward()
+        torch.testing.assert_close(logits, ref_logits)
+        assert_same_grads(grads(batched), grads(eager))
+        opt_b.step()
+        opt_e.step()
+    for p, q in zip(batched.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+# ---------------------------------------------------------------- recurrent and tree models
+class RNN(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.cell = nn.RNNCell(dim, dim)
+
+    def start(self, word: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(word))
+
+    def step(self, h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(word), h)
+
+
+def rnn_eager(model: RNN, seq: list[int]) -> torch.Tensor:
+    h = model.start(torch.tensor(seq[:1]))
+    for w in seq[1:]:
+        h = model.step(h, torch.tensor([w]))
+    return h
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 3], [7, 3, 9, 1, 4], [12] * 4])
+def test_rnn_over_sequences_of_different_lengths(lengths: list[int]) -> None:
+    rng = random.Random(len(lengths))
+    seqs = [[rng.randrange(50) for _ in range(n)] for n in lengths]
+    model = RNN()
+    f = fold.Fold()
+    finals = []
+    for seq in seqs:
+        h = f.add("start", seq[0])
+        for w in seq[1:]:
+            h = f.add("step", h, w)
+        finals.append(h)
+    (out,) = f.apply(model, [finals])
+    out.pow(2).sum().backward()
+    g = grads(model)
+    model.zero_grad()
+    ref = torch.cat([rnn_eager(model, s) for s in seqs])
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    assert_same_grads(g, grads(model))
+
+
+def test_rnn_chain_2000_steps_deep() -> None:
+    model = RNN(dim=8)
+    seq = [random.Random(0).randrange(50) for _ in range(2000)]
+    f = fold.Fold()
+    h = f.add("start", seq[0])
+    for w in seq[1:]:
+        h = f.add("step", h, w)
+    assert max(f.depth) == 1999
+    (out,) = f.apply(model, [[h]])
+    out.sum().backward()
+    g = grads(model)
+    model.zero_grad()
+    ref = rnn_eager(model, seq)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    assert_same_grads(g, grads(model), rtol=1e-4, atol=1e-5)
+
+
+def make_trees(n: int, seed: int = 0, vocab: int = 100) -> list[Tree]:
+    rng = random.Random(seed)
+    return [random_tree(rng, rng.randint(1, 12), vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n_trees", [1, 5, 40])
+def test_tree_lstm_matches_eager_recursion(n_trees: int) -> None:
+    model = TreeLSTM(100, 24).double()
+    trees = make_trees(n_trees, seed=n_trees)
+    labels = [t.word or 0 for t in trees]
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    h, y = f.apply(model, [roots, [lb % 5 for lb in labels]])
+    model.loss(h, y).backward()
+    g = grads(model)
+    model.zero_grad()
+    ref = torch.cat([model.encode(t) for t in trees])
+    model.loss(ref, y).backward()
+    torch.testing.assert_close(h, ref)
+    assert_same_grads(g, grads(model))
+
+
+def test_shared_subtrees_accumulate_gradients() -> None:
+    model = TreeLSTM(30, 8).double()
+    f, u = fold.Fold(), fold.Unfold(model)
+    outs = []
+    for rec in (f, u):
+        a = rec.add("leaf", 3).split(2)
+        b = rec.add("leaf", 4).split(2)
+        shared = rec.add("node", *a, *b).split(2)  # used by both parents and as an output
+        p1 = rec.add("node", *shared, *a).split(2)
+        p2 = rec.add("node", *b, *shared).split(2)
+        top = rec.add("node", *p1, *p2).split(2)
+        outs.append((rec, [top[0], shared[0], p1[1]]))
+    results = []
+    for rec, nodes in outs:
+        model.zero_grad()
+        (v,) = rec.apply(model, [nodes])
+        (v * torch.arange(1.0, 9.0, dtype=torch.double)).sum().backward()
+        results.append((v, grads(model)))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    assert_same_grads(results[0][1], results[1][1])
+
+
+def test_memoisation_returns_the_same_node_and_computes_once() -> None:
+    calls = []
+
+    class Obj:
+        def leaf(self, x):
+            calls.append(len(x))
+            return x.float() * 2
+
+    f = fold.Fold()
+    a, b, c = f.add("leaf", 1), f.add("leaf", 1), f.add("leaf", 2)
+    assert a is b and a is not c
+    assert f.add("leaf", 1.0) is not a  # a float is another kind than an int
+    assert f.add("leaf", True) is not a
+    (out,) = f.apply(Obj(), [[a, b, c]])
+    assert out.tolist() == [2.0, 2.0, 4.0]
+    assert sorted(calls) == [1, 1, 2]  # leaf(int) x2 rows, leaf(float), leaf(bool) in own groups
+
+
+class Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.double))
+
+    def rows(self, i: torch.Tensor) -> torch.Tensor:
+        return self.w[i]
+
+    def table(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b, a * b], 0)  # (3, 4): not one row per node, hence nobatch
+
+    def score(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x @ table.t()
+
+
+def test_nobatch_values_are_passed_whole_and_get_gradients() -> None:
+    model = Table()
+    results = []
+    for rec in (fold.Fold(), fold.Unfold(model)):
+        model.zero_grad()
+        t1 = rec.add("table", rec.add("rows", 0), rec.add("rows", 1)).nobatch()
+        t2 = rec.add("table", rec.add("rows", 2), rec.add("rows", 3)).nobatch()
+        outs = [rec.add("score", rec.add("rows", i), t) for i in range(6) for t in (t1, t2)]
+        v, tab = rec.apply(model, [outs, [t1]])
+        (v.sin().sum() + tab.sum()).backward()
+        results.append((v, tab, model.w.grad.clone()))
+    f = results[0]
+    torch.testing.assert_close(f[0], results[1][0])
+    torch.testing.assert_close(f[1], results[1][1])
+    assert f[1].shape == (3, 4)
+    torch.testing.assert_close(f[2], results[1][2])
+
+
+class Shapes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.double))
+
+    def make(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (1 + x.pow(2).sum(1, keepdim=True))
+
+
+def test_same_op_with_different_shapes_runs_as_separate_groups() -> None:
+    model = Shapes()
+    shapes = [(1, 3), (1, 5), (1, 3), (1, 2, 2), (1, 5)]
+    xs = [torch.randn(*s, dtype=torch.double, requires_grad=True) for s in shapes]
+    f = fold.Fold()
+    outs = [f.add("norm", f.add("make", x)) for x in xs]
+    # Nodes of one list must share a shape: one list per shape.
+    by_shape = {s: [o for o, t in zip(outs, shapes) if t == s] for s in dict.fromkeys(shapes)}
+    results = f.apply(model, list(by_shape.values()))
+    loss = sum((r * torch.arange(r.numel(), dtype=torch.double).view_as(r)).sum() for r in results)
+    loss.backward()
+    fg = [x.grad.clone() for x in xs] + [model.scale.grad.clone()]
+    # "norm" nodes share a record-time signature but differ in runtime shape: split at run time.
+    norm_groups = [r for r in f.last_run if r[1] == "norm"]
+    assert sorted(r[2] for r in norm_groups) == [1, 2, 2]
+    for x in xs:
+        x.grad = None
+    model.zero_grad()
+    ref = [torch.cat([model.norm(model.make(x)) for x, t in zip(xs, shapes) if t == s]) for s in by_shape]
+    sum((r * torch.arange(r.numel(), dtype=torch.double).view_as(r)).sum() for r in ref).backward()
+    for a, b in zip(results, ref):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(fg, [x.grad for x in xs] + [model.scale.grad]):
+        torch.testing.assert_close(a, b)
+
+
+def test_numbers_and_tensor_lists_and_dtypes() -> None:
+    class Obj:
+        def f(self, i, x, b, t):
+            return torch.stack([i.double(), x.double(), b.double()], 1) + t
+
+    f = fold.Fold()
+    nodes = [f.add("f", k, k / 2, k % 2 == 0, torch.full((1, 3), float(k), dtype=torch.double)) for k in range(5)]
+    out, ints, floats, tensors = f.apply(Obj(), [nodes, [1, 2], [0.5, 1], [torch.ones(1, 2), torch.zeros(1, 2)]])
+    expected = torch.tensor([[k + k, k / 2 + k, float(k % 2 == 0) + k] for k in range(5)], dtype=torch.double)
+    torch.testing.assert_close(out, expected)
+    assert ints.dtype == torch.long and floats.dtype == torch.get_default_dtype()
+    assert tensors.shape == (2, 2)
+
+
+def test_callable_ops_are_grouped_by_identity() -> None:
+    def double(x):
+        return x * 2
+
+    def triple(x):
+        return x * 3
+
+    f = fold.Fold()
+    nodes = [f.add(double, i) for i in range(3)] + [f.add(triple, i) for i in range(3)]
+    (out,) = f.apply(object(), [nodes])
+    assert out.tolist() == [0, 2, 4, 0, 3, 6]
+    assert sorted(r[2] for r in f.last_run) == [3, 3]
+
+
+def test_group_sizes_follow_depth_schedule() -> None:
+    model = TreeLSTM(100, 8)
+    trees = make_trees(30)
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    f.apply(model, [roots])
+    depth = max(f.depth) + 1
+    assert len(f.last_run) == depth  # one leaf group, then one node group per level
+    assert sum(r[2] for r in f.last_run) == len(f)
+
+
+def test_outputs_land_on_cpu_for_plain_objects() -> None:
+    f = fold.Fold()
+    (out,) = f.apply(Exp(3), [[f.add("exp", 2)]])
+    assert out.device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_results_land_on_the_module_device() -> None:
+    model = TreeLSTM(50, 8).cuda()
+    trees = make_trees(4, vocab=50)
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    h, y = f.apply(model, [roots, [1, 2, 3, 4]])
+    assert h.is_cuda and y.is_cuda
+    torch.testing.assert_close(h, torch.cat([model.encode(t) for t in trees]))

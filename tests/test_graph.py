@@ -1,0 +1,133 @@
+"""Recording, scheduling and inspection of a Fold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fold
+from fold.models import TreeLSTM, record_tree
+from fold.scheduler import depth_schedule
+from fold.treebank import random_tree
+
+
+def tree_fold(n: int = 6) -> fold.Fold:
+    rng = random.Random(1)
+    f = fold.Fold()
+    for _ in range(n):
+        record_tree(f, random_tree(rng, rng.randint(2, 9), 1000))
+    return f
+
+
+def test_depth_is_one_more_than_the_deepest_argument() -> None:
+    f = fold.Fold()
+    a = f.add("x", 1)
+    b = f.add("y", a, 2)
+    c = f.add("z", a, b)
+    assert [f.depth[n.id] for n in (a, b, c)] == [0, 1, 2]
+
+
+def test_depth_schedule_groups_by_depth_and_signature() -> None:
+    f = fold.Fold()
+    a, b = f.add("leaf", 1), f.add("leaf", 2)
+    c = f.add("leaf", 1.5)  # another kind: own group
+    d = f.add("pair", a, b)
+    f.add("pair", c, d)
+    plan = depth_schedule(f)
+    got = [[sorted(g.nodes) for g in s.groups] for s in plan.steps]
+    assert got == [[[0, 1], [2]], [[3]], [[4]]]
+    assert plan.num_groups == 4
+
+
+def test_schedule_is_a_pure_function_of_the_graph() -> None:
+    f = tree_fold()
+    p1, p2 = depth_schedule(f), depth_schedule(f)
+    assert [[g.nodes for g in s.groups] for s in p1.steps] == [[g.nodes for g in s.groups] for s in p2.steps]
+    assert sorted(n for s in p1.steps for g in s.groups for n in g.nodes) == list(range(len(f)))
+
+
+def test_nobatch_nodes_run_alone_and_split_their_consumers() -> None:
+    f = fold.Fold()
+    t1 = f.add("table", 1).nobatch()
+    t2 = f.add("table", 2).nobatch()
+    uses = [f.add("use", i, t) for i in range(3) for t in (t1, t2)]
+    plan = depth_schedule(f)
+    sizes = [sorted(len(g.nodes) for g in s.groups) for s in plan.steps]
+    assert sizes == [[1, 1], [3, 3]]
+    assert {n.id for n in uses} == {n for g in plan.steps[1].groups for n in g.nodes}
+
+
+def test_tensor_literal_shapes_are_part_of_the_signature() -> None:
+    f = fold.Fold()
+    f.add("img", torch.zeros(1, 3))
+    f.add("img", torch.zeros(1, 3))
+    f.add("img", torch.zeros(1, 4))
+    f.add("img", torch.zeros(1, 3, dtype=torch.double))
+    assert sorted(len(g.nodes) for g in depth_schedule(f).steps[0].groups) == [1, 1, 2]
+
+
+def test_tensor_arguments_are_memoised_by_identity() -> None:
+    f = fold.Fold()
+    t = torch.zeros(1, 3)
+    assert f.add("img", t) is f.add("img", t)
+    assert f.add("img", t) is not f.add("img", torch.zeros(1, 3))
+
+
+def test_to_networkx() -> None:
+    f = fold.Fold()
+    a, b = f.add("two", 1).split(2)
+    c = f.add("sum", b, a).nobatch()
+    g = f.to_networkx()
+    assert sorted(g.nodes) == [0, 1]
+    assert g.nodes[0] == {"op": "two", "depth": 0, "split": 2, "nobatch": False}
+    assert g.nodes[c.id]["nobatch"] is True
+    # Two edges 0 -> 1 (arguments 0 and 1) collapse into one in a DiGraph; the last one wins.
+    assert g.edges[0, 1] == {"arg": 1, "out": 0}
+
+
+def test_summary_before_and_after_apply() -> None:
+    f = fold.Fold()
+    xs = [f.add("leaf", i) for i in range(3)]
+    top = f.add("node", xs[0], torch.zeros(1, 2))
+    before = str(f)
+    assert "planned: 2 steps, 2 groups" in before
+    assert "leaf x3 (int)" in before and "node x1 (node, tensor(1, 2) float32)" in before
+
+    class Obj:
+        def leaf(self, i):
+            return i.float().unsqueeze(1)
+
+        def node(self, x, t):
+            return x + t
+
+    f.apply(Obj(), [[top]])
+    after = f.summary()
+    assert "last apply: 2 steps, 2 groups" in after
+    assert "leaf x3 ((3,) int64)" in after and "node x1 ((1, 1), (1, 2))" in after
+
+
+def test_draw_writes_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    f = tree_fold(3)
+    path = tmp_path / "graph.png"
+    f.draw(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_node_repr_and_len() -> None:
+    f = fold.Fold()
+    h, c = f.add("leaf", 3).split(2)
+    assert repr(c) == "Node(0[1], op='leaf', depth=0)"
+    assert len(f) == 1 and "1 nodes" in repr(f)
+
+
+def test_unfold_runs_ops_eagerly_like_fold() -> None:
+    model = TreeLSTM(100, 8)
+    rng = random.Random(3)
+    trees = [random_tree(rng, rng.randint(1, 6), 100) for _ in range(5)]
+    f, u = fold.Fold(), fold.Unfold(model)
+    (a,) = f.apply(model, [[record_tree(f, t) for t in trees]])
+    (b,) = u.apply(model, [[record_tree(u, t) for t in trees]])
+    torch.testing.assert_close(a, b)
