@@ -1,0 +1,95 @@
+"""Per-sample MNIST MLP training, 32 samples per step: eager per-sample, fold, plain batched.
+
+    python benchmarks/mnist.py            # 1 thread, interleaved runs, medians
+
+Each contender does the same training step (forward, cross-entropy, backward, Adam) on the
+same 32 images of 1x28x28: eager runs the model once per image (gradients accumulated), fold
+records one ``forward`` node per image and applies the graph, plain batched calls the model
+once on the stacked (32, 1, 28, 28) batch.  Writes benchmarks/results/mnist.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved, median, table, write_json  # noqa: E402
+
+import fold  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(784, 200)
+        self.lin2 = nn.Linear(200, 100)
+        self.logits = nn.Linear(100, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 784)
+        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per timed run")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    images = [torch.rand(1, 28, 28) for _ in range(args.batch * args.steps)]
+    labels = [int(i % 10) for i in range(len(images))]
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    b = args.batch
+
+    def eager() -> None:
+        for s in range(args.steps):
+            opt.zero_grad()
+            for i in range(s * b, (s + 1) * b):
+                (F.cross_entropy(model(images[i]), torch.tensor(labels[i : i + 1])) / b).backward()
+            opt.step()
+
+    def folded() -> None:
+        for s in range(args.steps):
+            f = fold.Fold()
+            outs = [f.add("forward", images[i]) for i in range(s * b, (s + 1) * b)]
+            logits, y = f.apply(model, [outs, labels[s * b : (s + 1) * b]])
+            opt.zero_grad()
+            F.cross_entropy(logits, y).backward()
+            opt.step()
+
+    def batched() -> None:
+        for s in range(args.steps):
+            x = torch.cat(images[s * b : (s + 1) * b])
+            y = torch.tensor(labels[s * b : (s + 1) * b])
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    times = interleaved({"eager": eager, "fold": folded, "batched": batched}, args.reps)
+    med = {k: median(v) for k, v in times.items()}
+    rows = [
+        {
+            "method": k,
+            "median_ms_per_step": 1e3 * med[k] / args.steps,
+            "samples/s": b * args.steps / med[k],
+            "vs_batched": med[k] / med["batched"],
+        }
+        for k in ("eager", "fold", "batched")
+    ]
+    print(f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps")
+    print(table(rows, ["method", "median_ms_per_step", "samples/s", "vs_batched"]))
+    print(f"wrote {write_json('mnist', {'args': vars(args), 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
