@@ -15,7 +15,9 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1
+) -> dict[str, list[float]]:
     """Run each function ``reps`` times, round-robin, and return the wall times (seconds).
 
     Round-robin order spreads the machine's noise evenly over the contenders, so their ratio

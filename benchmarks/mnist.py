@@ -37,7 +37,9 @@ class MLP(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10, help="training steps per timed run")
     ap.add_argument("--reps", type=int, default=15)
@@ -86,7 +88,9 @@ def main() -> None:
         }
         for k in ("eager", "fold", "batched")
     ]
-    print(f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps")
+    print(
+        f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
+    )
     print(table(rows, ["method", "median_ms_per_step", "samples/s", "vs_batched"]))
     print(f"wrote {write_json('mnist', {'args': vars(args), 'rows': rows})}")
 

@@ -70,7 +70,10 @@ def level_batched(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
     for h in sorted(levels):
         par, left, right = (torch.tensor(x, device=dev) for x in levels[h])
         nh, nc = model.node(
-            H.index_select(0, left), C.index_select(0, left), H.index_select(0, right), C.index_select(0, right)
+            H.index_select(0, left),
+            C.index_select(0, left),
+            H.index_select(0, right),
+            C.index_select(0, right),
         )
         H.index_copy_(0, par, nh)
         C.index_copy_(0, par, nc)
@@ -93,7 +96,9 @@ def step(model: TreeLSTM, forward, trees: list[Tree]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
     ap.add_argument("--trees", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=10_000)
@@ -112,11 +117,15 @@ def main() -> None:
         ref = level_batched(model, trees)
         torch.testing.assert_close(fold_forward(model, trees), ref, rtol=1e-4, atol=1e-5)
         fns = {
-            "fold": lambda: step(model, fold_forward, trees),
-            "level": lambda: step(model, level_batched, trees),
+            "fold": lambda model=model: step(model, fold_forward, trees),
+            "level": lambda model=model: step(model, level_batched, trees),
         }
         times = interleaved(fns, args.reps)
-        eager = interleaved({"eager": lambda: step(model, eager_forward, trees)}, args.eager_reps, warmup=0)
+        eager = interleaved(
+            {"eager": lambda model=model: step(model, eager_forward, trees)},
+            args.eager_reps,
+            warmup=0,
+        )
         times.update(eager)
         med = {k: median(v) for k, v in times.items()}
         for name in ("eager", "fold", "level"):
@@ -130,7 +139,9 @@ def main() -> None:
                     "reps": len(times[name]),
                 }
             )
-    print(f"TreeLSTM, {args.trees} trees ({nodes} nodes), forward+backward, {args.threads} thread(s)")
+    print(
+        f"TreeLSTM, {args.trees} trees ({nodes} nodes), forward+backward, {args.threads} thread(s)"
+    )
     print(table(rows, ["hidden", "method", "median_ms", "trees/s", "vs_level", "reps"]))
     path = write_json("tree_lstm", {"args": vars(args), "nodes": nodes, "rows": rows})
     print(f"wrote {path}")

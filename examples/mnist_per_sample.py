@@ -65,7 +65,9 @@ def load_digits() -> tuple[torch.Tensor, ...]:
     try:
         from sklearn.datasets import load_digits as sk_digits
     except ImportError:
-        raise SystemExit("no --data given and scikit-learn is missing: pip install 'torch-fold[examples]'") from None
+        raise SystemExit(
+            "no --data given and scikit-learn is missing: pip install 'torch-fold[examples]'"
+        ) from None
     d = sk_digits()
     x = torch.tensor(d.images, dtype=torch.float32) / 16
     y = torch.tensor(d.target)
@@ -75,9 +77,13 @@ def load_digits() -> tuple[torch.Tensor, ...]:
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-def fold_step(model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> float:
+def fold_step(
+    model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
+) -> float:
     f = fold.Fold()
-    outs = [f.add("forward", images[i : i + 1]) for i in range(len(images))]  # one (1, H, W) image each
+    outs = [
+        f.add("forward", images[i : i + 1]) for i in range(len(images))
+    ]  # one (1, H, W) image each
     logits, targets = f.apply(model, [outs, labels.tolist()])
     loss = F.cross_entropy(logits, targets)
     opt.zero_grad()
@@ -86,7 +92,9 @@ def fold_step(model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, labe
     return loss.item()
 
 
-def eager_step(model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> float:
+def eager_step(
+    model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
+) -> float:
     opt.zero_grad()
     total = 0.0
     for i in range(len(images)):
@@ -98,7 +106,9 @@ def eager_step(model: MLP, opt: torch.optim.Optimizer, images: torch.Tensor, lab
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--data", type=Path, help="directory with the MNIST IDX files")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--epochs", type=int, default=3)
@@ -113,13 +123,18 @@ def main() -> None:
     for epoch in range(1, args.epochs + 1):
         perm = torch.randperm(len(xtr))
         losses = [
-            fold_step(model, opt, xtr[idx], ytr[idx]) for idx in perm.split(args.batch) if len(idx) == args.batch
+            fold_step(model, opt, xtr[idx], ytr[idx])
+            for idx in perm.split(args.batch)
+            if len(idx) == args.batch
         ]
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item()
         print(f"epoch {epoch}: loss {sum(losses) / len(losses):.3f}, test accuracy {acc:.1%}")
 
-    batches = [(xtr[i : i + args.batch], ytr[i : i + args.batch]) for i in range(0, args.batch * args.speed_steps, args.batch)]
+    batches = [
+        (xtr[i : i + args.batch], ytr[i : i + args.batch])
+        for i in range(0, args.batch * args.speed_steps, args.batch)
+    ]
     times = {}
     for name, step in (("eager per-sample", eager_step), ("fold", fold_step)):
         t0 = time.perf_counter()

@@ -38,7 +38,9 @@ def record(f: fold.Fold, tree: Tree, states: list[fold.Node], labels: list[int])
         labels.append(t.label)
 
 
-def fold_batch(model: TreeLSTM, trees: list[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fold_batch(
+    model: TreeLSTM, trees: list[Tree]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss over all constituents, and root logits/labels, for a batch of trees."""
     f = fold.Fold()
     states: list[fold.Node] = []
@@ -48,7 +50,11 @@ def fold_batch(model: TreeLSTM, trees: list[Tree]) -> tuple[torch.Tensor, torch.
         record(f, t, states, labels)
         roots.append(states[-1])
     h, y, root_h = f.apply(model, [states, labels, roots])
-    return F.cross_entropy(model.classify(h), y), model.classify(root_h), torch.tensor([t.label for t in trees])
+    return (
+        F.cross_entropy(model.classify(h), y),
+        model.classify(root_h),
+        torch.tensor([t.label for t in trees]),
+    )
 
 
 def eager_batch(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
@@ -89,14 +95,22 @@ def trees_per_second(model: TreeLSTM, trees: list[Tree], batch: int, step) -> fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", help="directory with SST train.txt/dev.txt/test.txt (default: bundled)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--data", help="directory with SST train.txt/dev.txt/test.txt (default: bundled)"
+    )
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.003)
-    ap.add_argument("--train-size", type=int, default=0, help="use only this many training trees (0: all)")
-    ap.add_argument("--speed-trees", type=int, default=200, help="trees timed for the fold-vs-eager speed")
+    ap.add_argument(
+        "--train-size", type=int, default=0, help="use only this many training trees (0: all)"
+    )
+    ap.add_argument(
+        "--speed-trees", type=int, default=200, help="trees timed for the fold-vs-eager speed"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -106,14 +120,18 @@ def main() -> None:
     vocab = Vocab.from_trees(bank["train"])
     data = {k: [vocab.numericalize(t) for t in v] for k, v in bank.items()}
     train = data["train"][: args.train_size or None]
-    print(f"treebank: {', '.join(f'{k} {len(v)}' for k, v in data.items())} trees, vocabulary {len(vocab)}")
+    print(
+        f"treebank: {', '.join(f'{k} {len(v)}' for k, v in data.items())} trees, vocabulary {len(vocab)}"
+    )
 
     model = TreeLSTM(len(vocab), args.hidden, classes=5)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     print(f"dev accuracy before training: {accuracy(model, data['dev']):.1%}")
     for epoch in range(1, args.epochs + 1):
         rng.shuffle(train)
-        bar = tqdm(range(0, len(train), args.batch), desc=f"epoch {epoch}/{args.epochs}", leave=False)
+        bar = tqdm(
+            range(0, len(train), args.batch), desc=f"epoch {epoch}/{args.epochs}", leave=False
+        )
         total = 0.0
         for n, i in enumerate(bar, 1):
             loss, _, _ = fold_batch(model, train[i : i + args.batch])
@@ -122,7 +140,9 @@ def main() -> None:
             opt.step()
             total += loss.item()
             bar.set_postfix(loss=f"{total / n:.3f}")
-        print(f"epoch {epoch}: train loss {total / n:.3f}, dev accuracy {accuracy(model, data['dev']):.1%}")
+        print(
+            f"epoch {epoch}: train loss {total / n:.3f}, dev accuracy {accuracy(model, data['dev']):.1%}"
+        )
     print(f"test accuracy (root label, 5 classes): {accuracy(model, data['test']):.1%}")
 
     timed = train[: args.speed_trees]

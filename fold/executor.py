@@ -36,7 +36,9 @@ def device_of(obj: Any) -> torch.device:
 
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
-        dt = "" if t.dtype == torch.get_default_dtype() else f" {str(t.dtype).replace('torch.', '')}"
+        dt = (
+            "" if t.dtype == torch.get_default_dtype() else f" {str(t.dtype).replace('torch.', '')}"
+        )
         return f"{tuple(t.shape)}{dt}"
     return type(t).__name__
 
@@ -255,7 +257,9 @@ class Executor:
     ) -> tuple[torch.Tensor, ...]:
         if isinstance(out, torch.Tensor):
             outs: tuple[torch.Tensor, ...] = (out,)
-        elif isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        elif (
+            isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out)
+        ):
             outs = tuple(out)
         else:
             raise FoldError(

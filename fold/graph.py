@@ -73,7 +73,9 @@ class Node:
     def __repr__(self) -> str:
         f = self._fold
         suffix = f"[{self._out}]" if self._id in f.nsplit and self._out >= 0 else ""
-        return f"Node({self._id}{suffix}, op={op_name(f.ops[self._id])!r}, depth={f.depth[self._id]})"
+        return (
+            f"Node({self._id}{suffix}, op={op_name(f.ops[self._id])!r}, depth={f.depth[self._id]})"
+        )
 
 
 def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
@@ -398,8 +400,10 @@ class Fold:
 def _kind_str(k: Any) -> str:
     if type(k) is tuple:
         shape, dtype = k
-        return f"tensor(1, {', '.join(map(str, shape))}){str(dtype).replace('torch.', ' ')}".replace(
-            "(1, )", "(1,)"
+        return (
+            f"tensor(1, {', '.join(map(str, shape))}){str(dtype).replace('torch.', ' ')}".replace(
+                "(1, )", "(1,)"
+            )
         )
     return KIND_NAMES[k]
 
@@ -519,7 +523,9 @@ class Unfold:
             elif isinstance(value, int):
                 vals.append(torch.tensor([value], dtype=torch.long, device=self.device))
             else:
-                vals.append(torch.tensor([value], dtype=torch.get_default_dtype(), device=self.device))
+                vals.append(
+                    torch.tensor([value], dtype=torch.get_default_dtype(), device=self.device)
+                )
         fn = op if not isinstance(op, str) else getattr(self.obj, op, None)
         if fn is None or not callable(fn):
             raise FoldError(

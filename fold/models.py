@@ -29,7 +29,9 @@ class TreeLSTM(nn.Module):
         logits = model.classify(h)
     """
 
-    def __init__(self, vocab_size: int, hidden: int, classes: int = 5, embed_dim: int | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden: int, classes: int = 5, embed_dim: int | None = None
+    ) -> None:
         super().__init__()
         embed_dim = embed_dim or hidden
         self.hidden = hidden

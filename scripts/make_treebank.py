@@ -22,17 +22,31 @@ from fold.treebank import Tree  # noqa: E402
 POLARITY = {
     **dict.fromkeys(
         "good nice fine pleasant decent charming solid funny warm clever fresh smart lively "
-        "engaging likable sweet honest neat tidy sharp".split(), 1
+        "engaging likable sweet honest neat tidy sharp".split(),
+        1,
     ),
     **dict.fromkeys("brilliant superb wonderful masterful stunning moving gorgeous".split(), 2),
     **dict.fromkeys(
         "bad dull weak flat tired bland silly slow stale clumsy thin muddled shallow sloppy "
-        "forced cheap lazy messy".split(), -1
+        "forced cheap lazy messy".split(),
+        -1,
     ),
     **dict.fromkeys("awful terrible dreadful painful unwatchable dire hideous".split(), -2),
     **dict.fromkeys("long loud dark quiet strange odd big new old".split(), 0),
 }
-NOUNS = ["movie", "film", "plot", "acting", "story", "cast", "script", "score", "ending", "pacing", "dialogue"]
+NOUNS = [
+    "movie",
+    "film",
+    "plot",
+    "acting",
+    "story",
+    "cast",
+    "script",
+    "score",
+    "ending",
+    "pacing",
+    "dialogue",
+]
 DETS = ["the", "this", "its", "a"]
 VERBS = ["is", "was", "seems", "feels"]
 NEGATORS = ["not", "never", "hardly"]

@@ -38,12 +38,20 @@ def test_fold_error_is_a_value_error() -> None:
 
 @pytest.mark.parametrize(
     "bad, shown",
-    [("word", "str"), ([1, 2], "list"), ({"a": 1}, "dict"), (None, "NoneType"), (object(), "object")],
+    [
+        ("word", "str"),
+        ([1, 2], "list"),
+        ({"a": 1}, "dict"),
+        (None, "NoneType"),
+        (object(), "object"),
+    ],
 )
 def test_add_rejects_unsupported_arguments(bad: object, shown: str) -> None:
     f = fold.Fold()
     x = f.add("one", 1)
-    with pytest.raises(FoldError, match=rf"Fold.add\('one', \.\.\.\): argument 1 is a {shown}.*Fix"):
+    with pytest.raises(
+        FoldError, match=rf"Fold.add\('one', \.\.\.\): argument 1 is a {shown}.*Fix"
+    ):
         f.add("one", x, bad)
     assert len(f) == 1  # nothing was recorded
 
@@ -69,7 +77,9 @@ def test_add_rejects_an_op_that_is_neither_name_nor_callable() -> None:
 def test_apply_with_a_missing_op() -> None:
     f = fold.Fold()
     f.add("missing", 1)
-    with pytest.raises(FoldError, match=r"op 'missing' is not a method of the Obj.*def missing\(self"):
+    with pytest.raises(
+        FoldError, match=r"op 'missing' is not a method of the Obj.*def missing\(self"
+    ):
         f.apply(Obj(), [[f.add("one", 1)]])
 
 
@@ -132,7 +142,9 @@ def test_whole_node_used_before_split_is_rejected_at_apply() -> None:
 def test_op_returning_non_tensors(op: str, shown: str) -> None:
     f = fold.Fold()
     n = f.add(op, 1)
-    with pytest.raises(FoldError, match=rf"op '{op}' \(step 0\) returned {shown}; an op must return a tensor"):
+    with pytest.raises(
+        FoldError, match=rf"op '{op}' \(step 0\) returned {shown}; an op must return a tensor"
+    ):
         f.apply(Obj(), [[n]])
 
 

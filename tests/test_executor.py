@@ -292,7 +292,10 @@ def test_same_op_with_different_shapes_runs_as_separate_groups() -> None:
     for x in xs:
         x.grad = None
     model.zero_grad()
-    ref = [torch.cat([model.norm(model.make(x)) for x, t in zip(xs, shapes) if t == s]) for s in by_shape]
+    ref = [
+        torch.cat([model.norm(model.make(x)) for x, t in zip(xs, shapes) if t == s])
+        for s in by_shape
+    ]
     sum((r * torch.arange(r.numel(), dtype=torch.double).view_as(r)).sum() for r in ref).backward()
     for a, b in zip(results, ref):
         torch.testing.assert_close(a, b)
@@ -306,9 +309,16 @@ def test_numbers_and_tensor_lists_and_dtypes() -> None:
             return torch.stack([i.double(), x.double(), b.double()], 1) + t
 
     f = fold.Fold()
-    nodes = [f.add("f", k, k / 2, k % 2 == 0, torch.full((1, 3), float(k), dtype=torch.double)) for k in range(5)]
-    out, ints, floats, tensors = f.apply(Obj(), [nodes, [1, 2], [0.5, 1], [torch.ones(1, 2), torch.zeros(1, 2)]])
-    expected = torch.tensor([[k + k, k / 2 + k, float(k % 2 == 0) + k] for k in range(5)], dtype=torch.double)
+    nodes = [
+        f.add("f", k, k / 2, k % 2 == 0, torch.full((1, 3), float(k), dtype=torch.double))
+        for k in range(5)
+    ]
+    out, ints, floats, tensors = f.apply(
+        Obj(), [nodes, [1, 2], [0.5, 1], [torch.ones(1, 2), torch.zeros(1, 2)]]
+    )
+    expected = torch.tensor(
+        [[k + k, k / 2 + k, float(k % 2 == 0) + k] for k in range(5)], dtype=torch.double
+    )
     torch.testing.assert_close(out, expected)
     assert ints.dtype == torch.long and floats.dtype == torch.get_default_dtype()
     assert tensors.shape == (2, 2)

@@ -44,7 +44,9 @@ def test_depth_schedule_groups_by_depth_and_signature() -> None:
 def test_schedule_is_a_pure_function_of_the_graph() -> None:
     f = tree_fold()
     p1, p2 = depth_schedule(f), depth_schedule(f)
-    assert [[g.nodes for g in s.groups] for s in p1.steps] == [[g.nodes for g in s.groups] for s in p2.steps]
+    assert [[g.nodes for g in s.groups] for s in p1.steps] == [
+        [g.nodes for g in s.groups] for s in p2.steps
+    ]
     assert sorted(n for s in p1.steps for g in s.groups for n in g.nodes) == list(range(len(f)))
 
 

@@ -71,7 +71,9 @@ def programs(draw: Any) -> list[tuple[Any, ...]]:
     prog: list[tuple[Any, ...]] = []
     widths: list[int] = []  # width of each value produced so far
     for _ in range(n):
-        choices = ["embed", "image"] + (["unary", "fork", "mul", "scale", "mix", "nobatch"] if widths else [])
+        choices = ["embed", "image"] + (
+            ["unary", "fork", "mul", "scale", "mix", "nobatch"] if widths else []
+        )
         kind = draw(st.sampled_from(choices))
         pick = st.integers(0, max(len(widths) - 1, 0))
         if kind == "embed":
@@ -83,7 +85,11 @@ def programs(draw: Any) -> list[tuple[Any, ...]]:
             widths.append(W)
         elif kind == "unary":
             i = draw(pick)
-            op = draw(st.sampled_from(["squash", "norm", "widen"] if widths[i] == W else ["squash", "norm"]))
+            op = draw(
+                st.sampled_from(
+                    ["squash", "norm", "widen"] if widths[i] == W else ["squash", "norm"]
+                )
+            )
             prog.append((op, i))
             widths.append(2 * widths[i] if op == "widen" else widths[i])
         elif kind == "fork":
@@ -107,13 +113,21 @@ def programs(draw: Any) -> list[tuple[Any, ...]]:
             i = draw(pick)
             if widths[i] != W:
                 continue
-            users = draw(st.lists(st.sampled_from([j for j, w in enumerate(widths) if w == W]), min_size=1, max_size=3))
+            users = draw(
+                st.lists(
+                    st.sampled_from([j for j, w in enumerate(widths) if w == W]),
+                    min_size=1,
+                    max_size=3,
+                )
+            )
             prog.append(("nobatch", i, tuple(users)))
             widths += [W] * len(users)
     return prog
 
 
-def replay(rec: Any, prog: list[tuple[Any, ...]], leaves: dict[tuple[Any, ...], torch.Tensor]) -> list[Any]:
+def replay(
+    rec: Any, prog: list[tuple[Any, ...]], leaves: dict[tuple[Any, ...], torch.Tensor]
+) -> list[Any]:
     """Record ``prog`` into a Fold or an Unfold; returns the handle of every value."""
     vals: list[Any] = []
     for ins in prog:
@@ -136,11 +150,19 @@ def replay(rec: Any, prog: list[tuple[Any, ...]], leaves: dict[tuple[Any, ...], 
     return vals
 
 
-def run(rec: Any, model: Ops, prog: list[tuple[Any, ...]], leaves: dict[Any, torch.Tensor], widths: list[int]):
+def run(
+    rec: Any,
+    model: Ops,
+    prog: list[tuple[Any, ...]],
+    leaves: dict[Any, torch.Tensor],
+    widths: list[int],
+):
     vals = replay(rec, prog, leaves)
     lists = [[v for v, w in zip(vals, widths) if w == width] for width in sorted(set(widths))]
     outs = rec.apply(model, lists)
-    loss = sum((o * torch.linspace(-1, 1, o.numel(), dtype=torch.double).view_as(o)).sum() for o in outs)
+    loss = sum(
+        (o * torch.linspace(-1, 1, o.numel(), dtype=torch.double).view_as(o)).sum() for o in outs
+    )
     for p in model.parameters():
         p.grad = None
     for t in leaves.values():

@@ -29,7 +29,9 @@ def group_keys(graph: Graph) -> list[Any]:
             keys[nid] = ("nobatch", nid)
             continue
         shared = tuple(
-            (pos, a._id, a._out) for pos, a in enumerate(args) if type(a) is Node and a._id in nobatch
+            (pos, a._id, a._out)
+            for pos, a in enumerate(args)
+            if type(a) is Node and a._id in nobatch
         )
         if shared:
             keys[nid] = (keys[nid], shared)

@@ -1,0 +1,75 @@
+"""The README quickstart and the examples run end to end (with small settings)."""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    res = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_readme_quickstart_runs() -> None:
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README quickstart", "exec"), namespace)
+    assert namespace["h"].shape == (2, 64)  # type: ignore[attr-defined]
+    assert namespace["model"].node_gates.weight.grad is not None  # type: ignore[attr-defined]
+
+
+def test_tree_lstm_example_learns() -> None:
+    out = run(
+        "examples/tree_lstm.py",
+        "--epochs",
+        "2",
+        "--train-size",
+        "400",
+        "--speed-trees",
+        "20",
+        "--lr",
+        "0.01",
+    )
+    before = float(re.search(r"before training: ([\d.]+)%", out).group(1))
+    last = float(re.findall(r"dev accuracy ([\d.]+)%", out)[-1])
+    assert last > before + 20, out
+    assert re.search(r"eager \d+ trees/s, fold \d+ trees/s", out)
+
+
+def write_idx(path: Path, t: torch.Tensor) -> None:
+    header = bytes([0, 0, 8, t.dim()]) + struct.pack(f">{t.dim()}I", *t.shape)
+    path.write_bytes(header + t.to(torch.uint8).numpy().tobytes())
+
+
+def test_mnist_example_reads_idx_files(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 10, (320,), generator=g)
+    # Images that encode their label, so the MLP can learn something in one epoch.
+    images = torch.zeros(320, 28, 28)
+    images[torch.arange(320), labels * 2, 5:20] = 255
+    for stem, sl in (("train", slice(0, 256)), ("t10k", slice(256, 320))):
+        write_idx(tmp_path / f"{stem}-images-idx3-ubyte", images[sl])
+        write_idx(tmp_path / f"{stem}-labels-idx1-ubyte", labels[sl])
+    out = run(
+        "examples/mnist_per_sample.py",
+        "--data",
+        str(tmp_path),
+        "--epochs",
+        "3",
+        "--speed-steps",
+        "2",
+    )
+    assert "256 training images of (28, 28)" in out
+    acc = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
+    assert acc > 50, out
