@@ -16,12 +16,27 @@ from typing import Any
 import torch
 
 from fold.errors import FoldError
-from fold.graph import BOOL, INT, NODE, Fold, Node, op_name
+from fold.graph import (
+    BOOL,
+    ID_MASK,
+    ID_SHIFT,
+    INT,
+    NODE,
+    OUT_MASK,
+    SRC_MASK,
+    SERIAL_SHIFT,
+    SRC_SHIFT,
+    Fold,
+    Node,
+    node_id,
+    op_name,
+)
 from fold.scheduler.plan import Plan
 
 __all__ = ["Executor", "device_of"]
 
 _NUMBER_DTYPES = {INT: torch.long, BOOL: torch.bool}
+_NO_SOURCE = -(1 << 62)  # the whole-node source of a multi-output node: using it is an error
 
 
 def device_of(obj: Any) -> torch.device:
@@ -45,11 +60,21 @@ def _describe(t: Any) -> str:
 
 # A gather recipe: pieces (source, start, length, index position or -1) concatenated in
 # order, then an optional permutation (index position) putting rows back in member order.
+# A negative source -1 - b stands for value table b, always read with index_select.
 _Recipe = tuple[list[tuple[int, int, int, int]], int]
 
 
 class Executor:
-    """Runs one ``apply``: executes a plan's groups, then gathers the requested outputs."""
+    """Runs one ``apply``: executes a plan's groups, then gathers the requested outputs.
+
+    Value tables: a signature that runs as several groups (a TreeLSTM's ``node`` op, once per
+    level) also copies each group's outputs into one table per output, so that a consumer
+    whose arguments come from many of those groups gathers them with ONE ``index_select``
+    instead of one per group.  Tables are written in place (``narrow(...).copy_``) but only
+    ever read by ``index_select``, which saves its index and not its input for backward, so
+    the in-place writes never invalidate a saved tensor; a group's own output tensor, which
+    ops may save, is never written to.
+    """
 
     def __init__(self, graph: Fold, obj: Any) -> None:
         self.graph = graph
@@ -57,9 +82,17 @@ class Executor:
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
         n = len(graph.ops)
-        self.node_src = [-1] * n  # source id of the node's output 0 (output k: + k)
+        # Per node, two entries: [2 * id] the source of the whole node, [2 * id + 1] the
+        # source of split output 0 (output k: + k).  A handle indexes it directly.
+        self.src2 = [_NO_SOURCE] * (2 * n)
         self.node_row = [0] * n  # row of the node in its sources; -1: the whole source
         self.sources: list[torch.Tensor] = []
+        self.src_table: list[int] = []  # per source: value table holding a copy, or -1
+        self.src_offset: list[int] = []  # per source: its first row in that table
+        self.tables: list[torch.Tensor] = []
+        self._table_of: dict[tuple[Any, int], int] = {}
+        self._table_fill: list[int] = []
+        self._table_rows: dict[Any, int] = {}
         self.report: list[tuple[int, str, int, tuple[str, ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
 
@@ -81,23 +114,34 @@ class Executor:
         return fn
 
     def run(self, plan: Plan) -> None:
+        rows: dict[Any, int] = {}
+        groups: dict[Any, int] = {}
+        for step in plan.steps:
+            for group in step.groups:
+                rows[group.key] = rows.get(group.key, 0) + len(group.nodes)
+                groups[group.key] = groups.get(group.key, 0) + 1
+        self._table_rows = {k: r for k, r in rows.items() if groups[k] > 1}
         for s, step in enumerate(plan.steps):
             for group in step.groups:
-                self._run_group(s, group.nodes)
+                self._run_group(s, group.key, group.nodes)
 
     # ------------------------------------------------------------------ gathers
     def _column(self, handles: tuple[Node, ...] | list[Node]) -> tuple[list[int], list[int]]:
-        ns, nr = self.node_src, self.node_row
-        srcs = [ns[h._id] + h._out for h in handles]
+        """Source and row of every handle of an argument column."""
+        s2, nr = self.src2, self.node_row
+        srcs = [s2[(h >> SRC_SHIFT) & SRC_MASK] + (h & OUT_MASK) for h in handles]
         if min(srcs) < 0:
             bad = next(h for h, s in zip(handles, srcs) if s < 0)
-            n = self.graph.nsplit[bad._id]
-            raise FoldError(
-                f"apply: node {bad._id} ({op_name(self.graph.ops[bad._id])!r}) is used whole, "
-                f"but it was split into {n} outputs. Fix: use the handles returned by "
-                f".split({n})."
-            )
-        return srcs, [nr[h._id] for h in handles]
+            self._whole_use_error(bad)
+        return srcs, [nr[(h >> ID_SHIFT) & ID_MASK] for h in handles]
+
+    def _whole_use_error(self, h: Node) -> None:
+        nid = node_id(h)
+        n = self.graph.nsplit.get(nid, 0)
+        raise FoldError(
+            f"apply: node {nid} ({op_name(self.graph.ops[nid])!r}) is used whole, but it was "
+            f"split into {n} outputs. Fix: use the handles returned by .split({n})."
+        )
 
     def _recipe(self, srcs: list[int], rows: list[int], idx: list[list[int]]) -> _Recipe:
         """Plan a gather of ``rows`` of ``srcs``; index lists are appended to ``idx``."""
@@ -105,6 +149,13 @@ class Executor:
         s0 = srcs[0]
         if srcs.count(s0) == n:
             return [self._piece(s0, rows, idx)], -1
+        table = self.src_table[s0]
+        if table >= 0:
+            st = self.src_table
+            if all(st[s] == table for s in set(srcs)):
+                so = self.src_offset
+                idx.append([so[s] + r for s, r in zip(srcs, rows)])
+                return [(-1 - table, 0, n, len(idx) - 1)], -1
         positions: dict[int, list[int]] = {}
         for i, s in enumerate(srcs):
             p = positions.get(s)
@@ -152,6 +203,9 @@ class Executor:
         sources = self.sources
         parts = []
         for src, start, length, ix in pieces:
+            if src < 0:
+                parts.append(self.tables[-1 - src].index_select(0, itensors[ix]))
+                continue
             t = sources[src]
             if ix >= 0:
                 parts.append(t.index_select(0, itensors[ix]))
@@ -169,7 +223,7 @@ class Executor:
         return t.shape[1:], t.dtype
 
     # ------------------------------------------------------------------ groups
-    def _run_group(self, step: int, members: list[int]) -> None:
+    def _run_group(self, step: int, key: Any, members: list[int]) -> None:
         g = self.graph
         nid0 = members[0]
         op, kinds = g.signatures[g.sig[nid0]]
@@ -187,8 +241,11 @@ class Executor:
             if k == NODE:
                 handles = cols[j]
                 h0 = handles[0]
-                if nobatch and h0._id in nobatch:
-                    plans.append(("whole", self.node_src[h0._id] + h0._out))
+                if nobatch and node_id(h0) in nobatch:
+                    src = self.src2[(h0 >> SRC_SHIFT) & SRC_MASK] + (h0 & OUT_MASK)
+                    if src < 0:
+                        self._whole_use_error(h0)
+                    plans.append(("whole", src))
                     continue
                 srcs, rows = self._column(handles)
                 if srcs.count(srcs[0]) != n and len({self._meta(s) for s in set(srcs)}) > 1:
@@ -198,7 +255,7 @@ class Executor:
             else:
                 plans.append(("literal", k))
         if mixed:
-            self._run_subgroups(step, members, mixed)
+            self._run_subgroups(step, key, members, mixed)
             return
 
         # Phase 2: index tensors, then the argument values.
@@ -228,29 +285,57 @@ class Executor:
             ) from err
         outs = self._check_outputs(op, step, members, out, alone)
         base = len(self.sources)
-        self.sources.extend(outs)
-        ns, nr = self.node_src, self.node_row
+        self._add_sources(key, outs, n, alone)
+        s2, nr = self.src2, self.node_row
+        whole = base if len(outs) == 1 else _NO_SOURCE
         if alone:
-            ns[nid0] = base
+            s2[2 * nid0] = whole
+            s2[2 * nid0 + 1] = base
             nr[nid0] = -1
         else:
             for i, m in enumerate(members):
-                ns[m] = base
+                s2[2 * m] = whole
+                s2[2 * m + 1] = base
                 nr[m] = i
         self.report.append((step, op_name(op), n, tuple(_describe(v) for v in values)))
 
-    def _run_subgroups(self, step: int, members: list[int], mixed: list[list[int]]) -> None:
+    def _add_sources(self, key: Any, outs: tuple[torch.Tensor, ...], n: int, alone: bool) -> None:
+        """Register a group's outputs, copying them into their value tables where planned."""
+        total = None if alone else self._table_rows.get(key)
+        for k, t in enumerate(outs):
+            self.sources.append(t)
+            table = -1
+            if total is not None:
+                table = self._table_of.get((key, k), -1)
+                if table < 0:
+                    table = len(self.tables)
+                    self._table_of[key, k] = table
+                    self.tables.append(t.new_empty((total, *t.shape[1:])))
+                    self._table_fill.append(0)
+                buf = self.tables[table]
+                fill = self._table_fill[table]
+                if buf.shape[1:] == t.shape[1:] and buf.dtype == t.dtype and fill + n <= total:
+                    buf.narrow(0, fill, n).copy_(t)
+                    self._table_fill[table] = fill + n
+                else:  # a sub-group of another shape: it stays a plain source
+                    table = -1
+            self.src_table.append(table)
+            self.src_offset.append(self._table_fill[table] - n if table >= 0 else 0)
+
+    def _run_subgroups(
+        self, step: int, key: Any, members: list[int], mixed: list[list[int]]
+    ) -> None:
         """Split a group whose gathered arguments differ in shape or dtype, and run each part."""
         parts: dict[tuple[Any, ...], list[int]] = {}
         for i, m in enumerate(members):
-            key = tuple(self._meta(srcs[i]) for srcs in mixed)
-            p = parts.get(key)
+            part_key = tuple(self._meta(srcs[i]) for srcs in mixed)
+            p = parts.get(part_key)
             if p is None:
-                parts[key] = [m]
+                parts[part_key] = [m]
             else:
                 p.append(m)
         for sub in parts.values():
-            self._run_group(step, sub)
+            self._run_group(step, key, sub)
 
     def _check_outputs(
         self, op: Any, step: int, members: list[int], out: Any, alone: bool
@@ -309,7 +394,8 @@ class Executor:
                     f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
                 )
             return torch.cat([t.to(self.device) for t in items], 0)
-        if not all(type(h) is Node and h._fold is self.graph for h in items):
+        serial = self.graph._serial
+        if not all(type(h) is Node and h >> SERIAL_SHIFT == serial for h in items):
             raise FoldError(
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
                 "returned by this Fold's add()."

@@ -8,7 +8,10 @@ hands it to the executor (``fold.executor``).
 
 from __future__ import annotations
 
+import itertools
 import numbers
+import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,16 +19,35 @@ import torch
 
 from fold.errors import FoldError
 
-__all__ = ["Fold", "Node", "Unfold", "op_name"]
+__all__ = ["Fold", "Node", "Unfold", "node_id", "op_name"]
 
 # Argument kind codes stored in a node's signature.  A literal tensor's kind is the tuple
 # (shape[1:], dtype) instead, so nodes whose literal tensors differ in shape never share a group.
 NODE, INT, FLOAT, BOOL = 0, 1, 2, 3
 KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool"}
+_SCALAR_KINDS = {int: INT, float: FLOAT, bool: BOOL}
 
-# A whole-node handle whose node was later split gets this output index, so any use of it
-# (before or after the split) is caught: see Node.split.
-_POISONED = -(1 << 40)
+# A Node is an int laid out as below.  Being an int, a handle costs no garbage-collector
+# tracking (recording ten thousand nodes would otherwise trigger full collections of the whole
+# heap), hashes and compares in C, and lets add() check a whole argument tuple with min/max.
+#   bits 0-6   output index k of a split output (0 for the whole node)
+#   bit  7     set on split outputs
+#   bits 8-39  node id
+#   bits 40-63 depth (above the id, so the max of some handles is the deepest one)
+#   bits 64-   the serial number of the Fold that recorded it
+OUT_MASK = (1 << 7) - 1
+SPLIT = 1 << 7
+ID_SHIFT = 8
+ID_MASK = (1 << 32) - 1
+SRC_SHIFT = 7  # (h >> SRC_SHIFT) & SRC_MASK == 2 * id + (1 if a split output else 0)
+SRC_MASK = (1 << 33) - 1
+DEPTH_SHIFT = 40
+MAX_DEPTH = (1 << 24) - 1
+SERIAL_SHIFT = 64
+MAX_SPLIT = OUT_MASK + 1
+
+_serials = itertools.count(1)
+_live: dict[int, weakref.ref[Fold]] = {}
 
 
 def op_name(op: Any) -> str:
@@ -35,23 +57,54 @@ def op_name(op: Any) -> str:
     return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
 
 
-class Node:
-    """A handle on one recorded value: output ``_out`` of node ``_id`` of Fold ``_fold``.
+def node_id(h: int) -> int:
+    """The node id of a handle."""
+    return (h >> ID_SHIFT) & ID_MASK
 
-    Handles are canonical (one per node output), so they hash and compare by identity, which
-    keeps memoisation cheap.
+
+def _refuse_arithmetic(self: Node, *_: Any) -> Any:
+    raise FoldError(
+        f"{self!r} is a handle on a recorded value, not a value: arithmetic on it does not "
+        "record anything. Fix: record the computation as an op, f.add('my_op', node, ...)."
+    )
+
+
+class Node(int):
+    """A handle on one recorded value, returned by :meth:`Fold.add` and :meth:`Node.split`.
+
+    Handles are small ints (see the layout above), so recording stays cheap; equal handles
+    denote the same value.
     """
 
-    __slots__ = ("_fold", "_id", "_out")
+    __slots__ = ()
 
-    def __init__(self, fold: Fold, nid: int, out: int = 0) -> None:
-        self._fold = fold
-        self._id = nid
-        self._out = out
+    @property
+    def fold(self) -> Fold:
+        """The Fold that recorded this node."""
+        ref = _live.get(self >> SERIAL_SHIFT)
+        f = ref() if ref is not None else None
+        if f is None:
+            raise FoldError(f"node {self.id}: the Fold that recorded it no longer exists.")
+        return f
+
+    @property
+    def id(self) -> int:
+        """The index of the recorded node in its Fold."""
+        return (self >> ID_SHIFT) & ID_MASK
+
+    @property
+    def depth(self) -> int:
+        """The step the depth scheduler runs the node at."""
+        return (self >> DEPTH_SHIFT) & MAX_DEPTH
+
+    @property
+    def index(self) -> int | None:
+        """The output index of a split output; None for a whole node."""
+        return self & OUT_MASK if self & SPLIT else None
 
     def split(self, n: int) -> tuple[Node, ...]:
         """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``."""
-        return self._fold._split(self, n)
+        return self.fold._split(self, n)
 
     def nobatch(self) -> Node:
         """Pass this node's value whole to every consumer instead of one row per consumer.
@@ -62,20 +115,19 @@ class Node:
             table = f.add("embed_table").nobatch()   # (vocab, dim), shared by every lookup
             f.add("lookup", table, word_id)
         """
-        self._fold._mark_nobatch(self._id)
+        self.fold.nobatch_ids.add(self.id)
         return self
 
-    @property
-    def id(self) -> int:
-        """The index of the recorded node in its Fold."""
-        return self._id
-
     def __repr__(self) -> str:
-        f = self._fold
-        suffix = f"[{self._out}]" if self._id in f.nsplit and self._out >= 0 else ""
-        return (
-            f"Node({self._id}{suffix}, op={op_name(f.ops[self._id])!r}, depth={f.depth[self._id]})"
-        )
+        f = _live.get(self >> SERIAL_SHIFT)
+        fold = f() if f is not None else None
+        op = f", op={op_name(fold.ops[self.id])!r}" if fold is not None else ""
+        suffix = f"[{self & OUT_MASK}]" if self & SPLIT else ""
+        return f"Node({self.id}{suffix}{op}, depth={self.depth})"
+
+    __str__ = __repr__
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse_arithmetic
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse_arithmetic
 
 
 def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
@@ -157,10 +209,14 @@ class Fold:
         self.nsplit: dict[int, int] = {}  # node id -> n of split(n)
         self.nobatch_ids: set[int] = set()
         self._sig_ids: dict[tuple[Any, tuple[Any, ...]], int] = {}
-        self._handles: list[Node] = []  # the canonical whole-node handle of each node
-        self._splits: dict[int, tuple[Node, ...]] = {}
-        self._memo: dict[Any, Node] = {}
+        # (op, *argument types) -> (signature id, where the node arguments are, per-argument
+        # constructors of the plain value kept in the graph); see add().
+        self._fast: dict[tuple[Any, ...], tuple[int, Any, tuple[Any, ...]]] = {}
+        self._memo: dict[Any, int] = {}
         self.last_run: list[tuple[int, str, int, tuple[str, ...]]] | None = None
+        self._serial = next(_serials)
+        self._base = self._serial << SERIAL_SHIFT
+        _live[self._serial] = weakref.ref(self, lambda _, s=self._serial: _live.pop(s, None))
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -172,107 +228,146 @@ class Fold:
         batch-of-one tensors of shape ``(1, ...)`` (concatenated along dim 0).  Recording the
         same op on the same arguments twice returns the same node.
         """
+        # Fast path: ops whose arguments are nodes and Python numbers, with a signature looked
+        # up by argument types; node arguments are checked and their depth found with min/max.
+        try:
+            sid, where, plain = self._fast[(op, *map(type, args))]
+        except (KeyError, TypeError):
+            return self._add_slow(op, args)
+        if where is None:
+            depth = 0
+        else:
+            if where is True:
+                hi, lo = max(args), min(args)
+            elif type(where) is int:
+                hi = lo = args[where]
+            else:
+                nodes = where(args)
+                hi, lo = max(nodes), min(nodes)
+            if hi >> SERIAL_SHIFT != self._serial or lo >> SERIAL_SHIFT != self._serial:
+                self._check_args(op, args)
+            depth = ((hi >> DEPTH_SHIFT) & MAX_DEPTH) + 1
+            # The graph keeps plain ints, not Node objects: the handles a user drops die young
+            # instead of filling the collector's oldest generation.
+            args = tuple(map(operator.call, plain, args))
+        mkey = (sid, args)
+        h = self._memo.get(mkey)
+        if h is not None:
+            return Node(h)
+        return self._record(op, args, sid, depth, mkey)
+
+    def _record(self, op: Any, args: tuple[Any, ...], sid: int, depth: int, mkey: Any) -> Node:
+        nid = len(self.ops)
+        if depth > MAX_DEPTH or nid > ID_MASK:
+            raise FoldError(
+                f"Fold.add({op_name(op)!r}, ...): the graph exceeds {MAX_DEPTH} steps or {ID_MASK} nodes."
+            )
+        self.ops.append(op)
+        self.args.append(args)
+        self.sig.append(sid)
+        self.depth.append(depth)
+        h = self._memo[mkey] = self._base | depth << DEPTH_SHIFT | nid << ID_SHIFT
+        return Node(h)
+
+    def _check_args(self, op: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any], int]:
+        """Classify every argument: (normalised args, kinds, depth), or a FoldError."""
         kinds: list[Any] = []
         depth = 0
-        dep = self.depth
         for pos, a in enumerate(args):
             t = type(a)
             if t is Node:
-                if a._fold is not self or a._out < 0:
-                    self._bad_node(op, pos, a)
-                d = dep[a._id]
-                if d >= depth:
-                    depth = d + 1
+                if a >> SERIAL_SHIFT != self._serial:
+                    _arg_kind(op, pos, a)  # raises the "Node of another Fold" error
+                depth = max(depth, ((a >> DEPTH_SHIFT) & MAX_DEPTH) + 1)
                 kinds.append(NODE)
-            elif t is int:
-                kinds.append(INT)
-            elif t is float:
-                kinds.append(FLOAT)
-            elif t is bool:
-                kinds.append(BOOL)
+                args = args[:pos] + (int(a),) + args[pos + 1 :]
+            elif t in _SCALAR_KINDS:
+                kinds.append(_SCALAR_KINDS[t])
             else:
                 kind, value = _arg_kind(op, pos, a)
                 if value is not a:
                     args = args[:pos] + (value,) + args[pos + 1 :]
                 kinds.append(kind)
-        ktuple = tuple(kinds)
+        return args, kinds, depth
+
+    def _add_slow(self, op: Any, args: tuple[Any, ...]) -> Node:
         if type(op) is not str and not callable(op):
             raise FoldError(
                 f"Fold.add: op is a {type(op).__name__} ({op!r}); expected a method name (str) "
                 "or a callable."
             )
-        sig_key = (op, ktuple)
         try:
-            sid = self._sig_ids[sig_key]
-        except KeyError:
-            sid = self._sig_ids[sig_key] = len(self.signatures)
-            self.signatures.append(sig_key)
-        except TypeError:  # an unhashable callable
+            hash(op)
+        except TypeError:
             raise FoldError(
                 f"Fold.add: op {op_name(op)} is not hashable, so nodes of it cannot be grouped. "
                 "Fix: pass a function, a bound method, or a method name."
             ) from None
-        if ktuple and any(type(k) is tuple for k in ktuple):
+        types = tuple(map(type, args))
+        args, kinds, depth = self._check_args(op, args)
+        ktuple = tuple(kinds)
+        sig_key = (op, ktuple)
+        sid = self._sig_ids.get(sig_key)
+        if sid is None:
+            sid = self._sig_ids[sig_key] = len(self.signatures)
+            self.signatures.append(sig_key)
+        if any(type(k) is tuple for k in ktuple):
             # Tensors compare elementwise; memoise literal tensors by identity instead.
             mkey: Any = (sid, tuple(id(a) if type(k) is tuple else a for a, k in zip(args, ktuple)))
         else:
+            # Arguments of node and number kinds only: later adds of these types take the fast path.
+            where: Any = [i for i, k in enumerate(ktuple) if k == NODE]
+            if not where:
+                where = None
+            elif len(where) == len(ktuple):
+                where = True
+            elif len(where) == 1:
+                where = where[0]
+            else:
+                where = operator.itemgetter(*where)
+            if len(self._fast) > 4096:  # bounded: e.g. a new lambda recorded per add
+                self._fast.clear()
+            plain = tuple(
+                int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple
+            )
+            self._fast[(op, *types)] = (sid, where, plain)
             mkey = (sid, args)
-        node = self._memo.get(mkey)
-        if node is not None:
-            return node
-        nid = len(self.ops)
-        self.ops.append(op)
-        self.args.append(args)
-        self.sig.append(sid)
-        dep.append(depth)
-        node = Node(self, nid)
-        self._handles.append(node)
-        self._memo[mkey] = node
-        return node
-
-    def _bad_node(self, op: Any, pos: int, a: Node) -> None:
-        if a._fold is not self:
-            _arg_kind(op, pos, a)  # raises the "Node of another Fold" error
-        n = self.nsplit[a._id]
-        raise FoldError(
-            f"Fold.add({op_name(op)!r}, ...): argument {pos} is node {a._id} "
-            f"({op_name(self.ops[a._id])!r}) as a whole, but that node was split into {n} "
-            f"outputs. Fix: pass one of the handles returned by .split({n})."
-        )
+        h = self._memo.get(mkey)
+        if h is not None:
+            return Node(h)
+        return self._record(op, args, sid, depth, mkey)
 
     def _split(self, node: Node, n: int) -> tuple[Node, ...]:
-        nid = node._id
-        done = self._splits.get(nid)
-        if done is not None and node is self._handles[nid]:
-            if len(done) != n:
-                raise FoldError(
-                    f"Node.split({n}) on node {nid} ({op_name(self.ops[nid])!r}), which was "
-                    f"already split into {len(done)} outputs. Fix: call .split({len(done)})."
-                )
-            return done
-        if node is not self._handles[nid]:
+        nid = node.id
+        if node & SPLIT:
             raise FoldError(
-                f"Node.split({n}) on output {node._out} of node {nid} "
+                f"Node.split({n}) on output {node & OUT_MASK} of node {nid} "
                 f"({op_name(self.ops[nid])!r}), which is already one output of a split. Fix: "
                 "split the node itself once, and have its op return a flat tuple."
             )
-        if type(n) is not int or n < 1:
+        if type(n) is not int or not 1 <= n <= MAX_SPLIT:
             raise FoldError(
-                f"Node.split({n!r}) on node {nid} ({op_name(self.ops[nid])!r}): n must be a "
-                "positive int, the number of tensors the op returns."
+                f"Node.split({n!r}) on node {nid} ({op_name(self.ops[nid])!r}): n must be an int "
+                f"from 1 to {MAX_SPLIT}, the number of tensors the op returns."
             )
-        outs = tuple(Node(self, nid, k) for k in range(n))
-        self._splits[nid] = outs
-        self.nsplit[nid] = n
-        # Uses of the whole handle, before or after this call, are now errors.
-        node._out = _POISONED
-        return outs
-
-    def _mark_nobatch(self, nid: int) -> None:
-        self.nobatch_ids.add(nid)
+        done = self.nsplit.setdefault(nid, n)
+        if done != n:
+            raise FoldError(
+                f"Node.split({n}) on node {nid} ({op_name(self.ops[nid])!r}), which was "
+                f"already split into {done} outputs. Fix: call .split({done})."
+            )
+        b = node | SPLIT
+        if n == 2:
+            return Node(b), Node(b | 1)
+        return tuple([Node(b | k) for k in range(n)])
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    def node_args(self, nid: int) -> list[tuple[int, int]]:
+        """(argument position, handle) of every node argument of node ``nid``."""
+        kinds = self.signatures[self.sig[nid]][1]
+        return [(pos, a) for pos, (a, k) in enumerate(zip(self.args[nid], kinds)) if k == NODE]
 
     # ------------------------------------------------------------------ execution
     def plan(self) -> Any:
@@ -352,10 +447,9 @@ class Fold:
                 split=self.nsplit.get(nid, 0),
                 nobatch=nid in self.nobatch_ids,
             )
-        for nid, args in enumerate(self.args):
-            for pos, a in enumerate(args):
-                if type(a) is Node:
-                    g.add_edge(a._id, nid, arg=pos, out=max(a._out, 0))
+        for nid in range(len(self.ops)):
+            for pos, a in self.node_args(nid):
+                g.add_edge(node_id(a), nid, arg=pos, out=a & OUT_MASK)
         return g
 
     def draw(self, path: str) -> None:

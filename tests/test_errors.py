@@ -110,21 +110,24 @@ def test_split_twice_differently_and_split_of_an_output() -> None:
     f = fold.Fold()
     n = f.add("two", 1)
     a, _ = n.split(2)
-    assert n.split(2)[0] is a
+    assert n.split(2)[0] == a
     with pytest.raises(FoldError, match=r"already split into 2 outputs. Fix: call \.split\(2\)"):
         n.split(3)
     with pytest.raises(FoldError, match="already one output of a split"):
         a.split(2)
-    with pytest.raises(FoldError, match="positive int"):
+    with pytest.raises(FoldError, match="must be an int from 1 to 128"):
         f.add("two", 2).split(0)
 
 
-def test_whole_node_used_after_split_is_rejected_at_add() -> None:
+def test_whole_node_used_after_split_is_rejected() -> None:
     f = fold.Fold()
     n = f.add("two", 1)
     n.split(2)
-    with pytest.raises(FoldError, match=r"argument 0 is node 0 \('two'\) as a whole.*split into 2"):
-        f.add("one", n)
+    user = f.add("one", n)
+    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, but it was split into 2"):
+        f.apply(Obj(), [[user]])
+    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole"):
+        f.apply(Obj(), [[n]])
 
 
 def test_whole_node_used_before_split_is_rejected_at_apply() -> None:
@@ -222,3 +225,21 @@ def test_unfold_errors_match_fold() -> None:
         u.add("one", u.add("two", 1))
     with pytest.raises(FoldError, match="not the object this Unfold was built with"):
         u.apply(Obj(), [[u.add("one", 1)]])
+
+
+def test_arithmetic_on_a_node_is_refused() -> None:
+    f = fold.Fold()
+    n = f.add("one", 1)
+    with pytest.raises(FoldError, match=r"is a handle on a recorded value.*f.add\('my_op'"):
+        n + 1
+    with pytest.raises(FoldError, match="handle on a recorded value"):
+        2 * n
+
+
+def test_numpy_and_other_number_types_are_normalised() -> None:
+    np = pytest.importorskip("numpy")
+    f = fold.Fold()
+    a = f.add("one", np.int64(3))
+    assert a == f.add("one", 3)  # the same int argument, memoised
+    (out,) = f.apply(Obj(), [[a, f.add("one", np.float32(0.5))]])
+    assert out.tolist() == [3.0, 0.5]

@@ -21,18 +21,14 @@ def group_keys(graph: Graph) -> list[Any]:
     nobatch = graph.nobatch_ids
     if not nobatch:
         return keys
-    from fold.graph import Node
+    from fold.graph import node_id
 
     keys = list(keys)
-    for nid, args in enumerate(graph.args):
+    for nid in range(len(graph.args)):
         if nid in nobatch:
             keys[nid] = ("nobatch", nid)
             continue
-        shared = tuple(
-            (pos, a._id, a._out)
-            for pos, a in enumerate(args)
-            if type(a) is Node and a._id in nobatch
-        )
+        shared = tuple((pos, a) for pos, a in graph.node_args(nid) if node_id(a) in nobatch)
         if shared:
             keys[nid] = (keys[nid], shared)
     return keys

@@ -17,6 +17,8 @@ class Graph(Protocol):
     depth: list[int]
     nobatch_ids: set[int]
 
+    def node_args(self, nid: int) -> list[tuple[int, int]]: ...
+
 
 @dataclass(slots=True, eq=False)
 class Group:
