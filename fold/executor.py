@@ -24,10 +24,8 @@ from fold.graph import (
     NODE,
     OUT_MASK,
     SRC_MASK,
-    SERIAL_SHIFT,
     SRC_SHIFT,
     Fold,
-    Node,
     node_id,
     op_name,
 )
@@ -81,7 +79,7 @@ class Executor:
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
-        n = len(graph.ops)
+        n = len(graph.sig)
         # Per node, two entries: [2 * id] the source of the whole node, [2 * id + 1] the
         # source of split output 0 (output k: + k).  A handle indexes it directly.
         self.src2 = [_NO_SOURCE] * (2 * n)
@@ -126,7 +124,7 @@ class Executor:
                 self._run_group(s, group.key, group.nodes)
 
     # ------------------------------------------------------------------ gathers
-    def _column(self, handles: tuple[Node, ...] | list[Node]) -> tuple[list[int], list[int]]:
+    def _column(self, handles: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
         """Source and row of every handle of an argument column."""
         s2, nr = self.src2, self.node_row
         srcs = [s2[(h >> SRC_SHIFT) & SRC_MASK] + (h & OUT_MASK) for h in handles]
@@ -135,11 +133,11 @@ class Executor:
             self._whole_use_error(bad)
         return srcs, [nr[(h >> ID_SHIFT) & ID_MASK] for h in handles]
 
-    def _whole_use_error(self, h: Node) -> None:
+    def _whole_use_error(self, h: int) -> None:
         nid = node_id(h)
         n = self.graph.nsplit.get(nid, 0)
         raise FoldError(
-            f"apply: node {nid} ({op_name(self.graph.ops[nid])!r}) is used whole, but it was "
+            f"apply: node {nid} ({op_name(self.graph.op_of(nid))!r}) is used whole, but it was "
             f"split into {n} outputs. Fix: use the handles returned by .split({n})."
         )
 
@@ -394,8 +392,8 @@ class Executor:
                     f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
                 )
             return torch.cat([t.to(self.device) for t in items], 0)
-        serial = self.graph._serial
-        if not all(type(h) is Node and h >> SERIAL_SHIFT == serial for h in items):
+        node_type = self.graph._node_type
+        if not all(type(h) is node_type for h in items):
             raise FoldError(
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
                 "returned by this Fold's add()."

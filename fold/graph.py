@@ -8,7 +8,6 @@ hands it to the executor (``fold.executor``).
 
 from __future__ import annotations
 
-import itertools
 import numbers
 import operator
 import weakref
@@ -27,27 +26,26 @@ NODE, INT, FLOAT, BOOL = 0, 1, 2, 3
 KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool"}
 _SCALAR_KINDS = {int: INT, float: FLOAT, bool: BOOL}
 
-# A Node is an int laid out as below.  Being an int, a handle costs no garbage-collector
-# tracking (recording ten thousand nodes would otherwise trigger full collections of the whole
-# heap), hashes and compares in C, and lets add() check a whole argument tuple with min/max.
-#   bits 0-6   output index k of a split output (0 for the whole node)
-#   bit  7     set on split outputs
-#   bits 8-39  node id
-#   bits 40-63 depth (above the id, so the max of some handles is the deepest one)
-#   bits 64-   the serial number of the Fold that recorded it
+# A Node is an int laid out as below, of a Node subclass made for its Fold.
+#   bits 0-6    output index k of a split output (0 for the whole node)
+#   bit  7      set on split outputs
+#   bits 8-35   node id
+#   bits 36-55  depth (above the id, so the max of some handles is the deepest one)
+# Why an int: the graph keeps handles as plain ints (tuples of plain ints cost the garbage
+# collector nothing; Node objects kept in the graph would fill its oldest generation and set
+# off full collections of the whole heap while recording), hashing and comparison run in C,
+# and add() finds the depth of all its arguments with one max().  Why a class per Fold: add()
+# looks its fast path up by argument types, so a Node of another Fold misses it and is
+# rejected on the slow path without any per-argument check on the fast one.
 OUT_MASK = (1 << 7) - 1
 SPLIT = 1 << 7
 ID_SHIFT = 8
-ID_MASK = (1 << 32) - 1
+ID_MASK = (1 << 28) - 1
 SRC_SHIFT = 7  # (h >> SRC_SHIFT) & SRC_MASK == 2 * id + (1 if a split output else 0)
-SRC_MASK = (1 << 33) - 1
-DEPTH_SHIFT = 40
-MAX_DEPTH = (1 << 24) - 1
-SERIAL_SHIFT = 64
+SRC_MASK = (1 << 29) - 1
+DEPTH_SHIFT = 36
+MAX_DEPTH = (1 << 20) - 1
 MAX_SPLIT = OUT_MASK + 1
-
-_serials = itertools.count(1)
-_live: dict[int, weakref.ref[Fold]] = {}
 
 
 def op_name(op: Any) -> str:
@@ -72,17 +70,16 @@ def _refuse_arithmetic(self: Node, *_: Any) -> Any:
 class Node(int):
     """A handle on one recorded value, returned by :meth:`Fold.add` and :meth:`Node.split`.
 
-    Handles are small ints (see the layout above), so recording stays cheap; equal handles
-    denote the same value.
+    Handles are ints (see the layout above); equal handles of one Fold denote the same value.
     """
 
     __slots__ = ()
+    _fold_ref: Callable[[], Fold | None] = staticmethod(lambda: None)
 
     @property
     def fold(self) -> Fold:
         """The Fold that recorded this node."""
-        ref = _live.get(self >> SERIAL_SHIFT)
-        f = ref() if ref is not None else None
+        f = self._fold_ref()
         if f is None:
             raise FoldError(f"node {self.id}: the Fold that recorded it no longer exists.")
         return f
@@ -104,6 +101,12 @@ class Node(int):
 
     def split(self, n: int) -> tuple[Node, ...]:
         """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``."""
+        f = self._fold_ref()
+        if n == 2 and f is not None and not self & SPLIT:  # the common case, kept short
+            if f.nsplit.setdefault((self >> ID_SHIFT) & ID_MASK, 2) == 2:
+                node = f._node_type
+                b = (self & ~OUT_MASK) | SPLIT  # a plain int
+                return node(b), node(b | 1)
         return self.fold._split(self, n)
 
     def nobatch(self) -> Node:
@@ -119,9 +122,8 @@ class Node(int):
         return self
 
     def __repr__(self) -> str:
-        f = _live.get(self >> SERIAL_SHIFT)
-        fold = f() if f is not None else None
-        op = f", op={op_name(fold.ops[self.id])!r}" if fold is not None else ""
+        fold = self._fold_ref()
+        op = f", op={op_name(fold.op_of(self.id))!r}" if fold is not None else ""
         suffix = f"[{self & OUT_MASK}]" if self & SPLIT else ""
         return f"Node({self.id}{suffix}{op}, depth={self.depth})"
 
@@ -201,7 +203,6 @@ class Fold:
             )
         self.strategy = strategy
         # Flat per-node records, indexed by node id (ids are a topological order).
-        self.ops: list[Any] = []
         self.args: list[tuple[Any, ...]] = []
         self.sig: list[int] = []  # signature id, into self.signatures
         self.depth: list[int] = []
@@ -210,13 +211,13 @@ class Fold:
         self.nobatch_ids: set[int] = set()
         self._sig_ids: dict[tuple[Any, tuple[Any, ...]], int] = {}
         # (op, *argument types) -> (signature id, where the node arguments are, per-argument
-        # constructors of the plain value kept in the graph); see add().
-        self._fast: dict[tuple[Any, ...], tuple[int, Any, tuple[Any, ...]]] = {}
-        self._memo: dict[Any, int] = {}
+        # constructors of the plain values kept in the graph, the signature's memo); see add().
+        self._fast: dict[tuple[Any, ...], tuple[int, Any, tuple[Any, ...], dict[Any, int]]] = {}
+        self._memos: list[dict[Any, int]] = []  # per signature: arguments -> handle
         self.last_run: list[tuple[int, str, int, tuple[str, ...]]] | None = None
-        self._serial = next(_serials)
-        self._base = self._serial << SERIAL_SHIFT
-        _live[self._serial] = weakref.ref(self, lambda _, s=self._serial: _live.pop(s, None))
+        self._node_type: type[Node] = type(
+            "Node", (Node,), {"__slots__": (), "_fold_ref": weakref.ref(self)}
+        )
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -228,46 +229,50 @@ class Fold:
         batch-of-one tensors of shape ``(1, ...)`` (concatenated along dim 0).  Recording the
         same op on the same arguments twice returns the same node.
         """
-        # Fast path: ops whose arguments are nodes and Python numbers, with a signature looked
-        # up by argument types; node arguments are checked and their depth found with min/max.
+        # Fast path: ops whose arguments are this Fold's nodes and Python numbers, found by
+        # argument types (a Node of another Fold is another type, so it takes the slow path).
         try:
-            sid, where, plain = self._fast[(op, *map(type, args))]
+            sid, where, plain, memo = self._fast[(op, *map(type, args))]
         except (KeyError, TypeError):
             return self._add_slow(op, args)
         if where is None:
             depth = 0
         else:
-            if where is True:
-                hi, lo = max(args), min(args)
-            elif type(where) is int:
-                hi = lo = args[where]
-            else:
-                nodes = where(args)
-                hi, lo = max(nodes), min(nodes)
-            if hi >> SERIAL_SHIFT != self._serial or lo >> SERIAL_SHIFT != self._serial:
-                self._check_args(op, args)
-            depth = ((hi >> DEPTH_SHIFT) & MAX_DEPTH) + 1
             # The graph keeps plain ints, not Node objects: the handles a user drops die young
-            # instead of filling the collector's oldest generation.
-            args = tuple(map(operator.call, plain, args))
-        mkey = (sid, args)
-        h = self._memo.get(mkey)
-        if h is not None:
-            return Node(h)
-        return self._record(op, args, sid, depth, mkey)
+            # instead of filling the garbage collector's oldest generation.
+            if where is True:
+                args = tuple(map(int, args))
+                hi = max(args)
+            else:
+                args = tuple(map(operator.call, plain, args))
+                hi = args[where] if type(where) is int else max(where(args))
+            depth = ((hi >> DEPTH_SHIFT) & MAX_DEPTH) + 1
+        h = memo.get(args)
+        if h is None:  # _record, inlined: this is the hottest line of recording
+            sig = self.sig
+            nid = len(sig)
+            if depth > MAX_DEPTH or nid > ID_MASK:
+                self._record(op, args, sid, depth, memo, args)  # raises
+            self.args.append(args)
+            sig.append(sid)
+            self.depth.append(depth)
+            h = memo[args] = depth << DEPTH_SHIFT | nid << ID_SHIFT
+        return self._node_type(h)
 
-    def _record(self, op: Any, args: tuple[Any, ...], sid: int, depth: int, mkey: Any) -> Node:
-        nid = len(self.ops)
+    def _record(
+        self, op: Any, args: tuple[Any, ...], sid: int, depth: int, memo: dict[Any, int], key: Any
+    ) -> int:
+        """Append a new node; its handle is memoised in ``memo`` under ``key``."""
+        nid = len(self.sig)
         if depth > MAX_DEPTH or nid > ID_MASK:
             raise FoldError(
                 f"Fold.add({op_name(op)!r}, ...): the graph exceeds {MAX_DEPTH} steps or {ID_MASK} nodes."
             )
-        self.ops.append(op)
         self.args.append(args)
         self.sig.append(sid)
         self.depth.append(depth)
-        h = self._memo[mkey] = self._base | depth << DEPTH_SHIFT | nid << ID_SHIFT
-        return Node(h)
+        h = memo[key] = depth << DEPTH_SHIFT | nid << ID_SHIFT
+        return h
 
     def _check_args(self, op: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any], int]:
         """Classify every argument: (normalised args, kinds, depth), or a FoldError."""
@@ -275,9 +280,7 @@ class Fold:
         depth = 0
         for pos, a in enumerate(args):
             t = type(a)
-            if t is Node:
-                if a >> SERIAL_SHIFT != self._serial:
-                    _arg_kind(op, pos, a)  # raises the "Node of another Fold" error
+            if t is self._node_type:
                 depth = max(depth, ((a >> DEPTH_SHIFT) & MAX_DEPTH) + 1)
                 kinds.append(NODE)
                 args = args[:pos] + (int(a),) + args[pos + 1 :]
@@ -311,11 +314,15 @@ class Fold:
         if sid is None:
             sid = self._sig_ids[sig_key] = len(self.signatures)
             self.signatures.append(sig_key)
+            self._memos.append({})
+        memo = self._memos[sid]
         if any(type(k) is tuple for k in ktuple):
-            # Tensors compare elementwise; memoise literal tensors by identity instead.
-            mkey: Any = (sid, tuple(id(a) if type(k) is tuple else a for a, k in zip(args, ktuple)))
+            # Tensors compare elementwise; memoise literal tensors by identity instead (the
+            # graph holds them, so their ids stay unique).
+            key = tuple(id(a) if type(k) is tuple else a for a, k in zip(args, ktuple))
         else:
             # Arguments of node and number kinds only: later adds of these types take the fast path.
+            key = args
             where: Any = [i for i, k in enumerate(ktuple) if k == NODE]
             if not where:
                 where = None
@@ -330,39 +337,40 @@ class Fold:
             plain = tuple(
                 int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple
             )
-            self._fast[(op, *types)] = (sid, where, plain)
-            mkey = (sid, args)
-        h = self._memo.get(mkey)
-        if h is not None:
-            return Node(h)
-        return self._record(op, args, sid, depth, mkey)
+            self._fast[(op, *types)] = (sid, where, plain, memo)
+        h = memo.get(key)
+        if h is None:
+            h = self._record(op, args, sid, depth, memo, key)
+        return self._node_type(h)
 
     def _split(self, node: Node, n: int) -> tuple[Node, ...]:
         nid = node.id
         if node & SPLIT:
             raise FoldError(
                 f"Node.split({n}) on output {node & OUT_MASK} of node {nid} "
-                f"({op_name(self.ops[nid])!r}), which is already one output of a split. Fix: "
+                f"({op_name(self.op_of(nid))!r}), which is already one output of a split. Fix: "
                 "split the node itself once, and have its op return a flat tuple."
             )
         if type(n) is not int or not 1 <= n <= MAX_SPLIT:
             raise FoldError(
-                f"Node.split({n!r}) on node {nid} ({op_name(self.ops[nid])!r}): n must be an int "
+                f"Node.split({n!r}) on node {nid} ({op_name(self.op_of(nid))!r}): n must be an int "
                 f"from 1 to {MAX_SPLIT}, the number of tensors the op returns."
             )
         done = self.nsplit.setdefault(nid, n)
         if done != n:
             raise FoldError(
-                f"Node.split({n}) on node {nid} ({op_name(self.ops[nid])!r}), which was "
+                f"Node.split({n}) on node {nid} ({op_name(self.op_of(nid))!r}), which was "
                 f"already split into {done} outputs. Fix: call .split({done})."
             )
-        b = node | SPLIT
-        if n == 2:
-            return Node(b), Node(b | 1)
-        return tuple([Node(b | k) for k in range(n)])
+        b = (node & ~OUT_MASK) | SPLIT
+        return tuple([self._node_type(b | k) for k in range(n)])
 
     def __len__(self) -> int:
-        return len(self.ops)
+        return len(self.sig)
+
+    def op_of(self, nid: int) -> Any:
+        """The op recorded as node ``nid``."""
+        return self.signatures[self.sig[nid]][0]
 
     def node_args(self, nid: int) -> list[tuple[int, int]]:
         """(argument position, handle) of every node argument of node ``nid``."""
@@ -402,7 +410,7 @@ class Fold:
         After an ``apply`` it shows the groups as they ran, with runtime argument shapes;
         before, the planned groups with their static argument kinds.
         """
-        lines = [f"Fold: {len(self.ops)} nodes, strategy={self.strategy!r}"]
+        lines = [f"Fold: {len(self.sig)} nodes, strategy={self.strategy!r}"]
         if self.last_run is not None:
             lines[0] += ", last apply:"
             rows = self.last_run
@@ -427,7 +435,7 @@ class Fold:
         return self.summary()
 
     def __repr__(self) -> str:
-        return f"Fold({len(self.ops)} nodes, strategy={self.strategy!r})"
+        return f"Fold({len(self.sig)} nodes, strategy={self.strategy!r})"
 
     def to_networkx(self) -> Any:
         """The graph as a ``networkx.DiGraph``.
@@ -439,7 +447,8 @@ class Fold:
         import networkx as nx
 
         g = nx.DiGraph()
-        for nid, op in enumerate(self.ops):
+        for nid in range(len(self.sig)):
+            op = self.op_of(nid)
             g.add_node(
                 nid,
                 op=op_name(op),
@@ -447,7 +456,7 @@ class Fold:
                 split=self.nsplit.get(nid, 0),
                 nobatch=nid in self.nobatch_ids,
             )
-        for nid in range(len(self.ops)):
+        for nid in range(len(self.sig)):
             for pos, a in self.node_args(nid):
                 g.add_edge(node_id(a), nid, arg=pos, out=a & OUT_MASK)
         return g

@@ -11,7 +11,6 @@ __all__ = ["Graph", "Group", "Plan", "Step"]
 class Graph(Protocol):
     """What a scheduler reads of a recorded graph (a :class:`fold.Fold` satisfies it)."""
 
-    ops: list[Any]
     args: list[tuple[Any, ...]]
     sig: list[int]
     depth: list[int]
