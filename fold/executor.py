@@ -1,15 +1,17 @@
 """Execution of a :class:`fold.scheduler.Plan`.
 
-Each group's outputs stay one batched tensor (a *source*); a node's value is the pair
-(source, row).  Gathering an argument column costs one ``index_select`` per source plus one
-``cat`` (and a final ``index_select`` when members from different sources interleave), and
-nothing when the rows are a whole source in order or a contiguous run (``narrow``).  So the
-number of tensor ops grows with steps x groups x arguments, never with nodes, and autograd
-flows back through these out-of-place gathers unchanged.
+Each group's outputs stay batched tensors (*sources*); a node's value is the pair (source,
+row).  Gathering an argument column costs nothing when its rows are a whole source in order,
+a ``narrow`` when they are a contiguous run of one source, and otherwise ONE
+``index_select`` from a *value table*: the concatenation of the sources of one shape and
+dtype, built lazily, out of place, the first time a column draws from several of them.  So
+the number of tensor ops grows with steps x groups x arguments, never with nodes, and
+autograd flows back through the gathers unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -18,13 +20,9 @@ import torch
 from fold.errors import FoldError
 from fold.graph import (
     BOOL,
-    ID_MASK,
-    ID_SHIFT,
     INT,
     NODE,
-    OUT_MASK,
-    SRC_MASK,
-    SRC_SHIFT,
+    SPLIT,
     Fold,
     node_id,
     op_name,
@@ -34,7 +32,6 @@ from fold.scheduler.plan import Plan
 __all__ = ["Executor", "device_of"]
 
 _NUMBER_DTYPES = {INT: torch.long, BOOL: torch.bool}
-_NO_SOURCE = -(1 << 62)  # the whole-node source of a multi-output node: using it is an error
 
 
 def device_of(obj: Any) -> torch.device:
@@ -56,22 +53,28 @@ def _describe(t: Any) -> str:
     return type(t).__name__
 
 
-# A gather recipe: pieces (source, start, length, index position or -1) concatenated in
-# order, then an optional permutation (index position) putting rows back in member order.
-# A negative source -1 - b stands for value table b, always read with index_select.
-_Recipe = tuple[list[tuple[int, int, int, int]], int]
+# How to gather an argument column: (source or -1 - class table, start row, length, index
+# position, bias).  An index position >= 0 means index_select with that index minus the bias;
+# otherwise the source whole or a narrow of it.
+_Recipe = tuple[int, int, int, int, int]
+
+# Every source has a virtual offset: its shape class in the high bits, its first row in the
+# class's value table below.  A node output's virtual row is that offset plus its row; one
+# dict lookup per handle (in C, via map) gives a column's rows, and their min/max tell whether
+# they share a class or a source.
+_CLASS_SHIFT = 40
+_ROW_MASK = (1 << _CLASS_SHIFT) - 1
+_MIXED = -(1 << 30)  # a recipe "source" for rows of several classes of one shape
 
 
 class Executor:
     """Runs one ``apply``: executes a plan's groups, then gathers the requested outputs.
 
-    Value tables: a signature that runs as several groups (a TreeLSTM's ``node`` op, once per
-    level) also copies each group's outputs into one table per output, so that a consumer
-    whose arguments come from many of those groups gathers them with ONE ``index_select``
-    instead of one per group.  Tables are written in place (``narrow(...).copy_``) but only
-    ever read by ``index_select``, which saves its index and not its input for backward, so
-    the in-place writes never invalidate a saved tensor; a group's own output tensor, which
-    ops may save, is never written to.
+    Value tables: sources of one shape class (``shape[1:]``, dtype) are concatenated into one
+    table, lazily: when a column needs rows of several sources, every source of that class
+    not yet in the table is appended with one ``torch.cat``.  A TreeLSTM level gathers its
+    children (leaves and nodes of all lower levels) with one ``index_select`` per argument,
+    as hand-written level batching does, and everything stays out of place.
     """
 
     def __init__(self, graph: Fold, obj: Any) -> None:
@@ -79,18 +82,20 @@ class Executor:
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
-        n = len(graph.sig)
-        # Per node, two entries: [2 * id] the source of the whole node, [2 * id + 1] the
-        # source of split output 0 (output k: + k).  A handle indexes it directly.
-        self.src2 = [_NO_SOURCE] * (2 * n)
-        self.node_row = [0] * n  # row of the node in its sources; -1: the whole source
+        # Handle -> virtual row of its value (see _CLASS_SHIFT); nobatch handles -> source.
+        self.vrow: dict[int, int] = {}
+        self.whole: dict[int, int] = {}
         self.sources: list[torch.Tensor] = []
-        self.src_table: list[int] = []  # per source: value table holding a copy, or -1
-        self.src_offset: list[int] = []  # per source: its first row in that table
-        self.tables: list[torch.Tensor] = []
-        self._table_of: dict[tuple[Any, int], int] = {}
-        self._table_fill: list[int] = []
-        self._table_rows: dict[Any, int] = {}
+        self._classes: dict[tuple[Any, torch.dtype], int] = {}
+        self._class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
+        self._class_srcs: list[list[int]] = []  # per class: its sources, in table order
+        self._class_rows: list[int] = []
+        self._tables: list[torch.Tensor | None] = []
+        self._in_table: list[int] = []  # per class: how many of its sources the table holds
+        self._class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
+        self._mixed: list[list[int]] = []  # rows of mixed-class gathers
+        self._outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
+        self._rows_left = 0  # nodes of the plan not run yet
         self.report: list[tuple[int, str, int, tuple[str, ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
 
@@ -112,77 +117,99 @@ class Executor:
         return fn
 
     def run(self, plan: Plan) -> None:
-        rows: dict[Any, int] = {}
-        groups: dict[Any, int] = {}
-        for step in plan.steps:
-            for group in step.groups:
-                rows[group.key] = rows.get(group.key, 0) + len(group.nodes)
-                groups[group.key] = groups.get(group.key, 0) + 1
-        self._table_rows = {k: r for k, r in rows.items() if groups[k] > 1}
+        self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
         for s, step in enumerate(plan.steps):
             for group in step.groups:
-                self._run_group(s, group.key, group.nodes)
+                self._run_group(s, group.nodes)
+                self._rows_left -= len(group.nodes)
 
     # ------------------------------------------------------------------ gathers
-    def _column(self, handles: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
-        """Source and row of every handle of an argument column."""
-        s2, nr = self.src2, self.node_row
-        srcs = [s2[(h >> SRC_SHIFT) & SRC_MASK] + (h & OUT_MASK) for h in handles]
-        if min(srcs) < 0:
-            bad = next(h for h, s in zip(handles, srcs) if s < 0)
-            self._whole_use_error(bad)
-        return srcs, [nr[(h >> ID_SHIFT) & ID_MASK] for h in handles]
-
-    def _whole_use_error(self, h: int) -> None:
-        nid = node_id(h)
+    def _column(self, handles: tuple[int, ...] | list[int]) -> list[int]:
+        """The virtual row of every handle of an argument column."""
+        try:
+            return list(map(self.vrow.__getitem__, handles))
+        except KeyError:
+            bad = next(h for h in handles if h not in self.vrow)
+        nid = node_id(bad)
         n = self.graph.nsplit.get(nid, 0)
         raise FoldError(
             f"apply: node {nid} ({op_name(self.graph.op_of(nid))!r}) is used whole, but it was "
             f"split into {n} outputs. Fix: use the handles returned by .split({n})."
         )
 
-    def _recipe(self, srcs: list[int], rows: list[int], idx: list[list[int]]) -> _Recipe:
-        """Plan a gather of ``rows`` of ``srcs``; index lists are appended to ``idx``."""
-        n = len(srcs)
-        s0 = srcs[0]
-        if srcs.count(s0) == n:
-            return [self._piece(s0, rows, idx)], -1
-        table = self.src_table[s0]
-        if table >= 0:
-            st = self.src_table
-            if all(st[s] == table for s in set(srcs)):
-                so = self.src_offset
-                idx.append([so[s] + r for s, r in zip(srcs, rows)])
-                return [(-1 - table, 0, n, len(idx) - 1)], -1
-        positions: dict[int, list[int]] = {}
-        for i, s in enumerate(srcs):
-            p = positions.get(s)
-            if p is None:
-                positions[s] = [i]
-            else:
-                p.append(i)
-        pieces = []
-        perm = [0] * n
-        offset = 0
-        for s, pos in positions.items():
-            pieces.append(self._piece(s, [rows[i] for i in pos], idx))
-            for k, i in enumerate(pos, offset):
-                perm[i] = k
-            offset += len(pos)
-        if perm == list(range(n)):
-            return pieces, -1
-        idx.append(perm)
-        return pieces, len(idx) - 1
-
-    def _piece(self, src: int, rows: list[int], idx: list[list[int]]) -> tuple[int, int, int, int]:
-        m = len(rows)
-        r0 = rows[0]
-        if rows[-1] - r0 == m - 1 and rows == list(range(r0, r0 + m)):
-            return src, r0, m, -1
+    def _recipe(self, rows: list[int], idx: list[list[int]]) -> _Recipe | None:
+        """Plan a gather of virtual ``rows``; None if they span several shape classes."""
+        lo, hi = min(rows), max(rows)
+        c = lo >> _CLASS_SHIFT
+        if hi >> _CLASS_SHIFT != c:
+            metas = {self._class_meta[r >> _CLASS_SHIFT][:2] for r in rows}
+            if len(metas) > 1:
+                return None  # different shapes or dtypes: the group must be split
+            self._mixed.append(rows)  # one shape, several output indices: gathered per class
+            return _MIXED, 0, len(rows), len(self._mixed) - 1, 0
+        starts = self._class_starts[c]
+        j = bisect.bisect_right(starts, lo) - 1
+        start = starts[j]
+        src = self._class_srcs[c][j]
+        n = len(rows)
+        if hi < start + self.sources[src].shape[0]:  # all from one source
+            if hi - lo == n - 1 and rows == list(range(lo, lo + n)):
+                return src, lo - start, n, -1, 0
+            idx.append(rows)
+            return src, 0, n, len(idx) - 1, start
+        self._fill_table(c)
         idx.append(rows)
-        return src, r0, m, len(idx) - 1
+        return -1 - c, 0, n, len(idx) - 1, c << _CLASS_SHIFT
 
-    def _index_tensors(self, idx: list[list[int]]) -> list[torch.Tensor]:
+    def _fill_table(self, c: int) -> None:
+        """Copy every source of class ``c`` not yet in its value table into it.
+
+        The table is preallocated (for the rows of this class so far plus an estimate of those
+        still to come) and written in place, one ``copy_`` per call; it is only ever read by
+        ``index_select``, which saves its index and not its input for backward, so the
+        in-place writes never invalidate a tensor autograd saved.  Sources are copied lazily,
+        when a column first needs rows of several of them: a chain of single-source gathers
+        (an RNN) never copies anything.
+        """
+        srcs = self._class_srcs[c]
+        k = self._in_table[c]
+        if k == len(srcs):
+            return
+        sources = self.sources
+        need = self._class_rows[c]
+        start = self._class_starts[c][k] & _ROW_MASK
+        table = self._tables[c]
+        if table is None or table.shape[0] < need:
+            last = sources[srcs[-1]]
+            cap = need + self._rows_left * self._outs_per_row[c]
+            grown = last.new_empty((cap, *last.shape[1:]))
+            if table is not None:
+                grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
+            table = self._tables[c] = grown
+        block = [sources[s] for s in srcs[k:]]
+        table.narrow(0, start, need - start).copy_(
+            block[0] if len(block) == 1 else torch.cat(block, 0)
+        )
+        self._in_table[c] = len(srcs)
+
+    def _gather_mixed(self, rows: list[int]) -> torch.Tensor:
+        """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
+        by_class: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_class.setdefault(r >> _CLASS_SHIFT, []).append(i)
+        parts, order = [], []
+        for c, positions in by_class.items():
+            self._fill_table(c)
+            table = self._tables[c]
+            assert table is not None
+            index = torch.tensor([rows[i] & _ROW_MASK for i in positions], device=table.device)
+            parts.append(table.index_select(0, index))
+            order += positions
+        perm = torch.empty(len(rows), dtype=torch.long)
+        perm[torch.tensor(order)] = torch.arange(len(rows))
+        return torch.cat(parts, 0).index_select(0, perm.to(parts[0].device))
+
+    def _index_tensors(self, idx: list[list[int]], recipes: list[_Recipe]) -> list[torch.Tensor]:
         """All index lists of a group as tensors: one ``torch.tensor`` call, one transfer."""
         if not idx:
             return []
@@ -192,36 +219,25 @@ class Executor:
             flat = torch.tensor([i for lst in idx for i in lst], dtype=torch.long)
         if not self.on_cpu:
             flat = flat.to(self.device, non_blocking=True)
-        if len(idx) == 1:
-            return [flat]
-        return list(flat.split([len(lst) for lst in idx]))
+        views = [flat] if len(idx) == 1 else list(flat.split([len(lst) for lst in idx]))
+        for _, _, _, ix, bias in recipes:
+            if ix >= 0 and bias:
+                views[ix].sub_(bias)
+        return views
 
     def _gather(self, recipe: _Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
-        pieces, perm = recipe
-        sources = self.sources
-        parts = []
-        for src, start, length, ix in pieces:
-            if src < 0:
-                parts.append(self.tables[-1 - src].index_select(0, itensors[ix]))
-                continue
-            t = sources[src]
-            if ix >= 0:
-                parts.append(t.index_select(0, itensors[ix]))
-            elif start == 0 and length == t.shape[0]:
-                parts.append(t)
-            else:
-                parts.append(t.narrow(0, start, length))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-        if perm >= 0:
-            out = out.index_select(0, itensors[perm])
-        return out
-
-    def _meta(self, src: int) -> tuple[Any, torch.dtype]:
-        t = self.sources[src]
-        return t.shape[1:], t.dtype
+        src, start, length, ix, _ = recipe
+        if src == _MIXED:
+            return self._gather_mixed(self._mixed[ix])
+        t = self._tables[-1 - src] if src < 0 else self.sources[src]
+        if ix >= 0:
+            return t.index_select(0, itensors[ix])
+        if start == 0 and length == t.shape[0]:
+            return t
+        return t.narrow(0, start, length)
 
     # ------------------------------------------------------------------ groups
-    def _run_group(self, step: int, key: Any, members: list[int]) -> None:
+    def _run_group(self, step: int, members: list[int]) -> None:
         g = self.graph
         nid0 = members[0]
         op, kinds = g.signatures[g.sig[nid0]]
@@ -233,6 +249,7 @@ class Executor:
 
         # Phase 1: plan every argument column (and find columns whose sources differ in shape).
         idx: list[list[int]] = []
+        recipes: list[_Recipe] = []
         plans: list[Any] = []
         mixed: list[list[int]] = []
         for j, k in enumerate(kinds):
@@ -240,24 +257,23 @@ class Executor:
                 handles = cols[j]
                 h0 = handles[0]
                 if nobatch and node_id(h0) in nobatch:
-                    src = self.src2[(h0 >> SRC_SHIFT) & SRC_MASK] + (h0 & OUT_MASK)
-                    if src < 0:
-                        self._whole_use_error(h0)
-                    plans.append(("whole", src))
+                    plans.append(("whole", self._whole_source(h0)))
                     continue
-                srcs, rows = self._column(handles)
-                if srcs.count(srcs[0]) != n and len({self._meta(s) for s in set(srcs)}) > 1:
-                    mixed.append(srcs)
+                rows = self._column(handles)
+                recipe = self._recipe(rows, idx)
+                if recipe is None:
+                    mixed.append(rows)
                     continue
-                plans.append(("gather", self._recipe(srcs, rows, idx)))
+                recipes.append(recipe)
+                plans.append(("gather", recipe))
             else:
                 plans.append(("literal", k))
         if mixed:
-            self._run_subgroups(step, key, members, mixed)
+            self._run_subgroups(step, members, mixed)
             return
 
         # Phase 2: index tensors, then the argument values.
-        itensors = self._index_tensors(idx)
+        itensors = self._index_tensors(idx, recipes)
         values: list[torch.Tensor] = []
         for j, (what, p) in enumerate(plans):
             if what == "gather":
@@ -282,58 +298,70 @@ class Executor:
                 "debug the op on one example; a batched op must treat dim 0 as the batch."
             ) from err
         outs = self._check_outputs(op, step, members, out, alone)
-        base = len(self.sources)
-        self._add_sources(key, outs, n, alone)
-        s2, nr = self.src2, self.node_row
-        whole = base if len(outs) == 1 else _NO_SOURCE
-        if alone:
-            s2[2 * nid0] = whole
-            s2[2 * nid0 + 1] = base
-            nr[nid0] = -1
-        else:
-            for i, m in enumerate(members):
-                s2[2 * m] = whole
-                s2[2 * m + 1] = base
-                nr[m] = i
+        self._add_sources(outs, alone, members)
         self.report.append((step, op_name(op), n, tuple(_describe(v) for v in values)))
 
-    def _add_sources(self, key: Any, outs: tuple[torch.Tensor, ...], n: int, alone: bool) -> None:
-        """Register a group's outputs, copying them into their value tables where planned."""
-        total = None if alone else self._table_rows.get(key)
+    def _add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: list[int]) -> None:
+        """Register a group's outputs and the virtual rows of its nodes' handles."""
+        hbs = list(map(self.graph.handles.__getitem__, members))
+        n = len(members)
+        seen: dict[int, int] = {}
         for k, t in enumerate(outs):
+            s = len(self.sources)
             self.sources.append(t)
-            table = -1
-            if total is not None:
-                table = self._table_of.get((key, k), -1)
-                if table < 0:
-                    table = len(self.tables)
-                    self._table_of[key, k] = table
-                    self.tables.append(t.new_empty((total, *t.shape[1:])))
-                    self._table_fill.append(0)
-                buf = self.tables[table]
-                fill = self._table_fill[table]
-                if buf.shape[1:] == t.shape[1:] and buf.dtype == t.dtype and fill + n <= total:
-                    buf.narrow(0, fill, n).copy_(t)
-                    self._table_fill[table] = fill + n
-                else:  # a sub-group of another shape: it stays a plain source
-                    table = -1
-            self.src_table.append(table)
-            self.src_offset.append(self._table_fill[table] - n if table >= 0 else 0)
+            if alone:  # a nobatch value is only ever passed whole, never gathered by rows
+                self.whole[hbs[0] | SPLIT | k] = s
+                if len(outs) == 1:
+                    self.whole[hbs[0]] = s
+                continue
+            # Output k of every op with this shape shares one class: a TreeLSTM's h values
+            # (leaves and nodes) form one table and its c values another, so a gather's
+            # backward touches only the table it read from.
+            meta = (t.shape[1:], t.dtype, k)
+            c = self._classes.get(meta)
+            if c is None:
+                c = self._classes[meta] = len(self._class_rows)
+                self._class_starts.append([])
+                self._class_srcs.append([])
+                self._class_rows.append(0)
+                self._tables.append(None)
+                self._in_table.append(0)
+                self._outs_per_row.append(0)
+                self._class_meta.append(meta)
+            seen[c] = seen.get(c, 0) + 1
+            self._outs_per_row[c] = seen[c]
+            voff = c << _CLASS_SHIFT | self._class_rows[c]
+            self._class_rows[c] += n
+            self._class_starts[c].append(voff)
+            self._class_srcs[c].append(s)
+            rows = range(voff, voff + n)
+            flag = SPLIT | k
+            self.vrow.update(zip([x | flag for x in hbs], rows))
+            if len(outs) == 1:  # the whole handle too; a multi-output node has none
+                self.vrow.update(zip(hbs, rows))
 
-    def _run_subgroups(
-        self, step: int, key: Any, members: list[int], mixed: list[list[int]]
-    ) -> None:
+    def _whole_source(self, h: int) -> int:
+        src = self.whole.get(h)
+        if src is None:
+            nid = node_id(h)
+            raise FoldError(
+                f"apply: nobatch node {nid} ({op_name(self.graph.op_of(nid))!r}) is used whole, "
+                "but its op returns several outputs. Fix: use the handles returned by .split()."
+            )
+        return src
+
+    def _run_subgroups(self, step: int, members: list[int], mixed: list[list[int]]) -> None:
         """Split a group whose gathered arguments differ in shape or dtype, and run each part."""
-        parts: dict[tuple[Any, ...], list[int]] = {}
+        parts: dict[tuple[int, ...], list[int]] = {}
         for i, m in enumerate(members):
-            part_key = tuple(self._meta(srcs[i]) for srcs in mixed)
+            part_key = tuple(rows[i] >> _CLASS_SHIFT for rows in mixed)
             p = parts.get(part_key)
             if p is None:
                 parts[part_key] = [m]
             else:
                 p.append(m)
         for sub in parts.values():
-            self._run_group(step, key, sub)
+            self._run_group(step, sub)
 
     def _check_outputs(
         self, op: Any, step: int, members: list[int], out: Any, alone: bool
@@ -363,10 +391,10 @@ class Executor:
         nsplit = self.graph.nsplit
         m = len(outs)
         if m > 1 or nsplit:
-            for nid in members:
-                want = nsplit.get(nid, 0)
-                if want == m or (want == 0 and m == 1):
-                    continue
+            got = list(map(nsplit.get, members))
+            ok = got.count(m) if m > 1 else got.count(None) + got.count(1)
+            if ok != n:
+                nid, want = next((i, w or 0) for i, w in zip(members, got) if (w or 1) != m)
                 if want == 0:
                     raise FoldError(
                         f"apply: op {op_name(op)!r} returned {m} outputs, but node {nid} is used "
@@ -398,23 +426,29 @@ class Executor:
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
                 "returned by this Fold's add()."
             )
-        srcs, rows = self._column(items)
-        metas = {self._meta(s) for s in set(srcs)}
-        if len(metas) > 1:
+        nobatch = self.graph.nobatch_ids
+        if nobatch and any(node_id(h) in nobatch for h in items):
+            return torch.cat([self._value(h) for h in items], 0)
+        rows = self._column(items)
+        idx: list[list[int]] = []
+        recipe = self._recipe(rows, idx)
+        if recipe is None:
+            metas = {tuple(self._value(h).shape[1:]) for h in items}
             raise FoldError(
                 f"apply: lists[{i}] holds output nodes of different shapes or dtypes "
-                f"({', '.join(sorted(f'{tuple(s)} {d}' for s, d in metas))}); they cannot be "
-                "concatenated along dim 0. Fix: put nodes of each shape in their own list."
+                f"({', '.join(map(str, sorted(metas)))}); they cannot be concatenated along "
+                "dim 0. Fix: put nodes of each shape in their own list."
             )
-        if min(rows) < 0:  # nobatch values are returned whole
-            parts = [
-                self.sources[s] if r < 0 else self.sources[s].narrow(0, r, 1)
-                for s, r in zip(srcs, rows)
-            ]
-            return torch.cat(parts, 0)
-        idx: list[list[int]] = []
-        recipe = self._recipe(srcs, rows, idx)
-        return self._gather(recipe, self._index_tensors(idx))
+        return self._gather(recipe, self._index_tensors(idx, [recipe]))
+
+    def _value(self, h: int) -> torch.Tensor:
+        """One node's value (slow path): its row, or the whole value of a nobatch node."""
+        if node_id(h) in self.graph.nobatch_ids:
+            return self.sources[self._whole_source(h)]
+        v = self._column([h])[0]
+        c = v >> _CLASS_SHIFT
+        j = bisect.bisect_right(self._class_starts[c], v) - 1
+        return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
 
 
 def _describe_output(out: Any) -> str:

@@ -205,7 +205,7 @@ class Fold:
         # Flat per-node records, indexed by node id (ids are a topological order).
         self.args: list[tuple[Any, ...]] = []
         self.sig: list[int] = []  # signature id, into self.signatures
-        self.depth: list[int] = []
+        self.handles: list[int] = []  # per node: its whole handle (a plain int)
         self.signatures: list[tuple[Any, tuple[Any, ...]]] = []  # (op, kinds) per id
         self.nsplit: dict[int, int] = {}  # node id -> n of split(n)
         self.nobatch_ids: set[int] = set()
@@ -255,8 +255,8 @@ class Fold:
                 self._record(op, args, sid, depth, memo, args)  # raises
             self.args.append(args)
             sig.append(sid)
-            self.depth.append(depth)
             h = memo[args] = depth << DEPTH_SHIFT | nid << ID_SHIFT
+            self.handles.append(h)
         return self._node_type(h)
 
     def _record(
@@ -270,8 +270,8 @@ class Fold:
             )
         self.args.append(args)
         self.sig.append(sid)
-        self.depth.append(depth)
         h = memo[key] = depth << DEPTH_SHIFT | nid << ID_SHIFT
+        self.handles.append(h)
         return h
 
     def _check_args(self, op: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any], int]:
@@ -368,6 +368,11 @@ class Fold:
     def __len__(self) -> int:
         return len(self.sig)
 
+    @property
+    def depth(self) -> list[int]:
+        """Per node, its depth: 0 without node arguments, else 1 + the deepest argument's."""
+        return [h >> DEPTH_SHIFT for h in self.handles]
+
     def op_of(self, nid: int) -> Any:
         """The op recorded as node ``nid``."""
         return self.signatures[self.sig[nid]][0]
@@ -452,7 +457,7 @@ class Fold:
             g.add_node(
                 nid,
                 op=op_name(op),
-                depth=self.depth[nid],
+                depth=self.handles[nid] >> DEPTH_SHIFT,
                 split=self.nsplit.get(nid, 0),
                 nobatch=nid in self.nobatch_ids,
             )

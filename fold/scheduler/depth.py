@@ -38,13 +38,14 @@ def depth_schedule(graph: Graph) -> Plan:
     """Plan every node of ``graph`` by depth.  Iterative and linear in the number of nodes."""
     keys = group_keys(graph)
     buckets: dict[tuple[int, Any], list[int]] = {}
-    for nid, dk in enumerate(zip(graph.depth, keys)):
+    depth = graph.depth
+    for nid, dk in enumerate(zip(depth, keys)):
         b = buckets.get(dk)
         if b is None:
             buckets[dk] = [nid]
         else:
             b.append(nid)
-    nsteps = max(graph.depth, default=-1) + 1
+    nsteps = max(depth, default=-1) + 1
     steps = [Step() for _ in range(nsteps)]
     for (d, key), nodes in buckets.items():
         steps[d].groups.append(Group(key, nodes))

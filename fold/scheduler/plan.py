@@ -13,7 +13,11 @@ class Graph(Protocol):
 
     args: list[tuple[Any, ...]]
     sig: list[int]
-    depth: list[int]
+    handles: list[int]
+
+    @property
+    def depth(self) -> list[int]: ...
+
     nobatch_ids: set[int]
 
     def node_args(self, nid: int) -> list[tuple[int, int]]: ...
