@@ -202,12 +202,13 @@ class Executor:
             self._fill_table(c)
             table = self._tables[c]
             assert table is not None
-            index = torch.tensor([rows[i] & _ROW_MASK for i in positions], device=table.device)
+            index = torch.tensor([rows[i] & _ROW_MASK for i in positions])
+            index = index.to(table.device, non_blocking=True)
             parts.append(table.index_select(0, index))
             order += positions
         perm = torch.empty(len(rows), dtype=torch.long)
         perm[torch.tensor(order)] = torch.arange(len(rows))
-        return torch.cat(parts, 0).index_select(0, perm.to(parts[0].device))
+        return torch.cat(parts, 0).index_select(0, perm.to(parts[0].device, non_blocking=True))
 
     def _index_tensors(self, idx: list[list[int]], recipes: list[_Recipe]) -> list[torch.Tensor]:
         """All index lists of a group as tensors: one ``torch.tensor`` call, one transfer."""
@@ -282,7 +283,9 @@ class Executor:
                 values.append(self.sources[p])
             elif type(p) is tuple:  # literal tensors: batch-of-one, concatenated
                 t = torch.cat(cols[j], 0) if n > 1 else cols[j][0]
-                values.append(t if t.device == self.device else t.to(self.device))
+                values.append(
+                    t if t.device == self.device else t.to(self.device, non_blocking=True)
+                )
             else:
                 t = torch.tensor(cols[j], dtype=_NUMBER_DTYPES.get(p, torch.get_default_dtype()))
                 values.append(t if self.on_cpu else t.to(self.device, non_blocking=True))
@@ -419,7 +422,7 @@ class Executor:
                     f"apply: lists[{i}] holds tensors of different shapes or dtypes "
                     f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
                 )
-            return torch.cat([t.to(self.device) for t in items], 0)
+            return torch.cat([t.to(self.device, non_blocking=True) for t in items], 0)
         node_type = self.graph._node_type
         if not all(type(h) is node_type for h in items):
             raise FoldError(

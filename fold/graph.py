@@ -191,7 +191,10 @@ class Fold:
     Every node recorded in the Fold runs on ``apply``, whether or not an output list names it.
 
     Args:
-        strategy: the scheduler; ``"depth"`` groups same-signature nodes at equal depth.
+        strategy: the scheduler. ``"depth"`` (default) groups same-signature nodes at equal
+            depth; ``"agenda"`` runs ready nodes DyNet-style, merging same-signature nodes of
+            different depths (e.g. a classifier on sequences of different lengths) into fewer
+            groups, at a higher planning cost.  See ``fold.scheduler``.
     """
 
     def __init__(self, strategy: str = "depth") -> None:

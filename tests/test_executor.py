@@ -364,3 +364,42 @@ def test_results_land_on_the_module_device() -> None:
     h, y = f.apply(model, [roots, [1, 2, 3, 4]])
     assert h.is_cuda and y.is_cuda
     torch.testing.assert_close(h, torch.cat([model.encode(t) for t in trees]))
+
+
+# ---------------------------------------------------------------- op counts (deterministic)
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def full_tree(depth: int, rng: random.Random) -> Tree:
+    if depth == 0:
+        return Tree(0, word=rng.randrange(1000))
+    return Tree(0, left=full_tree(depth - 1, rng), right=full_tree(depth - 1, rng))
+
+
+def count_ops(n_trees: int) -> tuple[int, int]:
+    rng = random.Random(n_trees)
+    model = TreeLSTM(1000, 8)
+    trees = [full_tree(4, rng) for _ in range(n_trees)]
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    with CountOps() as forward:
+        (h,) = f.apply(model, [roots])
+    with CountOps() as backward:
+        h.sum().backward()
+    return forward.count, backward.count
+
+
+def test_tensor_ops_grow_with_steps_and_groups_not_with_nodes() -> None:
+    small_fwd, small_bwd = count_ops(8)  # 8 trees of depth 4: 248 nodes, 5 steps
+    big_fwd, big_bwd = count_ops(32)  # 4x the nodes, the same depth
+    assert big_fwd < 1.5 * small_fwd, (small_fwd, big_fwd)
+    assert big_bwd < 1.5 * small_bwd, (small_bwd, big_bwd)

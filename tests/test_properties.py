@@ -180,8 +180,8 @@ def widths_of(prog: list[tuple[Any, ...]], leaves: dict[Any, torch.Tensor]) -> l
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(programs())
-def test_random_dags_fold_equals_unfold(prog: list[tuple[Any, ...]]) -> None:
+@given(programs(), st.sampled_from(["depth", "agenda"]))
+def test_random_dags_fold_equals_unfold(prog: list[tuple[Any, ...]], strategy: str) -> None:
     g = torch.Generator().manual_seed(1)
     leaves = {
         (shape, k): torch.randn(*shape, generator=g, dtype=torch.double, requires_grad=True)
@@ -190,7 +190,7 @@ def test_random_dags_fold_equals_unfold(prog: list[tuple[Any, ...]]) -> None:
     }
     model = Ops()
     widths = widths_of(prog, leaves)
-    f_out, f_grads = run(fold.Fold(), model, prog, leaves, widths)
+    f_out, f_grads = run(fold.Fold(strategy), model, prog, leaves, widths)
     u_out, u_grads = run(fold.Unfold(model), model, prog, leaves, widths)
     assert len(f_out) == len(u_out)
     for a, b in zip(f_out, u_out):

@@ -1,0 +1,90 @@
+"""Schedulers: plans as pure functions of the graph, group counts of depth and agenda."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import fold
+from fold.models import TreeLSTM, record_tree
+from fold.scheduler import SCHEDULERS, agenda_schedule, depth_schedule
+from fold.treebank import random_tree
+
+
+class SeqModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.cell = nn.RNNCell(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def start(self, w: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(w))
+
+    def step(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(w), h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(h)
+
+
+def record_sequences(f: fold.Fold, lengths: list[int]) -> list[fold.Node]:
+    rng = random.Random(0)
+    outs = []
+    for n in lengths:
+        h = f.add("start", rng.randrange(50))
+        for _ in range(n - 1):
+            h = f.add("step", h, rng.randrange(50))
+        outs.append(f.add("head", h))
+    return outs
+
+
+def test_every_node_is_planned_once_and_after_its_arguments() -> None:
+    for strategy, schedule in SCHEDULERS.items():
+        f = fold.Fold(strategy)
+        record_sequences(f, [3, 1, 5, 2])
+        plan = schedule(f)
+        order = [n for s in plan.steps for g in s.groups for n in g.nodes]
+        assert sorted(order) == list(range(len(f))), strategy
+        position = {n: i for i, s in enumerate(plan.steps) for g in s.groups for n in g.nodes}
+        for nid in range(len(f)):
+            for _, a in f.node_args(nid):
+                assert position[fold.graph.node_id(a)] < position[nid], strategy
+
+
+def test_agenda_merges_the_heads_of_sequences_of_different_lengths() -> None:
+    lengths = [1, 4, 2, 9, 4, 7, 3]
+    groups = {}
+    results = {}
+    model = SeqModel()
+    for strategy in ("depth", "agenda"):
+        f = fold.Fold(strategy)
+        outs = record_sequences(f, lengths)
+        groups[strategy] = f.plan().num_groups
+        (results[strategy],) = f.apply(model, [outs])
+        heads = [r for r in f.last_run if r[1] == "head"]
+        if strategy == "agenda":
+            assert len(heads) == 1 and heads[0][2] == len(lengths)
+    # depth: start, 8 step levels, one head group per distinct length (6); agenda: 1 head group
+    assert groups == {"depth": 1 + 8 + 6, "agenda": 1 + 8 + 1}
+    torch.testing.assert_close(results["depth"], results["agenda"])
+
+
+def test_agenda_matches_depth_on_trees() -> None:
+    rng = random.Random(2)
+    model = TreeLSTM(100, 8)
+    trees = [random_tree(rng, rng.randint(1, 10), 100) for _ in range(20)]
+    out = {}
+    for strategy in ("depth", "agenda"):
+        f = fold.Fold(strategy)
+        (out[strategy],) = f.apply(model, [[record_tree(f, t) for t in trees]])
+        assert f.plan().num_groups == max(f.depth) + 1
+    torch.testing.assert_close(out["depth"], out["agenda"])
+
+
+@pytest.mark.parametrize("schedule", [depth_schedule, agenda_schedule])
+def test_empty_graph_has_an_empty_plan(schedule) -> None:
+    assert schedule(fold.Fold()).steps == []
