@@ -44,12 +44,15 @@ def device_of(obj: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def describe(shape: Any, dtype: Any) -> str:
+    """``(4, 7)``, with the dtype when it is not the default one: ``(4,) int64``."""
+    dt = "" if dtype == torch.get_default_dtype() else f" {str(dtype).replace('torch.', '')}"
+    return f"{tuple(shape)}{dt}"
+
+
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
-        dt = (
-            "" if t.dtype == torch.get_default_dtype() else f" {str(t.dtype).replace('torch.', '')}"
-        )
-        return f"{tuple(t.shape)}{dt}"
+        return describe(t.shape, t.dtype)
     return type(t).__name__
 
 
@@ -96,7 +99,7 @@ class Executor:
         self._mixed: list[list[int]] = []  # rows of mixed-class gathers
         self._outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
         self._rows_left = 0  # nodes of the plan not run yet
-        self.report: list[tuple[int, str, int, tuple[str, ...]]] = []
+        self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
 
     # ------------------------------------------------------------------ ops
@@ -302,7 +305,8 @@ class Executor:
             ) from err
         outs = self._check_outputs(op, step, members, out, alone)
         self._add_sources(outs, alone, members)
-        self.report.append((step, op_name(op), n, tuple(_describe(v) for v in values)))
+        # Shapes are kept raw; Fold.summary formats them only when asked.
+        self.report.append((step, op_name(op), n, tuple((v.shape, v.dtype) for v in values)))
 
     def _add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: list[int]) -> None:
         """Register a group's outputs and the virtual rows of its nodes' handles."""

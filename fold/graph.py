@@ -217,7 +217,8 @@ class Fold:
         # constructors of the plain values kept in the graph, the signature's memo); see add().
         self._fast: dict[tuple[Any, ...], tuple[int, Any, tuple[Any, ...], dict[Any, int]]] = {}
         self._memos: list[dict[Any, int]] = []  # per signature: arguments -> handle
-        self.last_run: list[tuple[int, str, int, tuple[str, ...]]] | None = None
+        # Per group of the last apply: (step, op name, size, (shape, dtype) of each argument).
+        self.last_run: list[tuple[int, str, int, tuple[Any, ...]]] | None = None
         self._node_type: type[Node] = type(
             "Node", (Node,), {"__slots__": (), "_fold_ref": weakref.ref(self)}
         )
@@ -238,6 +239,8 @@ class Fold:
             sid, where, plain, memo = self._fast[(op, *map(type, args))]
         except (KeyError, TypeError):
             return self._add_slow(op, args)
+        if sid < 0:
+            return self._add_tensors(op, args, where)
         if where is None:
             depth = 0
         else:
@@ -289,6 +292,8 @@ class Fold:
                 args = args[:pos] + (int(a),) + args[pos + 1 :]
             elif t in _SCALAR_KINDS:
                 kinds.append(_SCALAR_KINDS[t])
+            elif t is torch.Tensor and a.ndim and a.shape[0] == 1:
+                kinds.append((a.shape[1:], a.dtype))
             else:
                 kind, value = _arg_kind(op, pos, a)
                 if value is not a:
@@ -312,39 +317,78 @@ class Fold:
         types = tuple(map(type, args))
         args, kinds, depth = self._check_args(op, args)
         ktuple = tuple(kinds)
-        sig_key = (op, ktuple)
+        if len(self._fast) > 4096:  # bounded: e.g. a new lambda recorded per add
+            self._fast.clear()
+        if any(type(k) is tuple for k in ktuple):
+            # Literal tensors: their shapes are part of the signature, so later adds of these
+            # types take the tensor path, which looks the signature up by tensor shapes.
+            if all(t is torch.Tensor for t, k in zip(types, ktuple) if type(k) is tuple):
+                tpos = tuple(i for i, k in enumerate(ktuple) if type(k) is tuple)
+                base = [NODE if k == NODE else None if type(k) is tuple else k for k in ktuple]
+                self._fast[(op, *types)] = (-1, (tpos, base, {}), (), {})
+            return self._add_classified(op, args, ktuple, depth)
+        sid, memo = self._signature(op, ktuple)
+        # Arguments of node and number kinds only: later adds of these types take the fast path.
+        where: Any = [i for i, k in enumerate(ktuple) if k == NODE]
+        if not where:
+            where = None
+        elif len(where) == len(ktuple):
+            where = True
+        elif len(where) == 1:
+            where = where[0]
+        else:
+            where = operator.itemgetter(*where)
+        plain = tuple(int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple)
+        self._fast[(op, *types)] = (sid, where, plain, memo)
+        h = memo.get(args)
+        if h is None:
+            h = self._record(op, args, sid, depth, memo, args)
+        return self._node_type(h)
+
+    def _add_tensors(self, op: Any, args: tuple[Any, ...], spec: Any) -> Node:
+        """An add with literal tensors among its arguments (the per-sample MNIST loop)."""
+        tpos, base, sigs = spec
+        kinds = list(base)
+        for p in tpos:
+            a = args[p]
+            if not a.ndim or a.shape[0] != 1:
+                _arg_kind(op, p, a)  # raises: not a batch-of-one tensor
+            kinds[p] = (a.shape[1:], a.dtype)
+        kt = tuple(kinds)
+        if NODE in base:  # nodes of this Fold (guaranteed by the type lookup): depth, plain ints
+            args, _, depth = self._check_args(op, args)
+        else:
+            depth = 0
+        entry = sigs.get(kt)
+        if entry is None:
+            entry = sigs[kt] = self._signature(op, kt)
+        sid, memo = entry
+        key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kt)])
+        h = memo.get(key)
+        if h is None:
+            h = self._record(op, args, sid, depth, memo, key)
+        return self._node_type(h)
+
+    def _add_classified(
+        self, op: Any, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
+    ) -> Node:
+        sid, memo = self._signature(op, kinds)
+        # Tensors compare elementwise; memoise literal tensors by identity instead (the graph
+        # holds them, so their ids stay unique).
+        key = tuple(id(a) if type(k) is tuple else a for a, k in zip(args, kinds))
+        h = memo.get(key)
+        if h is None:
+            h = self._record(op, args, sid, depth, memo, key)
+        return self._node_type(h)
+
+    def _signature(self, op: Any, kinds: tuple[Any, ...]) -> tuple[int, dict[Any, int]]:
+        sig_key = (op, kinds)
         sid = self._sig_ids.get(sig_key)
         if sid is None:
             sid = self._sig_ids[sig_key] = len(self.signatures)
             self.signatures.append(sig_key)
             self._memos.append({})
-        memo = self._memos[sid]
-        if any(type(k) is tuple for k in ktuple):
-            # Tensors compare elementwise; memoise literal tensors by identity instead (the
-            # graph holds them, so their ids stay unique).
-            key = tuple(id(a) if type(k) is tuple else a for a, k in zip(args, ktuple))
-        else:
-            # Arguments of node and number kinds only: later adds of these types take the fast path.
-            key = args
-            where: Any = [i for i, k in enumerate(ktuple) if k == NODE]
-            if not where:
-                where = None
-            elif len(where) == len(ktuple):
-                where = True
-            elif len(where) == 1:
-                where = where[0]
-            else:
-                where = operator.itemgetter(*where)
-            if len(self._fast) > 4096:  # bounded: e.g. a new lambda recorded per add
-                self._fast.clear()
-            plain = tuple(
-                int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple
-            )
-            self._fast[(op, *types)] = (sid, where, plain, memo)
-        h = memo.get(key)
-        if h is None:
-            h = self._record(op, args, sid, depth, memo, key)
-        return self._node_type(h)
+        return sid, self._memos[sid]
 
     def _split(self, node: Node, n: int) -> tuple[Node, ...]:
         nid = node.id
@@ -420,8 +464,13 @@ class Fold:
         """
         lines = [f"Fold: {len(self.sig)} nodes, strategy={self.strategy!r}"]
         if self.last_run is not None:
+            from fold.executor import describe
+
             lines[0] += ", last apply:"
-            rows = self.last_run
+            rows = [
+                (s, name, n, tuple(describe(*m) for m in metas))
+                for s, name, n, metas in self.last_run
+            ]
         else:
             lines[0] += ", planned:"
             rows = []
@@ -540,6 +589,16 @@ def _classify_lists(lists: Any) -> list[tuple[str, list[Any]]]:
             raise FoldError(
                 f"apply(obj, lists): lists[{i}] is empty; there is no value to return for it."
             )
+        # Common cases first, in C: all nodes of one Fold, or all ints.
+        types = set(map(type, items))
+        if len(types) == 1:
+            t = types.pop()
+            if issubclass(t, (Node, Unfold.Node)):
+                specs.append((_NODES, list(items)))
+                continue
+            if t in _SCALAR_KINDS:
+                specs.append((_NUMBERS, list(items)))
+                continue
         kinds = set()
         for x in items:
             if isinstance(x, (Node, Unfold.Node)):
