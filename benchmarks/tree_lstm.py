@@ -80,6 +80,13 @@ def level_batched(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
     return H.index_select(0, torch.tensor(roots, device=dev))
 
 
+def fold_graph(trees: list[Tree]) -> fold.Fold:
+    f = fold.Fold()
+    for t in trees:
+        record_tree(f, t)
+    return f
+
+
 def fold_forward(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
     f = fold.Fold()
     roots = [record_tree(f, t) for t in trees]

@@ -17,6 +17,7 @@ Every step of the plan holds one group.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from fold.scheduler.depth import group_keys
@@ -27,48 +28,77 @@ __all__ = ["agenda_schedule"]
 
 def agenda_schedule(graph: Graph) -> Plan:
     """Plan every node of ``graph`` with the agenda rule above.  Iterative, no recursion."""
-    from fold.graph import node_id
+    from fold.graph import ID_MASK, ID_SHIFT, NODE
 
     keys = group_keys(graph)
     n = len(keys)
-    waiting = [0] * n  # node arguments not computed yet
-    consumers: list[list[int]] = [[] for _ in range(n)]
+    sig, args = graph.sig, graph.args
+    node_pos = [tuple(i for i, k in enumerate(kinds) if k == NODE) for _, kinds in graph.signatures]
+    # Consumers as flat int lists (CSR), not a list per node: thousands of small lists would
+    # set off full garbage collections of the whole heap.
+    waiting = [0] * n  # distinct node arguments not computed yet
+    edge_src: list[int] = []
+    edge_dst: list[int] = []
     for nid in range(n):
-        srcs = {node_id(a) for _, a in graph.node_args(nid)}
+        pos = node_pos[sig[nid]]
+        if not pos:
+            continue
+        a = args[nid]
+        if len(pos) == 1:
+            edge_src.append((a[pos[0]] >> ID_SHIFT) & ID_MASK)
+            edge_dst.append(nid)
+            waiting[nid] = 1
+            continue
+        srcs = {(a[p] >> ID_SHIFT) & ID_MASK for p in pos}
         waiting[nid] = len(srcs)
-        for s in srcs:
-            consumers[s].append(nid)
+        edge_src.extend(srcs)
+        edge_dst.extend([nid] * len(srcs))
+    first = [0] * (n + 1)  # consumers of node i: adj[first[i]:first[i + 1]]
+    for s in edge_src:
+        first[s + 1] += 1
+    for i in range(n):
+        first[i + 1] += first[i]
+    fill = first[:-1]
+    adj = [0] * len(edge_src)
+    for s, d in zip(edge_src, edge_dst):
+        adj[fill[s]] = d
+        fill[s] += 1
     ahead = [0] * n  # longest path from the node to a node nothing consumes
-    for nid in range(n - 1, -1, -1):  # ids are a topological order
-        for c in consumers[nid]:
-            if ahead[c] + 1 > ahead[nid]:
-                ahead[nid] = ahead[c] + 1
-    remaining: dict[Any, int] = {}
-    for k in keys:
-        remaining[k] = remaining.get(k, 0) + 1
+    # Edges come in increasing consumer order: walked backwards, a consumer's path is final
+    # before any of its sources reads it.
+    for s, d in zip(reversed(edge_src), reversed(edge_dst)):
+        v = ahead[d] + 1
+        if v > ahead[s]:
+            ahead[s] = v
+    remaining = Counter(keys)
     ready: dict[Any, list[int]] = {}
+    total: dict[Any, int] = {}  # per key: sum of `ahead` over its ready nodes
     for nid in range(n):
         if waiting[nid] == 0:
-            ready.setdefault(keys[nid], []).append(nid)
+            k = keys[nid]
+            ready.setdefault(k, []).append(nid)
+            total[k] = total.get(k, 0) + ahead[nid]
     steps: list[Step] = []
     while ready:
-        key = _choose(ready, remaining, ahead)
+        key = _choose(ready, remaining, total)
         nodes = sorted(ready.pop(key))
+        del total[key]
         remaining[key] -= len(nodes)
         steps.append(Step([Group(key, nodes)]))
         for nid in nodes:
-            for c in consumers[nid]:
+            for c in adj[first[nid] : first[nid + 1]]:
                 waiting[c] -= 1
                 if waiting[c] == 0:
-                    ready.setdefault(keys[c], []).append(c)
+                    k = keys[c]
+                    ready.setdefault(k, []).append(c)
+                    total[k] = total.get(k, 0) + ahead[c]
     return Plan(steps)
 
 
-def _choose(ready: dict[Any, list[int]], remaining: dict[Any, int], ahead: list[int]) -> Any:
+def _choose(ready: dict[Any, list[int]], remaining: dict[Any, int], total: dict[Any, int]) -> Any:
     best, best_score = None, None
     for key, nodes in ready.items():
-        complete = len(nodes) == remaining[key]
-        score = (not complete, -sum(ahead[i] for i in nodes) / len(nodes))
+        score = (len(nodes) != remaining[key], -total[key] / len(nodes))
         if best_score is None or score < best_score:
             best, best_score = key, score
     return best
