@@ -150,7 +150,15 @@ def main() -> None:
         f"TreeLSTM, {args.trees} trees ({nodes} nodes), forward+backward, {args.threads} thread(s)"
     )
     print(table(rows, ["hidden", "method", "median_ms", "trees/s", "vs_level", "reps"]))
-    path = write_json("tree_lstm", {"args": vars(args), "nodes": nodes, "rows": rows})
+    # Recording alone: the tree walk and every add/split, per node of the graph.
+    rec = median(interleaved({"record": lambda: fold_graph(trees)}, args.reps)["record"])
+    graph_nodes = len(fold_graph(trees))
+    rec_us = 1e6 * rec / graph_nodes
+    print(f"recording: {rec_us:.2f} us per node ({graph_nodes} graph nodes, median)")
+    path = write_json(
+        "tree_lstm",
+        {"args": vars(args), "nodes": nodes, "rows": rows, "record_us_per_node": rec_us},
+    )
     print(f"wrote {path}")
 
 
