@@ -54,7 +54,9 @@ def record(strategy: str, seqs: list[list[int]]) -> tuple[fold.Fold, list[fold.N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=64)
@@ -63,7 +65,10 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rng = random.Random(0)
-    seqs = [[rng.randrange(1000) for _ in range(rng.randint(1, args.max_len))] for _ in range(args.sequences)]
+    seqs = [
+        [rng.randrange(1000) for _ in range(rng.randint(1, args.max_len))]
+        for _ in range(args.sequences)
+    ]
     model = SeqClassifier(1000, args.hidden)
 
     def run(strategy: str):
@@ -87,7 +92,9 @@ def main() -> None:
         }
         for s in ("depth", "agenda")
     ]
-    print(f"{args.sequences} sequences of 1-{args.max_len} steps, GRU hidden {args.hidden}, forward+backward")
+    print(
+        f"{args.sequences} sequences of 1-{args.max_len} steps, GRU hidden {args.hidden}, forward+backward"
+    )
     print(table(rows, ["strategy", "groups", "head groups", "median_ms"]))
     print(f"wrote {write_json('agenda', {'args': vars(args), 'rows': rows})}")
 

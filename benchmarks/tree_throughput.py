@@ -30,11 +30,15 @@ def sync(device: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     ap.add_argument("--hidden", type=int, default=150)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--eager-trees", type=int, default=64, help="eager is timed on at most this many trees")
+    ap.add_argument(
+        "--eager-trees", type=int, default=64, help="eager is timed on at most this many trees"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -55,8 +59,12 @@ def main() -> None:
 
             return go
 
-        times = interleaved({"fold": run(fold_forward, trees), "level": run(level_batched, trees)}, args.reps)
-        times["eager"] = interleaved({"eager": run(eager_forward, eager_trees)}, max(1, args.reps // 2))["eager"]
+        times = interleaved(
+            {"fold": run(fold_forward, trees), "level": run(level_batched, trees)}, args.reps
+        )
+        times["eager"] = interleaved(
+            {"eager": run(eager_forward, eager_trees)}, max(1, args.reps // 2)
+        )["eager"]
         row = {"trees": size}
         for name in ("eager", "fold", "level"):
             n = len(eager_trees) if name == "eager" else size
@@ -71,7 +79,9 @@ def main() -> None:
         rows.append(row)
         print(f"  {size} trees done", flush=True)
     cols = list(rows[0])
-    print(f"TreeLSTM hidden {args.hidden}, forward+backward, device {dev}, {args.threads} thread(s)")
+    print(
+        f"TreeLSTM hidden {args.hidden}, forward+backward, device {dev}, {args.threads} thread(s)"
+    )
     print(table(rows, cols))
     suffix = "" if dev == "cpu" else f"_{dev}"
     print(f"wrote {write_json('tree_throughput' + suffix, {'args': vars(args), 'rows': rows})}")
