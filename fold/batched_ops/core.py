@@ -1,0 +1,124 @@
+"""The base class and registry of model-batched layers, and the row layout they share.
+
+N models of one architecture run as one module.  Inside, the rows of the N models are merged
+into one leading dim in ``(b g)`` order -- row ``r`` belongs to sample ``r // N`` of model
+``r % N`` -- so user code written for an ordinary ``(rows, features)`` batch (``x.view(-1,
+784)``, ``torch.relu``) runs unchanged, and only layers with parameters, or that mix rows,
+need batched versions.  With model index fastest, a convolution's input ``(b*N, C, H, W)`` is
+the same memory as ``(b, N*C, H, W)``: one grouped convolution runs all N models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from fold.errors import FoldError
+
+__all__ = ["AbstractBatchModule", "from_merged", "register_batch_module", "registry", "to_merged"]
+
+registry: dict[type[nn.Module], type[AbstractBatchModule]] = {}
+
+T = TypeVar("T", bound="type[AbstractBatchModule]")
+
+
+def register_batch_module(cls: T) -> T:
+    """Register a batched layer for its ``base_class`` (usable as a class decorator).
+
+    Example::
+
+        @register_batch_module
+        class BatchScale(AbstractBatchModule):
+            base_class = Scale                       # the user's layer: y = x * self.weight
+
+            def __init__(self, modules):
+                super().__init__(len(modules))
+                self.weight = self.stack(modules, "weight")
+
+            def forward(self, x):                    # x: (b*N, ...) in (b g) order
+                return (self.split_models(x) * self.weight).flatten(0, 1)
+    """
+    base = getattr(cls, "base_class", None)
+    if not (isinstance(base, type) and issubclass(base, nn.Module)):
+        raise FoldError(
+            f"register_batch_module({cls.__name__}): set base_class to the nn.Module subclass "
+            "it batches, e.g. base_class = nn.Linear."
+        )
+    registry[base] = cls
+    return cls
+
+
+class AbstractBatchModule(nn.Module):
+    """A layer that runs N models' copies of ``base_class`` at once on ``(b*N, ...)`` rows.
+
+    Subclasses build themselves from the N modules (``__init__(modules)``), keep parameters
+    and buffers stacked along a leading model dim under the base class's names, and compute
+    on them directly.  The default state-dict helpers index that leading dim.
+    """
+
+    base_class: ClassVar[type[nn.Module]]
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module]) -> AbstractBatchModule:
+        return cls(modules)  # type: ignore[call-arg]
+
+    @staticmethod
+    def stack(modules: Sequence[nn.Module], name: str, buffer: bool = False) -> Any:
+        """``modules[i].<name>`` stacked along a new leading dim, as a Parameter (or buffer)."""
+        values = [getattr(m, name) for m in modules]
+        if values[0] is None:
+            return None
+        stacked = torch.stack([v.detach() for v in values]).clone()
+        if buffer:
+            return stacked
+        return nn.Parameter(stacked, requires_grad=values[0].requires_grad)
+
+    def split_models(self, x: torch.Tensor) -> torch.Tensor:
+        """``(b*N, ...)`` -> ``(b, N, ...)`` (a view)."""
+        return x.view(-1, self.batch, *x.shape[1:])
+
+    def state_of(self, i: int) -> dict[str, torch.Tensor]:
+        """Model ``i``'s state dict, with the base class's keys."""
+        return {k: v[i] for k, v in self.state_dict().items()}
+
+    def grads_of(self, i: int) -> dict[str, torch.Tensor | None]:
+        """Model ``i``'s parameter gradients, with the base class's names."""
+        return {k: None if p.grad is None else p.grad[i] for k, p in self.named_parameters()}
+
+    def load_state_of(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """Copy model ``i``'s state (base class keys) into the stacked tensors."""
+        with torch.no_grad():
+            for k, v in self.state_dict(keep_vars=True).items():
+                v[i].copy_(state[k])
+
+
+def to_merged(x: torch.Tensor, batch: int, where: str) -> torch.Tensor:
+    """``(N, b, ...)`` -> ``(b*N, ...)`` in ``(b g)`` order."""
+    if x.dim() < 2 or x.shape[0] != batch:
+        raise FoldError(
+            f"{where}: expected an input of shape (N={batch}, b, ...), one slice per model, "
+            f"got {tuple(x.shape)}. Fix: stack the models' inputs along dim 0, or use "
+            "x.expand(N, *x.shape) to give every model the same batch."
+        )
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
+
+
+def from_merged(y: torch.Tensor, batch: int) -> torch.Tensor:
+    """``(b*N, ...)`` -> ``(N, b, ...)``."""
+    return y.view(-1, batch, *y.shape[1:]).transpose(0, 1)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """Apply ``fn`` to every tensor of a tensor, tuple or list; other values pass through."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value

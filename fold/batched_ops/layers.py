@@ -1,0 +1,259 @@
+"""Model-batched layers: each computes on its stored ``(N, ...)`` weights directly.
+
+Inputs and outputs are ``(b*N, ...)`` rows in ``(b g)`` order (see ``core``).  No layer copies
+a weight per sample: linear maps are one ``baddbmm`` over the model dim, convolutions one
+grouped convolution, normalisations one call on ``(b, N*C, ...)`` plus a per-model affine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fold.batched_ops.core import AbstractBatchModule, register_batch_module
+
+__all__ = [
+    "BatchBatchNorm",
+    "BatchConv",
+    "BatchEmbedding",
+    "BatchGRUCell",
+    "BatchGroupNorm",
+    "BatchLSTMCell",
+    "BatchLayerNorm",
+    "BatchLinear",
+    "BatchRNNCell",
+    "batched_linear",
+]
+
+
+def batched_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight[g].T + bias[g]`` for the rows of model g: x ``(b*N, ..., in)``, weight ``(N, out, in)``."""
+    n, out_f, in_f = weight.shape
+    rest = x.shape[1:-1]
+    # (b*N, ..., in) -> (N, b*..., in): one copy of the input, then one batched matmul.
+    xt = x.reshape(-1, n, *rest, in_f).movedim(1, 0).reshape(n, -1, in_f)
+    if bias is None:
+        y = torch.bmm(xt, weight.transpose(1, 2))
+    else:
+        y = torch.baddbmm(bias.unsqueeze(1), xt, weight.transpose(1, 2))
+    return y.reshape(n, -1, *rest, out_f).movedim(0, 1).reshape(-1, *rest, out_f)
+
+
+@register_batch_module
+class BatchLinear(AbstractBatchModule):
+    base_class = nn.Linear
+
+    def __init__(self, modules: Sequence[nn.Linear]) -> None:
+        super().__init__(len(modules))
+        self.in_features = modules[0].in_features
+        self.out_features = modules[0].out_features
+        self.weight = self.stack(modules, "weight")
+        self.register_parameter("bias", self.stack(modules, "bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batched_linear(x, self.weight, self.bias)
+
+
+class BatchConv(AbstractBatchModule):
+    """Conv1d/2d/3d of N models as one convolution with N times the groups."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(len(modules))
+        m: Any = modules[0]
+        self.stride, self.padding, self.dilation = m.stride, m.padding, m.dilation
+        self.groups, self.padding_mode = m.groups, m.padding_mode
+        self.out_channels = m.out_channels
+        self._pad_twice = m._reversed_padding_repeated_twice
+        self._conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(m.kernel_size)]
+        self.weight = self.stack(modules, "weight")
+        self.register_parameter("bias", self.stack(modules, "bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.batch
+        xg = x.reshape(-1, n * x.shape[1], *x.shape[2:])  # (b, N*C, ...): the same memory
+        padding: Any = self.padding
+        if self.padding_mode != "zeros":
+            xg = F.pad(xg, self._pad_twice, mode=self.padding_mode)
+            padding = 0
+        w = self.weight.reshape(n * self.weight.shape[1], *self.weight.shape[2:])
+        b = None if self.bias is None else self.bias.reshape(-1)
+        y = self._conv(xg, w, b, self.stride, padding, self.dilation, n * self.groups)
+        return y.reshape(-1, self.out_channels, *y.shape[2:])
+
+
+for _base in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register_batch_module(type(f"Batch{_base.__name__}", (BatchConv,), {"base_class": _base}))
+
+
+class BatchBatchNorm(AbstractBatchModule):
+    """BatchNorm of N models: per-model batch statistics and running statistics."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(len(modules))
+        m: Any = modules[0]
+        self.num_features, self.eps, self.momentum = m.num_features, m.eps, m.momentum
+        self.track_running_stats = m.track_running_stats
+        self.register_parameter("weight", self.stack(modules, "weight"))
+        self.register_parameter("bias", self.stack(modules, "bias"))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(name, self.stack(modules, name, buffer=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.batch
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
+                factor = 1.0 / float(self.num_batches_tracked[0])
+        use_batch = self.training or self.running_mean is None
+        xg = x.reshape(-1, n * x.shape[1], *x.shape[2:])
+        y = F.batch_norm(
+            xg,
+            None if self.running_mean is None else self.running_mean.view(-1),
+            None if self.running_var is None else self.running_var.view(-1),
+            None if self.weight is None else self.weight.reshape(-1),
+            None if self.bias is None else self.bias.reshape(-1),
+            use_batch,
+            factor,
+            self.eps,
+        )
+        return y.reshape(x.shape)
+
+
+for _base in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    register_batch_module(type(f"Batch{_base.__name__}", (BatchBatchNorm,), {"base_class": _base}))
+
+
+def _affine(
+    y: torch.Tensor, n: int, weight: Any, bias: Any, feature_dims: int, channel_dim: int
+) -> torch.Tensor:
+    """Per-model affine on ``y`` (b*N, ...): weight/bias (N, *features) at ``channel_dim``."""
+    ys = y.view(-1, n, *y.shape[1:])
+    shape = [1, n] + [1] * (y.dim() - 1)
+    shape[1 + channel_dim : 1 + channel_dim + feature_dims] = (
+        weight.shape[1:] if weight is not None else bias.shape[1:]
+    )
+    if weight is not None:
+        ys = ys * weight.view(shape)
+    if bias is not None:
+        ys = ys + bias.view(shape)
+    return ys.reshape(y.shape)
+
+
+@register_batch_module
+class BatchLayerNorm(AbstractBatchModule):
+    base_class = nn.LayerNorm
+
+    def __init__(self, modules: Sequence[nn.LayerNorm]) -> None:
+        super().__init__(len(modules))
+        m = modules[0]
+        self.normalized_shape, self.eps = m.normalized_shape, m.eps
+        self.register_parameter("weight", self.stack(modules, "weight"))
+        self.register_parameter("bias", self.stack(modules, "bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        k = len(self.normalized_shape)
+        return _affine(y, self.batch, self.weight, self.bias, k, x.dim() - k)
+
+
+@register_batch_module
+class BatchGroupNorm(AbstractBatchModule):
+    base_class = nn.GroupNorm
+
+    def __init__(self, modules: Sequence[nn.GroupNorm]) -> None:
+        super().__init__(len(modules))
+        m = modules[0]
+        self.num_groups, self.eps = m.num_groups, m.eps
+        self.register_parameter("weight", self.stack(modules, "weight"))
+        self.register_parameter("bias", self.stack(modules, "bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.group_norm(x, self.num_groups, None, None, self.eps)
+        return _affine(y, self.batch, self.weight, self.bias, 1, 1)
+
+
+@register_batch_module
+class BatchEmbedding(AbstractBatchModule):
+    base_class = nn.Embedding
+
+    def __init__(self, modules: Sequence[nn.Embedding]) -> None:
+        super().__init__(len(modules))
+        m = modules[0]
+        if m.max_norm is not None or m.sparse:
+            raise NotImplementedError("max_norm and sparse embeddings")
+        self.num_embeddings, self.padding_idx = m.num_embeddings, m.padding_idx
+        self.weight = self.stack(modules, "weight")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, v = self.batch, self.num_embeddings
+        model = torch.arange(ids.shape[0], device=ids.device) % n
+        offset = (model * v).view(-1, *([1] * (ids.dim() - 1)))
+        out = F.embedding(ids + offset, self.weight.view(n * v, -1))
+        if self.padding_idx is not None:  # no gradient into the padding row, as nn.Embedding
+            keep = (ids != self.padding_idx).unsqueeze(-1)
+            out = torch.where(keep, out, out.detach())
+        return out
+
+
+class _BatchCell(AbstractBatchModule):
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(len(modules))
+        m: Any = modules[0]
+        self.hidden_size = m.hidden_size
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            self.register_parameter(name, self.stack(modules, name))
+
+    def _gates(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batched_linear(x, self.weight_ih, self.bias_ih), batched_linear(
+            h, self.weight_hh, self.bias_hh
+        )
+
+    def _zeros(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], self.hidden_size)
+
+
+@register_batch_module
+class BatchRNNCell(_BatchCell):
+    base_class = nn.RNNCell
+
+    def __init__(self, modules: Sequence[nn.RNNCell]) -> None:
+        super().__init__(modules)
+        self.nonlinearity = modules[0].nonlinearity
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        gi, gh = self._gates(x, self._zeros(x) if h is None else h)
+        return torch.tanh(gi + gh) if self.nonlinearity == "tanh" else torch.relu(gi + gh)
+
+
+@register_batch_module
+class BatchGRUCell(_BatchCell):
+    base_class = nn.GRUCell
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        h = self._zeros(x) if h is None else h
+        gi, gh = self._gates(x, h)
+        ir, iz, in_ = gi.chunk(3, 1)
+        hr, hz, hn = gh.chunk(3, 1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        return (1 - z) * torch.tanh(in_ + r * hn) + z * h
+
+
+@register_batch_module
+class BatchLSTMCell(_BatchCell):
+    base_class = nn.LSTMCell
+
+    def forward(
+        self, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, c = (self._zeros(x), self._zeros(x)) if hx is None else hx
+        gi, gh = self._gates(x, h)
+        i, f, g, o = (gi + gh).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
