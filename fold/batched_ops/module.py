@@ -119,8 +119,8 @@ def _own_method(module: nn.Module, name: str) -> Callable[..., Any]:
     for klass in type(module).__mro__:
         if klass is nn.Module:
             break
-        if name in vars(klass):
-            return getattr(module, name)
+        if name in vars(klass) and not vars(klass).get("_fold_restores_module_api"):
+            return vars(klass)[name].__get__(module, type(module))
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise FoldError(
@@ -128,6 +128,16 @@ def _own_method(module: nn.Module, name: str) -> Callable[..., Any]:
             f"def {name}(self, ...) on it."
         )
     return fn
+
+
+def _defines(klass: type, name: str) -> bool:
+    """Whether a class between ``klass`` and nn.Module defines ``name``."""
+    for k in klass.__mro__:
+        if k is nn.Module:
+            return False
+        if name in vars(k):
+            return True
+    return False
 
 
 def _has_own_state(module: nn.Module) -> bool:
@@ -158,6 +168,14 @@ def _convert(modules: list[nn.Module], path: str, fallbacks: list[str]) -> nn.Mo
         return VmapFallback(modules)
     shell = copy.copy(first)  # the same class and attributes; fresh registries, children below
     shell._parameters, shell._buffers, shell._modules = {}, {}, {}
+    shadowed = {n for n in _SHADOWED if _defines(type(first), n)}
+    if shadowed:
+        # The model's own `children` (say) would break .train() and .to() on the BatchModule:
+        # the shell gets nn.Module's back; _own_method still finds the model's for fold's ops.
+        api = {n: getattr(nn.Module, n) for n in shadowed}
+        shell.__class__ = type(
+            type(first).__name__, (type(first),), {**api, "_fold_restores_module_api": True}
+        )
     for name, _ in first.named_children():
         kids = [dict(m.named_children())[name] for m in modules]
         shell._modules[name] = _convert(kids, f"{path}.{name}" if path else name, fallbacks)
@@ -199,22 +217,22 @@ class BatchModule(nn.Module):
 
     def _build(self, modules: list[nn.Module]) -> None:
         self.batch = len(modules)
-        self.template = copy.deepcopy(modules[0])  # architecture and hyperparameters for unbatch
+        # The architecture, for unbatch(); kept out of the module tree (not a submodule), so
+        # .to() and .train() never reach a model whose own methods shadow nn.Module's.
+        self.__dict__["template"] = copy.deepcopy(modules[0])
         fallbacks: list[str] = []
         self.model = _convert(modules, "", fallbacks)
         self.train(modules[0].training)
-        for name in _SHADOWED:
-            for klass in type(modules[0]).__mro__:
-                if klass is nn.Module:
-                    break
-                if name in vars(klass) and (klass, name) not in _warned_shadow:
-                    _warned_shadow.add((klass, name))
-                    warnings.warn(
-                        f"{klass.__name__}.{name} shadows nn.Module.{name}; .to(), .cuda() and "
-                        f"state_dict() call the nn.Module one, so they break on this model. Fix: "
-                        f"rename the op (e.g. 'node'). fold still resolves {name!r} to your method.",
-                        stacklevel=3,
-                    )
+        klass = type(modules[0])
+        for name in sorted(_SHADOWED):
+            if _defines(klass, name) and (klass, name) not in _warned_shadow:
+                _warned_shadow.add((klass, name))
+                warnings.warn(
+                    f"{klass.__name__}.{name} shadows nn.Module.{name}, which .to(), .cuda() and "
+                    f".train() call, so they break on your own model. Fix: rename the op (e.g. "
+                    f"'node'). BatchModule and fold still resolve {name!r} to your method.",
+                    stacklevel=3,
+                )
         if fallbacks:
             warnings.warn(
                 "BatchModule: no batched layer for " + "; ".join(fallbacks) + ". These run under "
@@ -322,6 +340,10 @@ class BatchModule(nn.Module):
             )
         m = copy.deepcopy(self.template)
         m.load_state_dict(self.state_dicts()[i])
+        device = next(iter(self.parameters()), torch.empty(0)).device
+        if device.type != "cpu":
+            for t in [*m.parameters(), *m.buffers()]:
+                t.data = t.data.to(device)
         return m
 
     def extra_repr(self) -> str:
