@@ -44,11 +44,13 @@ def check_model_batching(
     dtype: torch.dtype = torch.float64,
     rtol: float = 1e-7,
     atol: float = 1e-9,
+    chunk_size: int | None = None,
 ) -> BatchModule:
     """Check that ``BatchModule`` runs N models of your architecture exactly as N separate ones.
 
     ``module_factory()`` builds one model (fresh weights each call); ``make_inputs(N)``
-    returns the arguments of ``method`` with a leading model dim ``(N, b, ...)``.  Checked,
+    returns the arguments of ``method`` with a leading model dim ``(N, b, ...)``; ``chunk_size``
+    runs the models that many at a time (as BatchModule does on a CPU).  Checked,
     in float64: outputs in train and eval mode; gradient isolation (backprop through model
     k's output alone leaves every other model's parameter and input gradients exactly zero,
     and model k's equal its standalone gradients); and a state-dict round trip.  Raises
@@ -61,6 +63,7 @@ def check_model_batching(
     torch.manual_seed(0)
     models = [module_factory().to(dtype) for _ in range(batch)]
     bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.chunk_size = chunk_size
     inputs = tuple(
         map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, a)
         for a in make_inputs(batch)

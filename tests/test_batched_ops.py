@@ -100,11 +100,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [None, 2], ids=["all-models", "chunks-of-2"])
 @pytest.mark.parametrize("name, factory, make_inputs", CASES, ids=[c[0] for c in CASES])
-def test_layer_runs_like_separate_models(name: str, factory, make_inputs) -> None:
+def test_layer_runs_like_separate_models(name: str, factory, make_inputs, chunk) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback case warns; tested below
-        check_model_batching(factory, make_inputs, batch=N)
+        check_model_batching(factory, make_inputs, batch=N, chunk_size=chunk)
 
 
 def test_check_model_batching_reports_a_broken_layer() -> None:
@@ -197,6 +198,7 @@ def test_three_optimizer_steps_equal_separate_training(name: str, make_opt) -> N
     torch.manual_seed(0)
     models = [LeNet().double() for _ in range(N)]
     bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.chunk_size = 2  # chunks of 2 and 1 models: gradients must still land per model
     opt = make_opt(bm.parameters())
     opts = [make_opt(m.parameters()) for m in models]
     for _ in range(3):

@@ -39,7 +39,7 @@ def register_batch_module(cls: T) -> T:
                 self.weight = self.stack(modules, "weight")
 
             def forward(self, x):                    # x: (b*N, ...) in (b g) order
-                return (self.split_models(x) * self.weight).flatten(0, 1)
+                return (self.split_models(x) * self.p("weight")).flatten(0, 1)
     """
     base = getattr(cls, "base_class", None)
     if not (isinstance(base, type) and issubclass(base, nn.Module)):
@@ -64,6 +64,36 @@ class AbstractBatchModule(nn.Module):
     def __init__(self, batch: int) -> None:
         super().__init__()
         self.batch = batch
+        # Set by BatchModule to run one chunk of the models: (chunk size, chunk index).
+        self.chunk: tuple[int, int] | None = None
+        self._parts: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def set_chunk(self, chunk: tuple[int, int] | None) -> None:
+        if chunk is None or chunk[1] == 0:
+            self._parts = {}  # a new pass: split the parameters afresh
+        self.chunk = chunk
+
+    @property
+    def n(self) -> int:
+        """The number of models this call runs (all N, or the current chunk's)."""
+        if self.chunk is None:
+            return self.batch
+        size, index = self.chunk
+        return min(size, self.batch - size * index)
+
+    def p(self, name: str) -> Any:
+        """Parameter or buffer ``name`` for the models this call runs (a view).
+
+        Chunks take the pieces of ONE ``split`` per pass, so backward concatenates their
+        gradients once instead of scattering each chunk's into a zero tensor of full size.
+        """
+        t = getattr(self, name)
+        if t is None or self.chunk is None:
+            return t
+        parts = self._parts.get(name)
+        if parts is None:
+            parts = self._parts[name] = t.split(self.chunk[0], 0)
+        return parts[self.chunk[1]]
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module]) -> AbstractBatchModule:
@@ -82,7 +112,7 @@ class AbstractBatchModule(nn.Module):
 
     def split_models(self, x: torch.Tensor) -> torch.Tensor:
         """``(b*N, ...)`` -> ``(b, N, ...)`` (a view)."""
-        return x.view(-1, self.batch, *x.shape[1:])
+        return x.view(-1, self.n, *x.shape[1:])
 
     def state_of(self, i: int) -> dict[str, torch.Tensor]:
         """Model ``i``'s state dict, with the base class's keys."""

@@ -35,6 +35,8 @@ def batched_linear(
 ) -> torch.Tensor:
     """``x @ weight[g].T + bias[g]`` for the rows of model g: x ``(b*N, ..., in)``, weight ``(N, out, in)``."""
     n, out_f, in_f = weight.shape
+    if n == 1:  # one model (a chunk of one): a plain linear map
+        return F.linear(x, weight[0], None if bias is None else bias[0])
     rest = x.shape[1:-1]
     # (b*N, ..., in) -> (N, b*..., in): one copy of the input, then one batched matmul.
     xt = x.reshape(-1, n, *rest, in_f).movedim(1, 0).reshape(n, -1, in_f)
@@ -57,7 +59,7 @@ class BatchLinear(AbstractBatchModule):
         self.register_parameter("bias", self.stack(modules, "bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return batched_linear(x, self.weight, self.bias)
+        return batched_linear(x, self.p("weight"), self.p("bias"))
 
 
 class BatchConv(AbstractBatchModule):
@@ -75,16 +77,39 @@ class BatchConv(AbstractBatchModule):
         self.register_parameter("bias", self.stack(modules, "bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.batch
+        n, weight, bias = self.n, self.p("weight"), self.p("bias")
         xg = x.reshape(-1, n * x.shape[1], *x.shape[2:])  # (b, N*C, ...): the same memory
         padding: Any = self.padding
         if self.padding_mode != "zeros":
             xg = F.pad(xg, self._pad_twice, mode=self.padding_mode)
             padding = 0
-        w = self.weight.reshape(n * self.weight.shape[1], *self.weight.shape[2:])
-        b = None if self.bias is None else self.bias.reshape(-1)
-        y = self._conv(xg, w, b, self.stride, padding, self.dilation, n * self.groups)
-        return y.reshape(-1, self.out_channels, *y.shape[2:])
+        if n == 1:  # one model (a chunk of one): a plain convolution
+            y = self._conv(
+                xg,
+                weight[0],
+                None if bias is None else bias[0],
+                self.stride,
+                padding,
+                self.dilation,
+                self.groups,
+            )
+            return y
+        if xg.is_cuda:  # cuDNN runs grouped convolutions well: one call for all N models
+            w = weight.reshape(n * weight.shape[1], *weight.shape[2:])
+            b = None if bias is None else bias.reshape(-1)
+            y = self._conv(xg, w, b, self.stride, padding, self.dilation, n * self.groups)
+            return y.reshape(-1, self.out_channels, *y.shape[2:])
+        # On CPU a grouped convolution is ~1.6x slower than N plain ones (benchmarks/models.py):
+        # move the model dim first (one copy), convolve each model's contiguous slice, and
+        # stack back into (b g) order (one copy).
+        xs = xg.reshape(xg.shape[0], n, -1, *xg.shape[2:]).transpose(0, 1).contiguous()
+        biases = [None] * n if bias is None else bias.unbind(0)
+        ys = [
+            self._conv(xi, wi, bi, self.stride, padding, self.dilation, self.groups)
+            for xi, wi, bi in zip(xs.unbind(0), weight.unbind(0), biases)
+        ]
+        y = torch.stack(ys, 1)
+        return y.reshape(-1, *y.shape[2:])
 
 
 for _base in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
@@ -105,20 +130,26 @@ class BatchBatchNorm(AbstractBatchModule):
             self.register_buffer(name, self.stack(modules, name, buffer=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.batch
+        n = self.n
+        mean, var, tracked = (
+            self.p("running_mean"),
+            self.p("running_var"),
+            self.p("num_batches_tracked"),
+        )
+        weight, bias = self.p("weight"), self.p("bias")
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        if self.training and self.track_running_stats and tracked is not None:
+            tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
-                factor = 1.0 / float(self.num_batches_tracked[0])
-        use_batch = self.training or self.running_mean is None
+                factor = 1.0 / float(tracked[0])
+        use_batch = self.training or mean is None
         xg = x.reshape(-1, n * x.shape[1], *x.shape[2:])
         y = F.batch_norm(
             xg,
-            None if self.running_mean is None else self.running_mean.view(-1),
-            None if self.running_var is None else self.running_var.view(-1),
-            None if self.weight is None else self.weight.reshape(-1),
-            None if self.bias is None else self.bias.reshape(-1),
+            None if mean is None else mean.view(-1),
+            None if var is None else var.view(-1),
+            None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1),
             use_batch,
             factor,
             self.eps,
@@ -160,7 +191,7 @@ class BatchLayerNorm(AbstractBatchModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         k = len(self.normalized_shape)
-        return _affine(y, self.batch, self.weight, self.bias, k, x.dim() - k)
+        return _affine(y, self.n, self.p("weight"), self.p("bias"), k, x.dim() - k)
 
 
 @register_batch_module
@@ -176,7 +207,7 @@ class BatchGroupNorm(AbstractBatchModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.group_norm(x, self.num_groups, None, None, self.eps)
-        return _affine(y, self.batch, self.weight, self.bias, 1, 1)
+        return _affine(y, self.n, self.p("weight"), self.p("bias"), 1, 1)
 
 
 @register_batch_module
@@ -192,10 +223,10 @@ class BatchEmbedding(AbstractBatchModule):
         self.weight = self.stack(modules, "weight")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        n, v = self.batch, self.num_embeddings
+        n, v = self.n, self.num_embeddings
         model = torch.arange(ids.shape[0], device=ids.device) % n
         offset = (model * v).view(-1, *([1] * (ids.dim() - 1)))
-        out = F.embedding(ids + offset, self.weight.view(n * v, -1))
+        out = F.embedding(ids + offset, self.p("weight").reshape(n * v, -1))
         if self.padding_idx is not None:  # no gradient into the padding row, as nn.Embedding
             keep = (ids != self.padding_idx).unsqueeze(-1)
             out = torch.where(keep, out, out.detach())
@@ -211,8 +242,9 @@ class _BatchCell(AbstractBatchModule):
             self.register_parameter(name, self.stack(modules, name))
 
     def _gates(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return batched_linear(x, self.weight_ih, self.bias_ih), batched_linear(
-            h, self.weight_hh, self.bias_hh
+        return (
+            batched_linear(x, self.p("weight_ih"), self.p("bias_ih")),
+            batched_linear(h, self.p("weight_hh"), self.p("bias_hh")),
         )
 
     def _zeros(self, x: torch.Tensor) -> torch.Tensor:

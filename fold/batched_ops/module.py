@@ -23,6 +23,27 @@ from fold.errors import FoldError
 
 __all__ = ["BatchModule", "VmapFallback"]
 
+_CPU_CHUNK_BYTES = 256 * 1024
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _cat_outputs(parts: list[Any]) -> Any:
+    """Concatenate per-chunk outputs (tensors, or tuples of them) along the model dim."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, 0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_cat_outputs([p[i] for p in parts]) for i in range(len(first)))
+    return first
+
+
 # Method names a model may define that shadow nn.Module's own (TorchFold's SPINN example calls
 # its combine op `children`, which breaks .to() and .cuda(), since those walk children()).
 _SHADOWED = {
@@ -80,11 +101,14 @@ class VmapFallback(AbstractBatchModule):
 
     def call(self, method: str, *args: Any) -> Any:
         """Run ``method`` of the template on merged ``(b*N, ...)`` arguments."""
-        n = self.batch
+        n = self.n
         target = _Call(self.template, method)
         tensors = [self.params[j] for j in range(len(self.names))] + [
             getattr(self, f"buffer{j}") for j in range(len(self.bnames))
         ]
+        if self.chunk is not None:
+            size, index = self.chunk
+            tensors = [t.split(size, 0)[index] for t in tensors]
         keys = [f"module.{k}" for k in self.names + self.bnames]
 
         def one(flat: list[torch.Tensor], *xs: Any) -> Any:
@@ -217,6 +241,9 @@ class BatchModule(nn.Module):
 
     def _build(self, modules: list[nn.Module]) -> None:
         self.batch = len(modules)
+        # Models per pass of forward/method calls: None picks it (all on a GPU; on a CPU
+        # enough to keep a pass's input within a cache-sized budget).  Set an int to force.
+        self.chunk_size: int | None = None
         # The architecture, for unbatch(); kept out of the module tree (not a submodule), so
         # .to() and .train() never reach a model whose own methods shadow nn.Module's.
         self.__dict__["template"] = copy.deepcopy(modules[0])
@@ -253,14 +280,46 @@ class BatchModule(nn.Module):
         """Method ``name`` of the model, batched: ``(N, b, ...)`` in, ``(N, b, ...)`` out."""
         fn = self.merged(name)
         n = self.batch
+        where = f"BatchModule.{name}"
+
+        def run(args: tuple[Any, ...], m: int) -> Any:
+            merged = [map_tensors(lambda t: to_merged(t, m, where), a) for a in args]
+            return map_tensors(lambda t: from_merged(t, m), fn(*merged))
 
         def batched(*args: Any) -> Any:
-            merged = [
-                map_tensors(lambda t: to_merged(t, n, f"BatchModule.{name}"), a) for a in args
-            ]
-            return map_tensors(lambda t: from_merged(t, n), fn(*merged))
+            for t in _tensors(args):  # check the model dim once, on the whole inputs
+                if t.dim() < 2 or t.shape[0] != n:
+                    to_merged(t, n, where)  # raises, naming the shape
+            size = self._chunk_for(args)
+            if size >= n:
+                return run(args, n)
+            layers = [m for m in self.model.modules() if isinstance(m, AbstractBatchModule)]
+            parts = []
+            try:
+                for index, start in enumerate(range(0, n, size)):
+                    for layer in layers:
+                        layer.set_chunk((size, index))
+                    cut = slice(start, min(n, start + size))
+                    chunk_args = tuple(map_tensors(lambda t, c=cut: t[c], a) for a in args)
+                    parts.append(run(chunk_args, cut.stop - start))
+            finally:
+                for layer in layers:
+                    layer.set_chunk(None)
+            return _cat_outputs(parts)
 
         return batched
+
+    def _chunk_for(self, args: tuple[Any, ...]) -> int:
+        """Models per pass: ``chunk_size`` if set; else all N on a GPU, and on a CPU as many
+        as keep one pass's input within ``_CPU_CHUNK_BYTES``: there, cache locality beats
+        fewer and larger ops (benchmarks/models.py)."""
+        if self.chunk_size is not None:
+            return max(1, self.chunk_size)
+        tensors = _tensors(args)
+        if not tensors or tensors[0].is_cuda:
+            return self.batch
+        per_model = sum(t[0].numel() * t.element_size() for t in tensors)
+        return max(1, _CPU_CHUNK_BYTES // max(1, per_model))
 
     def forward(self, *args: Any) -> Any:
         return self.method("forward")(*args)

@@ -1,0 +1,118 @@
+"""N LeNets x 64 images, forward+backward: BatchModule vs a vmap ensemble vs a sequential loop.
+
+    python benchmarks/models.py                  # N = 32, 1 thread, CPU
+    python benchmarks/models.py --device cuda --models 10 100 1000
+
+The vmap ensemble is the torch.func recipe (stack_module_state + functional_call under vmap);
+the sequential loop runs the N models one after another.  Interleaved runs, medians; writes
+benchmarks/results/models.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved, median, table, write_json  # noqa: E402
+
+from fold.batched_ops import BatchModule, batch_loss  # noqa: E402
+
+
+class LeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--models", type=int, nargs="+", default=[32])
+    ap.add_argument("--images", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dev = args.device
+    rows = []
+    for n in args.models:
+        models = [LeNet().to(dev) for _ in range(n)]
+        bm = BatchModule.from_modules(copy.deepcopy(models)).to(dev)
+        params, buffers = stack_module_state(copy.deepcopy(models))
+        base = copy.deepcopy(models[0]).to("meta")
+        x = torch.randn(n, args.images, 1, 28, 28, device=dev)
+        y = torch.randint(0, 10, (n, args.images), device=dev)
+
+        def sync() -> None:
+            if dev == "cuda":
+                torch.cuda.synchronize()
+
+        def batched(bm=bm, x=x, y=y, n=n) -> None:
+            bm.zero_grad(set_to_none=True)
+            batch_loss(bm(x), y, n, F.cross_entropy).sum().backward()
+            sync()
+
+        def ensemble(params=params, buffers=buffers, base=base, x=x, y=y) -> None:
+            for p in params.values():
+                p.grad = None
+
+            def one(p, b, xi, yi):
+                return F.cross_entropy(functional_call(base, (p, b), (xi,)), yi)
+
+            vmap(one)(params, buffers, x, y).sum().backward()
+            sync()
+
+        def sequential(models=models, x=x, y=y) -> None:
+            for i, m in enumerate(models):
+                m.zero_grad(set_to_none=True)
+                F.cross_entropy(m(x[i]), y[i]).backward()
+            sync()
+
+        for p in params.values():
+            p.requires_grad_(True)
+        times = interleaved(
+            {"batchmodule": batched, "vmap": ensemble, "sequential": sequential}, args.reps
+        )
+        med = {k: median(v) for k, v in times.items()}
+        best = min(med["vmap"], med["sequential"])
+        for k in ("batchmodule", "vmap", "sequential"):
+            rows.append(
+                {
+                    "models": n,
+                    "method": k,
+                    "median_ms": 1e3 * med[k],
+                    "samples/s": n * args.images / med[k],
+                    "vs_best_baseline": med[k] / best,
+                }
+            )
+    print(
+        f"LeNet x {args.images} images of 1x28x28, forward+backward, device {dev}, {args.threads} thread(s)"
+    )
+    print(table(rows, ["models", "method", "median_ms", "samples/s", "vs_best_baseline"]))
+    print(
+        f"wrote {write_json('models' + ('' if dev == 'cpu' else '_' + dev), {'args': vars(args), 'rows': rows})}"
+    )
+
+
+if __name__ == "__main__":
+    main()
