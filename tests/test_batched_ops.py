@@ -45,6 +45,36 @@ class Scaled(nn.Module):
         return self.lin(x) * self.scale
 
 
+class BatchFirst(nn.Module):
+    """An LSTM/GRU whose states cross the model boundary batch-first (B, layers, H)."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x, h0=None, c0=None):
+        hx = None
+        if h0 is not None:
+            hx = h0.transpose(0, 1).contiguous()
+            if c0 is not None:
+                hx = (hx, c0.transpose(0, 1).contiguous())
+        out, h = self.rnn(x, hx)
+        states = h if isinstance(h, tuple) else (h,)
+        return (out, *(s.transpose(0, 1) for s in states))
+
+
+class LastStep(nn.Module):
+    """A batch-first model around a sequence-first GRU: the merged batch sits in dim 1 there."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):  # x: (B, T, in)
+        out, h = self.rnn(x.transpose(0, 1))
+        return torch.cat([out[-1], h.sum(0)], 1)
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -95,6 +125,41 @@ CASES = [
         lambda: nn.LSTMCell(3, 4),
         lambda n: (torch.randn(n, 5, 3), (torch.randn(n, 5, 4), torch.randn(n, 5, 4))),
     ),
+    (
+        "conv-transpose1d",
+        lambda: nn.ConvTranspose1d(2, 3, 3, stride=2, output_padding=1),
+        randn(2, 2, 5),
+    ),
+    (
+        "conv-transpose2d-groups",
+        lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, groups=2),
+        randn(2, 4, 4, 4),
+    ),
+    (
+        "bilinear",
+        lambda: nn.Bilinear(3, 4, 2),
+        lambda n: (torch.randn(n, 5, 3), torch.randn(n, 5, 4)),
+    ),
+    (
+        "lstm-2-layers-batch-first",
+        lambda: BatchFirst(nn.LSTM(3, 4, num_layers=2, batch_first=True)),
+        randn(2, 5, 3),
+    ),
+    (
+        "gru-bidirectional-seq-first",
+        lambda: LastStep(nn.GRU(3, 4, bidirectional=True)),
+        randn(5, 4, 3),
+    ),
+    (
+        "lstm-with-initial-state",
+        lambda: BatchFirst(nn.LSTM(3, 4, batch_first=True)),
+        lambda n: (torch.randn(n, 2, 6, 3), torch.randn(n, 2, 1, 4), torch.randn(n, 2, 1, 4)),
+    ),
+    (
+        "gru-dropout-eval-only",
+        lambda: BatchFirst(nn.GRU(3, 4, num_layers=2, batch_first=True, dropout=0.5)),
+        randn(2, 5, 3),
+    ),
     ("sequential-block", Block, randn(2, 3, 6, 6)),
     ("vmap-fallback", Scaled, randn(5, 4)),
 ]
@@ -105,7 +170,8 @@ CASES = [
 def test_layer_runs_like_separate_models(name: str, factory, make_inputs, chunk) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback case warns; tested below
-        check_model_batching(factory, make_inputs, batch=N, chunk_size=chunk)
+        modes = ("eval",) if "eval-only" in name else ("train", "eval")
+        check_model_batching(factory, make_inputs, batch=N, chunk_size=chunk, modes=modes)
 
 
 def test_check_model_batching_reports_a_broken_layer() -> None:

@@ -18,6 +18,10 @@ from fold.batched_ops.core import AbstractBatchModule, register_batch_module
 
 __all__ = [
     "BatchBatchNorm",
+    "BatchBilinear",
+    "BatchConvTranspose",
+    "BatchGRU",
+    "BatchLSTM",
     "BatchConv",
     "BatchEmbedding",
     "BatchGRUCell",
@@ -289,3 +293,127 @@ class BatchLSTMCell(_BatchCell):
         i, f, g, o = (gi + gh).chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class _BatchRNN(AbstractBatchModule):
+    """Multi-layer (bi)LSTM/GRU of N models.  Every tensor keeps its batch dim merged in
+    ``(b g)`` order: dim 0 of a batch-first input/output, dim 1 otherwise and of h_n/c_n."""
+
+    mode = ""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(len(modules))
+        m: Any = modules[0]
+        if getattr(m, "proj_size", 0):
+            raise NotImplementedError("LSTM proj_size")
+        self.hidden_size, self.num_layers, self.bias_on = m.hidden_size, m.num_layers, m.bias
+        self.batch_first, self.dropout, self.dirs = (
+            m.batch_first,
+            m.dropout,
+            2 if m.bidirectional else 1,
+        )
+        for name, _ in m.named_parameters():
+            self.register_parameter(name, self.stack(modules, name))
+
+    def _cell(
+        self, gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, w: Any, b: Any
+    ) -> tuple[torch.Tensor, Any]:
+        gh = batched_linear(h, w, b)
+        if self.mode == "LSTM":
+            i, f, g, o = (gi + gh).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+        ir, iz, in_ = gi.chunk(3, 1)
+        hr, hz, hn = gh.chunk(3, 1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        return (1 - z) * torch.tanh(in_ + r * hn) + z * h, None
+
+    def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
+        seq = x if self.batch_first else x.transpose(0, 1)  # (B*N, T, in)
+        rows, steps = seq.shape[0], seq.shape[1]
+        lstm = self.mode == "LSTM"
+        if hx is None:
+            zeros = seq.new_zeros(self.num_layers * self.dirs, rows, self.hidden_size)
+            h0, c0 = zeros, zeros if lstm else None
+        else:
+            h0, c0 = hx if lstm else (hx, None)
+        hs, cs = [], []
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(self.dirs):
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                bias_ih = self.p("bias_ih" + sfx) if self.bias_on else None
+                bias_hh = self.p("bias_hh" + sfx) if self.bias_on else None
+                gates = batched_linear(seq, self.p("weight_ih" + sfx), bias_ih)  # (B*N, T, G)
+                k = layer * self.dirs + d
+                h, c = h0[k], (c0[k] if lstm else None)
+                order = range(steps - 1, -1, -1) if d else range(steps)
+                ys: list[torch.Tensor] = [seq] * steps
+                for t in order:
+                    h, c = self._cell(gates[:, t], h, c, self.p("weight_hh" + sfx), bias_hh)
+                    ys[t] = h
+                outs.append(torch.stack(ys, 1))
+                hs.append(h)
+                if lstm:
+                    cs.append(c)
+            seq = outs[0] if self.dirs == 1 else torch.cat(outs, 2)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                seq = F.dropout(seq, self.dropout, True)
+        out = seq if self.batch_first else seq.transpose(0, 1)
+        h_n = torch.stack(hs)
+        return out, ((h_n, torch.stack(cs)) if lstm else h_n)
+
+
+@register_batch_module
+class BatchLSTM(_BatchRNN):
+    base_class = nn.LSTM
+    mode = "LSTM"
+
+
+@register_batch_module
+class BatchGRU(_BatchRNN):
+    base_class = nn.GRU
+    mode = "GRU"
+
+
+class BatchConvTranspose(BatchConv):
+    """ConvTranspose1d/2d of N models (grouped on a GPU, per model on a CPU)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(modules)
+        m: Any = modules[0]
+        self.output_padding = m.output_padding
+        fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[
+            len(m.kernel_size)
+        ]
+        # Same call shape as a convolution: (x, w, b, stride, padding, dilation, groups).
+        self._conv = lambda x, w, b, stride, padding, dilation, groups: fn(
+            x, w, b, stride, padding, self.output_padding, groups, dilation
+        )
+        self.out_channels = m.out_channels
+
+
+for _base in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+    register_batch_module(
+        type(f"Batch{_base.__name__}", (BatchConvTranspose,), {"base_class": _base})
+    )
+
+
+@register_batch_module
+class BatchBilinear(AbstractBatchModule):
+    base_class = nn.Bilinear
+
+    def __init__(self, modules: Sequence[nn.Bilinear]) -> None:
+        super().__init__(len(modules))
+        self.weight = self.stack(modules, "weight")  # (N, out, in1, in2)
+        self.register_parameter("bias", self.stack(modules, "bias"))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        n = self.n
+        a = x1.reshape(-1, n, x1.shape[-1])
+        b = x2.reshape(-1, n, x2.shape[-1])
+        y = torch.einsum("rni,noij,rnj->rno", a, self.p("weight"), b)
+        bias = self.p("bias")
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x1.shape[:-1], y.shape[-1])
