@@ -1,11 +1,13 @@
-"""N LeNets x 64 images, forward+backward: BatchModule vs a vmap ensemble vs a sequential loop.
+"""N LeNets (or MLPs) x 64 images, forward+backward: BatchModule vs a vmap ensemble vs a
+sequential loop.
 
-    python benchmarks/models.py                  # N = 32, 1 thread, CPU
+    python benchmarks/models.py                  # 32 LeNets, 1 thread, CPU
+    python benchmarks/models.py --arch mlp       # 784-128-128-10 MLPs
     python benchmarks/models.py --device cuda --models 10 100 1000
 
 The vmap ensemble is the torch.func recipe (stack_module_state + functional_call under vmap);
 the sequential loop runs the N models one after another.  Interleaved runs, medians; writes
-benchmarks/results/models.json.
+benchmarks/results/models_<arch>[_cuda].json.
 """
 
 from __future__ import annotations
@@ -41,11 +43,33 @@ class LeNet(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
+class MLP(nn.Module):
+    """784-128-128-10, the issue's second GPU workload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(784, 128),
+            nn.ReLU(),
+            nn.Linear(128, 128),
+            nn.ReLU(),
+            nn.Linear(128, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+ARCHS = {"lenet": LeNet, "mlp": MLP}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--models", type=int, nargs="+", default=[32])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="lenet")
     ap.add_argument("--images", type=int, default=64)
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--device", default="cpu")
@@ -56,7 +80,7 @@ def main() -> None:
     dev = args.device
     rows = []
     for n in args.models:
-        models = [LeNet().to(dev) for _ in range(n)]
+        models = [ARCHS[args.arch]().to(dev) for _ in range(n)]
         bm = BatchModule.from_modules(copy.deepcopy(models)).to(dev)
         params, buffers = stack_module_state(copy.deepcopy(models))
         base = copy.deepcopy(models[0]).to("meta")
@@ -109,9 +133,8 @@ def main() -> None:
         f"LeNet x {args.images} images of 1x28x28, forward+backward, device {dev}, {args.threads} thread(s)"
     )
     print(table(rows, ["models", "method", "median_ms", "samples/s", "vs_best_baseline"]))
-    print(
-        f"wrote {write_json('models' + ('' if dev == 'cpu' else '_' + dev), {'args': vars(args), 'rows': rows})}"
-    )
+    name = f"models_{args.arch}" + ("" if dev == "cpu" else f"_{dev}")
+    print(f"wrote {write_json(name, {'args': vars(args), 'rows': rows})}")
 
 
 if __name__ == "__main__":

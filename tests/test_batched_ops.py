@@ -197,6 +197,24 @@ def test_fallback_warns_naming_the_module() -> None:
     assert isinstance(bm.model, VmapFallback)
 
 
+def test_a_module_vmap_cannot_run_is_a_fold_error() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return x * self.w if x.sum().item() > 0 else x  # data-dependent control flow
+
+    with pytest.warns(UserWarning, match="Branchy"):
+        bm = BatchModule(nn.Sequential(nn.Linear(2, 2), Branchy()), batch=2)
+    with pytest.raises(
+        FoldError,
+        match=r"BatchModule: 1 \(Branchy.forward\) has no batched layer and does not run under torch.vmap",
+    ):
+        bm(torch.randn(2, 3, 2))
+
+
 def test_dropout_masks_are_independent_per_model() -> None:
     bm = BatchModule(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)), batch=4)
     x = torch.randn(1, 16, 8).expand(4, 16, 8)

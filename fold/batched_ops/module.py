@@ -80,8 +80,9 @@ class VmapFallback(AbstractBatchModule):
     used for a module whose methods use raw parameters directly (``x * self.scale``).
     """
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], path: str = "") -> None:
         super().__init__(len(modules))
+        self.path = path or "the root"
         self.template = copy.deepcopy(modules[0])
         names = [k for k, _ in modules[0].named_parameters()]
         bnames = [k for k, _ in modules[0].named_buffers()]
@@ -116,7 +117,15 @@ class VmapFallback(AbstractBatchModule):
 
         split = [map_tensors(lambda t: t.view(-1, n, *t.shape[1:]), a) for a in args]
         dims = tuple(1 if isinstance(a, torch.Tensor) else None for a in args)
-        out = vmap(one, in_dims=(0, *dims), out_dims=1)(tensors, *split)
+        try:
+            out = vmap(one, in_dims=(0, *dims), out_dims=1)(tensors, *split)
+        except Exception as err:
+            raise FoldError(
+                f"BatchModule: {self.path} ({type(self.template).__name__}.{method}) has no batched "
+                f"layer and does not run under torch.vmap: {type(err).__name__}: {err}. Fix: "
+                "register a batched layer for it with register_batch_module, or avoid "
+                "data-dependent Python control flow (.item(), if on tensor values) in it."
+            ) from err
         return map_tensors(lambda t: t.reshape(-1, *t.shape[2:]), out)
 
     def forward(self, *args: Any) -> Any:
@@ -182,14 +191,14 @@ def _convert(modules: list[nn.Module], path: str, fallbacks: list[str]) -> nn.Mo
             return layer.from_modules(modules)
         except NotImplementedError as err:
             fallbacks.append(f"{path or 'the root'} ({type(first).__name__}: {err})")
-            return VmapFallback(modules)
+            return VmapFallback(modules, path)
     if not any(True for _ in first.parameters()) and not any(True for _ in first.buffers()):
         return copy.deepcopy(first)  # parameter-free: runs on merged rows unchanged
     if _has_own_state(first):
         fallbacks.append(
             f"{path or 'the root'} ({type(first).__name__}: uses its own parameters directly)"
         )
-        return VmapFallback(modules)
+        return VmapFallback(modules, path)
     shell = copy.copy(first)  # the same class and attributes; fresh registries, children below
     shell._parameters, shell._buffers, shell._modules = {}, {}, {}
     shadowed = {n for n in _SHADOWED if _defines(type(first), n)}
