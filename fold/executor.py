@@ -85,6 +85,14 @@ class Executor:
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
+        # N models of a BatchModule: every node value has N rows, (node, model) order.
+        self.models = int(getattr(obj, "batch", 1)) if _is_batch_module(obj) else 1
+        if self.models > 1 and graph.nobatch_ids:
+            raise FoldError(
+                "apply: nobatch nodes are not supported with a BatchModule of several models yet. "
+                "Fix: compute the shared value inside the op, or apply each model separately."
+            )
+        self._expand = torch.arange(self.models, device=self.device) if self.models > 1 else None
         # Handle -> virtual row of its value (see _CLASS_SHIFT); nobatch handles -> source.
         self.vrow: dict[int, int] = {}
         self.whole: dict[int, int] = {}
@@ -106,7 +114,9 @@ class Executor:
     def _resolve(self, op: Any) -> Callable[..., Any]:
         fn = self._fns.get(op)
         if fn is None:
-            if isinstance(op, str):
+            if isinstance(op, str) and _is_batch_module(self.obj):
+                fn = self.obj.merged(op)  # the model's own method, on (node, model) rows
+            elif isinstance(op, str):
                 fn = getattr(self.obj, op, None)
                 if fn is None or not callable(fn):
                     raise FoldError(
@@ -155,7 +165,7 @@ class Executor:
         start = starts[j]
         src = self._class_srcs[c][j]
         n = len(rows)
-        if hi < start + self.sources[src].shape[0]:  # all from one source
+        if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
             if hi - lo == n - 1 and rows == list(range(lo, lo + n)):
                 return src, lo - start, n, -1, 0
             idx.append(rows)
@@ -179,12 +189,13 @@ class Executor:
         if k == len(srcs):
             return
         sources = self.sources
-        need = self._class_rows[c]
-        start = self._class_starts[c][k] & _ROW_MASK
+        m = self.models  # tensor rows per node row
+        need = self._class_rows[c] * m
+        start = (self._class_starts[c][k] & _ROW_MASK) * m
         table = self._tables[c]
         if table is None or table.shape[0] < need:
             last = sources[srcs[-1]]
-            cap = need + self._rows_left * self._outs_per_row[c]
+            cap = need + self._rows_left * self._outs_per_row[c] * m
             grown = last.new_empty((cap, *last.shape[1:]))
             if table is not None:
                 grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
@@ -206,12 +217,19 @@ class Executor:
             table = self._tables[c]
             assert table is not None
             index = torch.tensor([rows[i] & _ROW_MASK for i in positions])
-            index = index.to(table.device, non_blocking=True)
+            index = self._rows_of(index.to(table.device, non_blocking=True))
             parts.append(table.index_select(0, index))
             order += positions
         perm = torch.empty(len(rows), dtype=torch.long)
         perm[torch.tensor(order)] = torch.arange(len(rows))
-        return torch.cat(parts, 0).index_select(0, perm.to(parts[0].device, non_blocking=True))
+        perm = self._rows_of(perm.to(parts[0].device, non_blocking=True))
+        return torch.cat(parts, 0).index_select(0, perm)
+
+    def _rows_of(self, index: torch.Tensor) -> torch.Tensor:
+        """Node rows -> tensor rows: each node has one row per model, model index fastest."""
+        if self._expand is None:
+            return index
+        return (index.unsqueeze(1) * self.models + self._expand).view(-1)
 
     def _index_tensors(self, idx: list[list[int]], recipes: list[_Recipe]) -> list[torch.Tensor]:
         """All index lists of a group as tensors: one ``torch.tensor`` call, one transfer."""
@@ -227,6 +245,8 @@ class Executor:
         for _, _, _, ix, bias in recipes:
             if ix >= 0 and bias:
                 views[ix].sub_(bias)
+        if self._expand is not None:
+            views = [self._rows_of(v) for v in views]
         return views
 
     def _gather(self, recipe: _Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
@@ -236,9 +256,10 @@ class Executor:
         t = self._tables[-1 - src] if src < 0 else self.sources[src]
         if ix >= 0:
             return t.index_select(0, itensors[ix])
-        if start == 0 and length == t.shape[0]:
+        m = self.models
+        if start == 0 and length * m == t.shape[0]:
             return t
-        return t.narrow(0, start, length)
+        return t.narrow(0, start * m, length * m)
 
     # ------------------------------------------------------------------ groups
     def _run_group(self, step: int, members: list[int]) -> None:
@@ -286,12 +307,12 @@ class Executor:
                 values.append(self.sources[p])
             elif type(p) is tuple:  # literal tensors: batch-of-one, concatenated
                 t = torch.cat(cols[j], 0) if n > 1 else cols[j][0]
-                values.append(
-                    t if t.device == self.device else t.to(self.device, non_blocking=True)
-                )
+                t = t if t.device == self.device else t.to(self.device, non_blocking=True)
+                values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
             else:
                 t = torch.tensor(cols[j], dtype=_NUMBER_DTYPES.get(p, torch.get_default_dtype()))
-                values.append(t if self.on_cpu else t.to(self.device, non_blocking=True))
+                t = t if self.on_cpu else t.to(self.device, non_blocking=True)
+                values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
 
         # Phase 3: the batched call.
         try:
@@ -385,7 +406,7 @@ class Executor:
                 "must return a tensor or a tuple of tensors. Fix: return torch tensors, e.g. "
                 "torch.as_tensor(value)."
             )
-        n = len(members)
+        n = len(members) * self.models
         if not alone:
             for k, t in enumerate(outs):
                 if t.dim() == 0 or t.shape[0] != n:
@@ -400,7 +421,7 @@ class Executor:
         if m > 1 or nsplit:
             got = list(map(nsplit.get, members))
             ok = got.count(m) if m > 1 else got.count(None) + got.count(1)
-            if ok != n:
+            if ok != len(members):
                 nid, want = next((i, w or 0) for i, w in zip(members, got) if (w or 1) != m)
                 if want == 0:
                     raise FoldError(
@@ -446,7 +467,10 @@ class Executor:
                 f"({', '.join(map(str, sorted(metas)))}); they cannot be concatenated along "
                 "dim 0. Fix: put nodes of each shape in their own list."
             )
-        return self._gather(recipe, self._index_tensors(idx, [recipe]))
+        out = self._gather(recipe, self._index_tensors(idx, [recipe]))
+        if self.models > 1:  # (k*N, ...) -> (N, k, ...): one slice per model
+            out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
+        return out
 
     def _value(self, h: int) -> torch.Tensor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""
@@ -456,6 +480,12 @@ class Executor:
         c = v >> _CLASS_SHIFT
         j = bisect.bisect_right(self._class_starts[c], v) - 1
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
+
+
+def _is_batch_module(obj: Any) -> bool:
+    from fold.batched_ops import BatchModule
+
+    return isinstance(obj, BatchModule)
 
 
 def _describe_output(out: Any) -> str:
