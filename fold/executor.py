@@ -80,16 +80,19 @@ class Executor:
     as hand-written level batching does, and everything stays out of place.
     """
 
-    def __init__(self, graph: Fold, obj: Any) -> None:
+    def __init__(self, graph: Fold, obj: Any, models: int | None = None) -> None:
         self.graph = graph
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
         # N models of a BatchModule: every node value has N rows, (node, model) order.
-        self.models = int(getattr(obj, "batch", 1)) if _is_batch_module(obj) else 1
-        if self.models > 1 and graph.nobatch_ids:
+        if models is None:
+            models = int(getattr(obj, "batch", 1)) if _is_batch_module(obj) else 1
+        self.models = models
+        self.model_dim = _is_batch_module(obj)  # node outputs come back (models, len, ...)
+        if self.model_dim and graph.nobatch_ids:
             raise FoldError(
-                "apply: nobatch nodes are not supported with a BatchModule of several models yet. "
+                "apply: nobatch nodes are not supported with a BatchModule yet. "
                 "Fix: compute the shared value inside the op, or apply each model separately."
             )
         self._expand = torch.arange(self.models, device=self.device) if self.models > 1 else None
@@ -468,7 +471,7 @@ class Executor:
                 "dim 0. Fix: put nodes of each shape in their own list."
             )
         out = self._gather(recipe, self._index_tensors(idx, [recipe]))
-        if self.models > 1:  # (k*N, ...) -> (N, k, ...): one slice per model
+        if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
             out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
         return out
 

@@ -448,9 +448,28 @@ class Fold:
         from fold.executor import Executor
 
         specs = _classify_lists(lists)
+        plan = self.plan()
+        chunk = obj.fold_chunk() if hasattr(obj, "fold_chunk") else None
+        if chunk is not None and chunk < obj.batch:
+            # A BatchModule run a chunk of its models at a time: one graph, one plan, the
+            # executor once per chunk; node outputs are concatenated along the model dim.
+            parts = []
+            for cut in obj.chunks(chunk):
+                ex = Executor(self, obj, models=cut.stop - cut.start)
+                try:
+                    ex.run(plan)
+                    parts.append(
+                        [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
+                    )
+                finally:
+                    self.last_run = ex.report
+            return [
+                torch.cat([p[i] for p in parts], 0) if kind == _NODES else parts[0][i]
+                for i, (kind, _) in enumerate(specs)
+            ]
         ex = Executor(self, obj)
         try:
-            ex.run(self.plan())
+            ex.run(plan)
             return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
         finally:
             self.last_run = ex.report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -302,21 +302,35 @@ class BatchModule(nn.Module):
             size = self._chunk_for(args)
             if size >= n:
                 return run(args, n)
-            layers = [m for m in self.model.modules() if isinstance(m, AbstractBatchModule)]
             parts = []
-            try:
-                for index, start in enumerate(range(0, n, size)):
-                    for layer in layers:
-                        layer.set_chunk((size, index))
-                    cut = slice(start, min(n, start + size))
-                    chunk_args = tuple(map_tensors(lambda t, c=cut: t[c], a) for a in args)
-                    parts.append(run(chunk_args, cut.stop - start))
-            finally:
-                for layer in layers:
-                    layer.set_chunk(None)
+            for cut in self.chunks(size):
+                chunk_args = tuple(map_tensors(lambda t, c=cut: t[c], a) for a in args)
+                parts.append(run(chunk_args, cut.stop - cut.start))
             return _cat_outputs(parts)
 
         return batched
+
+    def chunks(self, size: int) -> Iterator[slice]:
+        """Run the models ``size`` at a time: yields each chunk's model slice while the
+        batched layers compute for that chunk only (views of one split of each weight)."""
+        layers = [m for m in self.model.modules() if isinstance(m, AbstractBatchModule)]
+        try:
+            for index, start in enumerate(range(0, self.batch, size)):
+                for layer in layers:
+                    layer.set_chunk((size, index))
+                yield slice(start, min(self.batch, start + size))
+        finally:
+            for layer in layers:
+                layer.set_chunk(None)
+
+    def fold_chunk(self) -> int:
+        """Models per pass when fold applies a graph to this module: ``chunk_size`` if set;
+        else all N on a GPU and one at a time on a CPU, where the work of a pass is cache
+        bound and one recorded graph run N times is fastest (benchmarks/sweep.py)."""
+        if self.chunk_size is not None:
+            return max(1, self.chunk_size)
+        p = next(iter(self.parameters()), None)
+        return self.batch if p is None or p.is_cuda else 1
 
     def _chunk_for(self, args: tuple[Any, ...]) -> int:
         """Models per pass: ``chunk_size`` if set; else all N on a GPU, and on a CPU as many
