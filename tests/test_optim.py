@@ -1,0 +1,213 @@
+"""Per-model optimizers against torch.optim on each model alone (float64), isolation, freezing."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fold.optim as fo
+from fold import FoldError
+from fold.batched_ops import BatchModule, batch_loss
+
+N = 3
+
+
+def make() -> tuple[list[nn.Module], BatchModule]:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double() for _ in range(N)]
+    return models, BatchModule.from_modules(copy.deepcopy(models))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(N, 5, 4, generator=g, dtype=torch.double), torch.randint(
+        0, 3, (N, 5), generator=g
+    )
+
+
+CASES = [
+    (
+        "sgd",
+        lambda p: fo.SGD(
+            p,
+            N,
+            lr=[0.1, 0.05, 0.2],
+            momentum=[0.0, 0.9, 0.5],
+            weight_decay=[0, 1e-2, 1e-3],
+            nesterov=False,
+        ),
+        lambda p, i: torch.optim.SGD(
+            p, lr=[0.1, 0.05, 0.2][i], momentum=[0.0, 0.9, 0.5][i], weight_decay=[0, 1e-2, 1e-3][i]
+        ),
+    ),
+    (
+        "sgd-nesterov-dampening",
+        lambda p: fo.SGD(p, N, lr=0.1, momentum=[0.9, 0.8, 0.7], nesterov=True, weight_decay=1e-3),
+        lambda p, i: torch.optim.SGD(
+            p, lr=0.1, momentum=[0.9, 0.8, 0.7][i], nesterov=True, weight_decay=1e-3
+        ),
+    ),
+    (
+        "adam",
+        lambda p: fo.Adam(
+            p,
+            N,
+            lr=[1e-2, 3e-3, 1e-3],
+            betas=([0.9, 0.8, 0.95], 0.99),
+            eps=[1e-8, 1e-6, 1e-7],
+            weight_decay=[0, 0.1, 0],
+        ),
+        lambda p, i: torch.optim.Adam(
+            p,
+            lr=[1e-2, 3e-3, 1e-3][i],
+            betas=([0.9, 0.8, 0.95][i], 0.99),
+            eps=[1e-8, 1e-6, 1e-7][i],
+            weight_decay=[0, 0.1, 0][i],
+        ),
+    ),
+    (
+        "adamw",
+        lambda p: fo.AdamW(p, N, lr=[1e-2, 3e-3, 1e-3], weight_decay=[0.1, 0.01, 0.0]),
+        lambda p, i: torch.optim.AdamW(
+            p, lr=[1e-2, 3e-3, 1e-3][i], weight_decay=[0.1, 0.01, 0.0][i]
+        ),
+    ),
+]
+
+
+def train(bm: BatchModule, opt, steps: int = 3, poison: tuple[int, float] | None = None) -> None:
+    for s in range(steps):
+        x, y = data(s)
+        opt.zero_grad()
+        batch_loss(bm(x), y, N, F.cross_entropy).sum().backward()
+        if poison is not None:
+            j, value = poison
+            for p in bm.parameters():
+                p.grad[j] = p.grad[j] * value if math.isfinite(value) else float("nan")
+        opt.step()
+
+
+@pytest.mark.parametrize("name, make_fold, make_torch", CASES, ids=[c[0] for c in CASES])
+def test_three_steps_equal_torch_optim_per_model(name, make_fold, make_torch) -> None:
+    models, bm = make()
+    train(bm, make_fold(bm.parameters()))
+    for i, m in enumerate(models):
+        opt = make_torch(m.parameters(), i)
+        for s in range(3):
+            x, y = data(s)
+            opt.zero_grad()
+            F.cross_entropy(m(x[i]), y[i]).backward()
+            opt.step()
+        mine = bm.state_dicts()[i]
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(
+                mine[k], v, msg=lambda s, k=k, i=i: f"{name} model {i} {k}: {s}"
+            )
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e6])
+@pytest.mark.parametrize("name, make_fold, make_torch", CASES, ids=[c[0] for c in CASES])
+def test_a_poisoned_gradient_stays_in_its_model(name, make_fold, make_torch, value) -> None:
+    _, clean = make()
+    _, dirty = make()
+    train(clean, make_fold(clean.parameters()))
+    train(dirty, make_fold(dirty.parameters()), poison=(1, value))
+    for a, b in zip(clean.parameters(), dirty.parameters()):
+        for i in (0, 2):
+            assert torch.equal(a[i], b[i]), (name, i)
+        assert not torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("name, make_fold, make_torch", CASES, ids=[c[0] for c in CASES])
+def test_a_frozen_model_is_bitwise_unchanged(name, make_fold, make_torch) -> None:
+    _, bm = make()
+    opt = make_fold(bm.parameters())
+    train(bm, opt, steps=2)
+    opt.freeze(2)
+    before = [p[2].clone() for p in bm.parameters()]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in bm.parameters()]
+    train(bm, opt, steps=3)
+    for p, b in zip(bm.parameters(), before):
+        assert torch.equal(p[2], b)
+    for p, sb in zip(bm.parameters(), state_before):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v[2], sb[k][2]), k
+            if k != "step":
+                assert not torch.equal(v[0], sb[k][0]), k  # the others moved on
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    _, a = make()
+    _, b = make()
+    oa, ob = fo.Adam(a.parameters(), N, lr=[1e-2, 1e-3, 5e-3]), fo.Adam(b.parameters(), N, lr=0.5)
+    train(a, oa, steps=2)
+    b.load_state_dicts(a.state_dicts())
+    ob.load_state_dict(oa.state_dict())
+    train(a, oa, steps=2)
+    train(b, ob, steps=2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_clip_grad_norm_clips_each_model_by_its_own_norm() -> None:
+    _, bm = make()
+    x, y = data(0)
+    batch_loss(bm(x), y, N, F.cross_entropy).sum().backward()
+    for p in bm.parameters():
+        p.grad[1] *= 1000
+    grads = [p.grad.clone() for p in bm.parameters()]
+    norms = fo.clip_grad_norm_(bm.parameters(), max_norm=[10.0, 1.0, 1e9], batch=N)
+    for i in range(N):
+        ref = torch.cat([g[i].flatten() for g in grads]).norm()
+        torch.testing.assert_close(norms[i], ref)
+    after = torch.stack(
+        [torch.cat([p.grad[i].flatten() for p in bm.parameters()]).norm() for i in range(N)]
+    )
+    torch.testing.assert_close(after[1], torch.tensor(1.0, dtype=after.dtype), atol=1e-5, rtol=0)
+    for p, g in zip(bm.parameters(), grads):  # model 2's limit is huge: untouched
+        assert torch.equal(p.grad[2], g[2])
+    assert after[0] <= 10.0 + 1e-6
+
+
+def test_schedules_follow_their_closed_forms_per_model() -> None:
+    _, bm = make()
+    opt = fo.SGD(bm.parameters(), N, lr=[1.0, 0.5, 0.1])
+    step = fo.StepLR(opt, step_size=[1, 2, 3], gamma=[0.5, 0.1, 0.9])
+    for _ in range(4):
+        step.step()
+    torch.testing.assert_close(
+        opt.param_groups[0]["lr"],
+        torch.tensor([0.5**4, 0.5 * 0.01, 0.1 * 0.9], dtype=torch.float64),
+    )
+    opt = fo.SGD(bm.parameters(), N, lr=[1.0, 2.0, 3.0])
+    cos = fo.CosineLR(opt, total_steps=[4, 8, 2], min_lr=[0.0, 1.0, 0.0])
+    for _ in range(2):
+        cos.step()
+    expected = [0.5, 1.0 + 1.0 * (1 + math.cos(math.pi / 4)) / 2, 0.0]
+    torch.testing.assert_close(
+        opt.param_groups[0]["lr"], torch.tensor(expected, dtype=torch.float64)
+    )
+    opt = fo.SGD(bm.parameters(), N, lr=[1.0, 1.0, 1.0])
+    warm = fo.LinearWarmup(opt, warmup_steps=[1, 4, 10])
+    torch.testing.assert_close(
+        opt.param_groups[0]["lr"], torch.tensor([1.0, 0.25, 0.1], dtype=torch.float64)
+    )
+    warm.step()
+    torch.testing.assert_close(
+        opt.param_groups[0]["lr"], torch.tensor([1.0, 0.5, 0.2], dtype=torch.float64)
+    )
+
+
+def test_bad_hyperparameters_and_parameters() -> None:
+    _, bm = make()
+    with pytest.raises(FoldError, match="lr has 2 values for 3 models"):
+        fo.Adam(bm.parameters(), N, lr=[1e-3, 1e-2])
+    with pytest.raises(FoldError, match=r"shape \(4,\) has no model dim of size 3"):
+        fo.SGD([nn.Parameter(torch.zeros(4))], N, lr=0.1)
+    with pytest.raises(FoldError, match="batch must be the number of models"):
+        fo.SGD(bm.parameters(), 0)
