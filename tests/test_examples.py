@@ -73,3 +73,29 @@ def test_mnist_example_reads_idx_files(tmp_path: Path) -> None:
     assert "256 training images of (28, 28)" in out
     acc = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
     assert acc > 50, out
+
+
+def test_sweep_example_trains_models_with_their_own_learning_rates(tmp_path: Path) -> None:
+    out = run(
+        "examples/sweep_tree_lstm.py",
+        "--models",
+        "3",
+        "--epochs",
+        "2",
+        "--train-size",
+        "300",
+        "--speed-trees",
+        "20",
+        "--lr-min",
+        "1e-4",
+        "--lr-max",
+        "3e-2",
+        "--out",
+        str(tmp_path),
+    )
+    rows = re.findall(r"lr=(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", out)
+    assert len(rows) == 3, out
+    # the largest learning rate learns the most in two epochs; the smallest barely moves
+    assert float(rows[-1][1]) < float(rows[0][1]), out
+    assert (tmp_path / "accuracy.png").exists() and list(tmp_path.glob("events.*"))
+    assert re.search(r"one fold \d+ trees/s, 3 models one after another \d+ trees/s", out)
