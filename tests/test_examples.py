@@ -52,15 +52,20 @@ def write_idx(path: Path, t: torch.Tensor) -> None:
     path.write_bytes(header + t.to(torch.uint8).numpy().tobytes())
 
 
-def test_mnist_example_reads_idx_files(tmp_path: Path) -> None:
+def write_fake_mnist(directory: Path) -> None:
+    """IDX files of 320 28x28 images that encode their label in one bright row."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 10, (320,), generator=g)
     # Images that encode their label, so the MLP can learn something in one epoch.
     images = torch.zeros(320, 28, 28)
     images[torch.arange(320), labels * 2, 5:20] = 255
     for stem, sl in (("train", slice(0, 256)), ("t10k", slice(256, 320))):
-        write_idx(tmp_path / f"{stem}-images-idx3-ubyte", images[sl])
-        write_idx(tmp_path / f"{stem}-labels-idx1-ubyte", labels[sl])
+        write_idx(directory / f"{stem}-images-idx3-ubyte", images[sl])
+        write_idx(directory / f"{stem}-labels-idx1-ubyte", labels[sl])
+
+
+def test_mnist_example_reads_idx_files(tmp_path: Path) -> None:
+    write_fake_mnist(tmp_path)
     out = run(
         "examples/mnist_per_sample.py",
         "--data",
@@ -93,9 +98,18 @@ def test_sweep_example_trains_models_with_their_own_learning_rates(tmp_path: Pat
         "--out",
         str(tmp_path),
     )
-    rows = re.findall(r"lr=(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", out)
+    rows = re.findall(r"^lr=(\S+) +(\S+) +(\S+) +(\S+)", out, re.M)
     assert len(rows) == 3, out
     # the largest learning rate learns the most in two epochs; the smallest barely moves
     assert float(rows[-1][1]) < float(rows[0][1]), out
     assert (tmp_path / "accuracy.png").exists() and list(tmp_path.glob("events.*"))
     assert re.search(r"one fold \d+ trees/s, 3 models one after another \d+ trees/s", out)
+
+
+def test_mnist_sweep_example(tmp_path: Path) -> None:
+    write_fake_mnist(tmp_path)
+    out = run("examples/mnist_sweep.py", "--data", str(tmp_path), "--models", "3", "--epochs", "2")
+    rows = re.findall(r"^lr=(\S+) +(\S+) +(\S+) +(\S+)", out, re.M)
+    assert len(rows) == 3, out
+    assert max(float(r[3]) for r in rows) > 0.5, out  # the images encode their label
+    assert "one BatchModule" in out
