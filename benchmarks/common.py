@@ -35,6 +35,12 @@ def interleaved(
     return times
 
 
+def sync(device: str) -> None:
+    """Wait for the GPU, so a timing covers the work and not only its launch."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

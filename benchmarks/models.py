@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, sync, table, write_json  # noqa: E402
 
 from fold.batched_ops import BatchModule, batch_loss  # noqa: E402
 
@@ -87,14 +87,10 @@ def main() -> None:
         x = torch.randn(n, args.images, 1, 28, 28, device=dev)
         y = torch.randint(0, 10, (n, args.images), device=dev)
 
-        def sync() -> None:
-            if dev == "cuda":
-                torch.cuda.synchronize()
-
         def batched(bm=bm, x=x, y=y, n=n) -> None:
             bm.zero_grad(set_to_none=True)
             batch_loss(bm(x), y, n, F.cross_entropy).sum().backward()
-            sync()
+            sync(dev)
 
         def ensemble(params=params, buffers=buffers, base=base, x=x, y=y) -> None:
             for p in params.values():
@@ -104,13 +100,13 @@ def main() -> None:
                 return F.cross_entropy(functional_call(base, (p, b), (xi,)), yi)
 
             vmap(one)(params, buffers, x, y).sum().backward()
-            sync()
+            sync(dev)
 
         def sequential(models=models, x=x, y=y) -> None:
             for i, m in enumerate(models):
                 m.zero_grad(set_to_none=True)
                 F.cross_entropy(m(x[i]), y[i]).backward()
-            sync()
+            sync(dev)
 
         for p in params.values():
             p.requires_grad_(True)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, sync, table, write_json  # noqa: E402
 from tree_lstm import make_trees  # noqa: E402
 
 from fold.batched_ops import BatchModule  # noqa: E402
@@ -45,10 +45,6 @@ def main() -> None:
     trees = make_trees(args.trees, 5, 35, 10_000)
     labels = torch.tensor([i % 5 for i in range(len(trees))], device=dev)
 
-    def sync() -> None:
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
     rows = []
     for n in args.models:
         models = [TreeLSTM(10_000, args.hidden).to(dev) for _ in range(n)]
@@ -61,7 +57,7 @@ def main() -> None:
             roots = [record_tree(f, t) for t in trees]
             (h,) = f.apply(bm, [roots])
             F.cross_entropy(classify(h).flatten(0, 1), labels.repeat(n)).backward()
-            sync()
+            sync(dev)
 
         def one_after_another(models=models) -> None:
             for m in models:
@@ -70,7 +66,7 @@ def main() -> None:
                 roots = [record_tree(f, t) for t in trees]
                 (h,) = f.apply(m, [roots])
                 F.cross_entropy(m.classify(h), labels).backward()
-            sync()
+            sync(dev)
 
         times = interleaved(
             {"one fold, N models": batched, "N folds": one_after_another}, args.reps

@@ -18,15 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, sync, table, write_json  # noqa: E402
 from tree_lstm import eager_forward, fold_forward, level_batched, make_trees  # noqa: E402
 
 from fold.models import TreeLSTM  # noqa: E402
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:

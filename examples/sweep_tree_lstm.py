@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -29,23 +30,18 @@ from fold.diagnostics import Aggregator, Diagnostic
 from fold.models import TreeLSTM
 from fold.treebank import Tree, Vocab, bundled_treebank, load_treebank
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tree_lstm import record as record_tree  # noqa: E402
+
 
 def record(trees: list[Tree]) -> tuple[fold.Fold, list[fold.Node], list[int], list[fold.Node]]:
     """One graph for a batch: the h of every constituent, its label, and the roots."""
     f = fold.Fold()
-    states, labels, roots = [], [], []
+    states: list[fold.Node] = []
+    labels: list[int] = []
+    roots = []
     for tree in trees:
-        stack = []
-        for t in tree.postorder():
-            if t.is_leaf:
-                h, c = f.add("leaf", t.word).split(2)
-            else:
-                rh, rc = stack.pop()
-                lh, lc = stack.pop()
-                h, c = f.add("node", lh, lc, rh, rc).split(2)
-            stack.append((h, c))
-            states.append(h)
-            labels.append(t.label)
+        record_tree(f, tree, states, labels)  # the single-model example's recording, unchanged
         roots.append(states[-1])
     return f, states, labels, roots
 
