@@ -10,7 +10,7 @@ are iterative, so deep trees cannot exhaust the Python stack.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,8 +164,3 @@ def random_tree(rng: random.Random, leaves: int, vocab: int) -> Tree:
         i = rng.randrange(len(nodes) - 1)
         nodes[i : i + 2] = [Tree(0, left=nodes[i], right=nodes[i + 1])]
     return nodes[0]
-
-
-def iter_batches(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
