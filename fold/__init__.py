@@ -13,10 +13,11 @@ call::
 
 from __future__ import annotations
 
+from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
 from fold.graph import Node as Node
 from fold.graph import Unfold as Unfold
 
-__all__ = ["Fold", "FoldError", "Node", "Unfold"]
+__all__ = ["Fold", "FoldError", "FoldModule", "Node", "Unfold"]
 __version__ = "0.1.0"
