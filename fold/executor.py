@@ -12,7 +12,7 @@ autograd flows back through the gathers unchanged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -80,8 +80,17 @@ class Executor:
     as hand-written level batching does, and everything stays out of place.
     """
 
-    def __init__(self, graph: Fold, obj: Any, models: int | None = None) -> None:
+    def __init__(
+        self,
+        graph: Fold,
+        obj: Any,
+        models: int | None = None,
+        max_rows: int | Mapping[Any, int] | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.graph = graph
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
@@ -317,9 +326,18 @@ class Executor:
                 t = t if self.on_cpu else t.to(self.device, non_blocking=True)
                 values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
 
-        # Phase 3: the batched call.
+        # Phase 3: the batched call (in chunks of rows where a memory limit asks for it).
+        limit = (
+            n
+            if self.max_rows is None and self.max_bytes is None
+            else self._limit(op, values, plans, n)
+        )
         try:
-            out = fn(*values)
+            out = (
+                fn(*values)
+                if limit >= n or alone
+                else self._call_in_chunks(fn, values, plans, n, limit)
+            )
         except Exception as err:
             raise FoldError(
                 f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
@@ -331,6 +349,58 @@ class Executor:
         self._add_sources(outs, alone, members)
         # Shapes are kept raw; Fold.summary formats them only when asked.
         self.report.append((step, op_name(op), n, tuple((v.shape, v.dtype) for v in values)))
+
+    def _limit(self, op: Any, values: list[torch.Tensor], plans: list[Any], n: int) -> int:
+        """Nodes per call for this group under ``max_rows`` / ``max_bytes``."""
+        limit = n
+        rows = self.max_rows
+        if isinstance(rows, Mapping):
+            rows = rows.get(op, rows.get(op_name(op)))
+        if rows is not None:
+            limit = min(limit, rows)
+        if self.max_bytes is not None:
+            per_node = sum(
+                v[: self.models].numel() * v.element_size()
+                for v, (what, _) in zip(values, plans)
+                if what != "whole"
+            )
+            if per_node > self.max_bytes:
+                raise FoldError(
+                    f"apply: op {op_name(op)!r} needs {per_node} bytes of arguments for a single "
+                    f"node, more than max_bytes={self.max_bytes}. Fix: raise max_bytes to at least "
+                    f"{per_node}, or use max_rows."
+                )
+            if per_node:
+                limit = min(limit, self.max_bytes // per_node)
+        return limit
+
+    def _call_in_chunks(
+        self,
+        fn: Callable[..., Any],
+        values: list[torch.Tensor],
+        plans: list[Any],
+        n: int,
+        limit: int,
+    ) -> Any:
+        """The op on at most ``limit`` nodes at a time; outputs concatenated along dim 0.
+
+        Out of place (``narrow`` and ``cat``), so values and gradients equal one call's.
+        """
+        m = self.models
+        parts = []
+        for start in range(0, n, limit):
+            size = min(limit, n - start)
+            args = [
+                v if what == "whole" else v.narrow(0, start * m, size * m)
+                for v, (what, _) in zip(values, plans)
+            ]
+            parts.append(fn(*args))
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            return torch.cat(parts, 0)
+        if isinstance(first, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in first):
+            return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
+        return first  # not tensors: _check_outputs reports it
 
     def _add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: list[int]) -> None:
         """Register a group's outputs and the virtual rows of its nodes' handles."""

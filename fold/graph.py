@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -436,7 +436,15 @@ class Fold:
 
         return SCHEDULERS[self.strategy](self)
 
-    def apply(self, obj: Any, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+    def apply(
+        self,
+        obj: Any,
+        lists: Sequence[Sequence[Any]],
+        *,
+        max_rows: int | Mapping[Any, int] | None = None,
+        max_bytes: int | None = None,
+        offload: str | None = None,
+    ) -> list[torch.Tensor]:
         """Run the graph with the ops of ``obj`` and return one tensor per list in ``lists``.
 
         ``obj`` is any object with the op methods (an ``nn.Module`` or a plain class).  Each
@@ -444,9 +452,19 @@ class Fold:
         in list order), a list of Python numbers (result: a 1-D tensor), or a list of
         batch-of-one tensors (result: their concatenation).  Results land on the device of
         ``obj``'s parameters (CPU if it has none).  Gradients flow back through the graph.
+
+        Memory: ``max_rows`` (an int, or ``{op: int}``) runs every group in calls of at most
+        that many nodes; ``max_bytes`` derives that number per group from the bytes of one
+        node's arguments.  Values and gradients are the same.  ``offload="cpu"`` keeps the
+        tensors autograd saves for backward in (pinned) host memory during the forward.
         """
         from fold.executor import Executor
 
+        _check_limits(max_rows, max_bytes, offload)
+        if offload == "cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
+        limits = {"max_rows": max_rows, "max_bytes": max_bytes}
         specs = _classify_lists(lists)
         plan = self.plan()
         chunk = obj.fold_chunk() if hasattr(obj, "fold_chunk") else None
@@ -455,7 +473,7 @@ class Fold:
             # executor once per chunk; node outputs are concatenated along the model dim.
             parts = []
             for cut in obj.chunks(chunk):
-                ex = Executor(self, obj, models=cut.stop - cut.start)
+                ex = Executor(self, obj, models=cut.stop - cut.start, **limits)
                 try:
                     ex.run(plan)
                     parts.append(
@@ -467,7 +485,7 @@ class Fold:
                 torch.cat([p[i] for p in parts], 0) if kind == _NODES else parts[0][i]
                 for i, (kind, _) in enumerate(specs)
             ]
-        ex = Executor(self, obj)
+        ex = Executor(self, obj, **limits)
         try:
             ex.run(plan)
             return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
@@ -574,6 +592,23 @@ class Fold:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+def _check_limits(max_rows: Any, max_bytes: Any, offload: Any) -> None:
+    rows = max_rows.items() if isinstance(max_rows, Mapping) else [("", max_rows)]
+    for op, k in rows:
+        if k is not None and (type(k) is not int or k < 1):
+            where = f"[{op_name(op)!r}]" if op else ""
+            raise FoldError(
+                f"apply: max_rows{where}={k!r}; expected a positive int, the most nodes an op is "
+                "called on at once (or None for no limit)."
+            )
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+        raise FoldError(
+            f"apply: max_bytes={max_bytes!r}; expected a positive int (bytes), or None."
+        )
+    if offload not in (None, "cpu"):
+        raise FoldError(f"apply: offload={offload!r}; expected None or 'cpu'.")
 
 
 def _kind_str(k: Any) -> str:

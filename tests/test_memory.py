@@ -1,0 +1,116 @@
+"""Memory-bounded apply: chunked groups give the same values and gradients."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fold
+from fold.batched_ops import BatchModule
+from fold.models import TreeLSTM, record_tree
+from fold.treebank import random_tree
+
+
+def tree_run(model, **limits):
+    rng = random.Random(0)
+    trees = [random_tree(rng, rng.randint(1, 12), 60) for _ in range(20)]
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    model.zero_grad(set_to_none=True)
+    (h,) = f.apply(model, [roots], **limits)
+    h.pow(2).sum().backward()
+    sizes = [r[2] for r in f.last_run]
+    return (
+        h.detach(),
+        {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
+        sizes,
+    )
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_rows": 1},
+        {"max_rows": 7},
+        {"max_rows": 10_000},
+        {"max_rows": {"node": 3}},
+        {"max_bytes": 2_000},
+    ],
+    ids=["rows-1", "rows-7", "rows-above", "rows-per-op", "bytes"],
+)
+def test_chunked_tree_lstm_equals_unchunked(limits) -> None:
+    model = TreeLSTM(60, 16).double()
+    ref_h, ref_g, sizes = tree_run(model)
+    assert max(sizes) > 7  # some groups really are split below
+    h, g, _ = tree_run(model, **limits)
+    torch.testing.assert_close(h, ref_h)
+    assert ref_g.keys() == g.keys()
+    for k in ref_g:
+        torch.testing.assert_close(g[k], ref_g[k])
+
+
+def test_chunked_mnist_training_step_equals_unchunked() -> None:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(49, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+    ).double()
+
+    class Obj:
+        def forward(self, x):
+            return mlp(x)
+
+    images = [torch.rand(1, 7, 7, dtype=torch.double) for _ in range(32)]
+    labels = [i % 10 for i in range(32)]
+    grads = []
+    for limits in ({}, {"max_rows": 5}, {"max_bytes": 49 * 8 * 4}):
+        mlp.zero_grad()
+        f = fold.Fold()
+        logits, y = f.apply(Obj(), [[f.add("forward", x) for x in images], labels], **limits)
+        F.cross_entropy(logits, y).backward()
+        grads.append([p.grad.clone() for p in mlp.parameters()])
+        if "max_bytes" in limits:
+            assert [r[2] for r in f.last_run] == [32]  # one group, called in chunks of 4
+    for g in grads[1:]:
+        for a, b in zip(g, grads[0]):
+            torch.testing.assert_close(a, b)
+
+
+def test_chunked_apply_with_a_batch_module() -> None:
+    bm = BatchModule.from_modules([TreeLSTM(60, 8).double() for _ in range(3)])
+    bm.chunk_size = 3  # all models in one pass: chunks of rows cover (node, model) rows
+    ref_h, ref_g, _ = tree_run(bm)
+    h, g, _ = tree_run(bm, max_rows=4)
+    torch.testing.assert_close(h, ref_h)
+    for k in ref_g:
+        torch.testing.assert_close(g[k], ref_g[k])
+
+
+def test_offload_to_cpu_gives_the_same_results() -> None:
+    model = TreeLSTM(60, 8).double()
+    ref_h, ref_g, _ = tree_run(model)
+    h, g, _ = tree_run(model, offload="cpu", max_rows=6)
+    torch.testing.assert_close(h, ref_h)
+    for k in ref_g:
+        torch.testing.assert_close(g[k], ref_g[k])
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"max_rows": 0}, r"max_rows=0; expected a positive int"),
+        ({"max_rows": {"node": -2}}, r"max_rows\['node'\]=-2; expected a positive int"),
+        ({"max_bytes": 0}, r"max_bytes=0; expected a positive int"),
+        (
+            {"max_bytes": 100},
+            r"op 'leaf' needs 8 bytes|op 'node' needs \d+ bytes of arguments for a single node",
+        ),
+        ({"offload": "disk"}, r"offload='disk'; expected None or 'cpu'"),
+    ],
+)
+def test_bad_limits(limits, message) -> None:
+    model = TreeLSTM(60, 8).double()
+    with pytest.raises(fold.FoldError, match=message):
+        tree_run(model, **limits)
