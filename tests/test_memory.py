@@ -114,3 +114,12 @@ def test_bad_limits(limits, message) -> None:
     model = TreeLSTM(60, 8).double()
     with pytest.raises(fold.FoldError, match=message):
         tree_run(model, **limits)
+
+
+def test_limit_equal_to_the_largest_group() -> None:
+    model = TreeLSTM(60, 16).double()
+    ref_h, ref_g, sizes = tree_run(model)
+    h, g, _ = tree_run(model, max_rows=max(sizes))
+    torch.testing.assert_close(h, ref_h)
+    for k in ref_g:
+        torch.testing.assert_close(g[k], ref_g[k])
