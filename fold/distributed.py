@@ -1,16 +1,30 @@
-"""Data-parallel fold on PyTorch's own engine (torch.distributed, DistributedDataParallel)."""
+"""Data-parallel fold and multi-process sweeps on PyTorch's own engine (torch.distributed).
+
+Data parallel: wrap the model in :class:`FoldModule` and that in ``DistributedDataParallel``.
+Sweeps: the N models of a sweep are split over the ranks with :func:`shard`; each rank
+trains a ``BatchModule`` of its share with no gradient traffic between models;
+:func:`gather_diagnostics` collects per-model diagnostics on rank 0 and :func:`save_sweep`
+writes all N models from the shards.  Give the process group a ``timeout`` so that a rank
+that fails makes the others fail instead of waiting forever.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from fold.diagnostics import Diagnostic
+from fold.errors import FoldError
 from fold.graph import Fold
 
-__all__ = ["FoldModule"]
+__all__ = ["FoldModule", "gather_diagnostics", "save_sweep", "shard"]
 
 
 class FoldModule(nn.Module):
@@ -38,3 +52,58 @@ class FoldModule(nn.Module):
 
     def forward(self, graph: Fold, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
         return graph.apply(self.model, lists)
+
+
+def shard(n_models: int, rank: int | None = None, world: int | None = None) -> slice:
+    """The models of a sweep this rank trains: a contiguous share of ``range(n_models)``."""
+    rank = dist.get_rank() if rank is None else rank
+    world = dist.get_world_size() if world is None else world
+    if n_models < world:
+        raise FoldError(
+            f"shard: {n_models} models cannot be shared by {world} ranks; give each rank at least one."
+        )
+    return slice(rank * n_models // world, (rank + 1) * n_models // world)
+
+
+def gather_diagnostics(diag: Diagnostic, dst: int = 0) -> Diagnostic | None:
+    """Every rank's per-model diagnostics, concatenated in model order on rank ``dst``.
+
+    Values shared by all models (one number) are taken from rank ``dst``.
+    """
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
+    dist.gather_object(
+        {g: {k: v.cpu() for k, v in vs.items()} for g, vs in diag.items()},
+        parts if parts else None,
+        dst=dst,
+    )
+    if dist.get_rank() != dst:
+        return None
+    out = Diagnostic()
+    for group, values in parts[dst].items():
+        out[group] = {
+            k: v if v.numel() == 1 else torch.cat([p[group][k] for p in parts])
+            for k, v in values.items()
+        }
+    return out
+
+
+def save_sweep(bm: Any, path: str | Path, dst: int = 0) -> None:
+    """Save the state dicts of all N models of a sharded sweep, in model order, from rank ``dst``.
+
+    Each rank holds a ``BatchModule`` of its shard; the file is a list of N state dicts
+    (``torch.load(path, weights_only=True)``), written atomically.
+    """
+    states = [{k: v.cpu() for k, v in sd.items()} for sd in bm.state_dicts()]
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
+    dist.gather_object(states, parts if parts else None, dst=dst)
+    if dist.get_rank() == dst:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save([sd for part in parts for sd in part], fh)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

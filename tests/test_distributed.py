@@ -72,3 +72,69 @@ def test_ddp_on_two_ranks_equals_one_process_on_all_trees(tmp_path: Path) -> Non
     for k, v in single.state_dict().items():
         torch.testing.assert_close(got[k], v, msg=lambda s, k=k: f"{k}: {s}")
     assert not torch.equal(got["node_gates.weight"], model().state_dict()["node_gates.weight"])
+
+
+LRS = [0.5, 0.1, 0.05, 0.01]
+
+
+def sweep_model(i: int) -> TreeLSTM:
+    torch.manual_seed(100 + i)
+    return TreeLSTM(40, 8).double()
+
+
+def sweep_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.nn.functional as F
+
+    import fold.optim
+    from fold.batched_ops import BatchModule, batch_loss
+    from fold.diagnostics import Diagnostic
+    from fold.distributed import gather_diagnostics, save_sweep, shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mine = shard(len(LRS))
+        bm = BatchModule.from_modules([sweep_model(i) for i in range(len(LRS))[mine]])
+        n = bm.batch
+        opt = fold.optim.SGD(bm.parameters(), batch=n, lr=LRS[mine])
+        trees, labels = trees_and_labels()
+        for _ in range(STEPS):
+            f = fold.Fold()
+            (h,) = f.apply(bm, [[record_tree(f, t) for t in trees]])
+            losses = batch_loss(bm.method("classify")(h), labels.expand(n, -1), n, F.cross_entropy)
+            opt.zero_grad()
+            losses.sum().backward()
+            opt.step()
+        summary = gather_diagnostics(Diagnostic({"train": {"loss": losses, "lr": 0.0}}))
+        if rank == 0:
+            assert summary is not None and summary["train"]["loss"].shape == (len(LRS),)
+            torch.save(summary["train"]["loss"], out + ".losses")
+        else:
+            assert summary is None
+        save_sweep(bm, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path) -> None:
+    out = str(tmp_path / "sweep.pt")
+    mp.spawn(sweep_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    states = torch.load(out, weights_only=True)
+    losses = torch.load(out + ".losses", weights_only=True)
+    assert len(states) == len(LRS)
+    trees, labels = trees_and_labels()
+    for i, lr in enumerate(LRS):
+        alone = sweep_model(i)
+        opt = torch.optim.SGD(alone.parameters(), lr=lr)
+        for _ in range(STEPS):
+            f = fold.Fold()
+            (h,) = f.apply(alone, [[record_tree(f, t) for t in trees]])
+            loss = alone.loss(h, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.testing.assert_close(losses[i], loss.detach())
+        for k, v in alone.state_dict().items():
+            torch.testing.assert_close(
+                states[i][k], v, msg=lambda s, k=k, i=i: f"model {i} {k}: {s}"
+            )

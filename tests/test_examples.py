@@ -113,3 +113,15 @@ def test_mnist_sweep_example(tmp_path: Path) -> None:
     assert len(rows) == 3, out
     assert max(float(r[3]) for r in rows) > 0.5, out  # the images encode their label
     assert "one BatchModule" in out
+
+
+def test_ddp_example_runs_on_two_cpu_ranks() -> None:
+    out = run(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "examples/ddp_tree_lstm.py",
+        "--epochs",
+        "1",
+    )
+    assert re.search(r"epoch 1: mean loss [\d.]+, dev root accuracy [\d.]+% \(2 ranks\)", out), out
