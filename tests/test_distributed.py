@@ -138,3 +138,52 @@ def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path) -> None:
             torch.testing.assert_close(
                 states[i][k], v, msg=lambda s, k=k, i=i: f"model {i} {k}: {s}"
             )
+
+
+def failing_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from datetime import timedelta
+
+    from fold.train import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    outcome = "finished"
+    try:
+        m = model()
+        ddp = DistributedDataParallel(fold.FoldModule(m))
+        trainer = Trainer(
+            m, torch.optim.SGD(m.parameters(), lr=0.1), lambda *a: None, progress=False
+        )
+        if rank == 0:
+            trainer.save(Path(out_dir) / "ckpt.pt")
+        trees, labels = trees_and_labels()
+        f = fold.Fold()
+        roots = [record_tree(f, t) for t in trees]
+        if rank == 1:
+            f.add("no_such_op", 1)  # this rank's apply fails
+        (h,) = ddp(f, [roots])
+        m.loss(h, labels).backward()  # rank 0 waits here for rank 1's gradients
+        if rank == 0:
+            trainer.save(Path(out_dir) / "ckpt.pt")
+    except Exception as err:  # noqa: BLE001 - record what each rank saw
+        outcome = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(tmp_path: Path) -> None:
+    import time
+
+    start = time.perf_counter()
+    mp.spawn(failing_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert time.perf_counter() - start < 60
+    assert (
+        (tmp_path / "rank1.txt")
+        .read_text()
+        .startswith("FoldError: apply: op 'no_such_op' is not a method")
+    )
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    assert rank0 != "finished" and "Error" in rank0, rank0
+    # the checkpoint written before the failure is whole, and no temporary file is left
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert set(state["model"]) == set(model().state_dict())
+    assert not list(tmp_path.glob(".ckpt.pt.*"))
