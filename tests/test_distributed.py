@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 
 import torch
@@ -42,9 +41,21 @@ def train(m: torch.nn.Module, forward, trees, labels) -> None:
         opt.step()
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def start(rank: int, world: int, init: str, **kwargs) -> None:
+    """Join the process group through a file (no TCP port to race for)."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, **kwargs
+    )
+
+
+def finish() -> None:
+    """Leave without running gloo's destructors, which may abort while a peer tears down."""
+    dist.barrier()
+    os._exit(0)
+
+
+def worker(rank: int, world: int, init: str, out: str) -> None:
+    start(rank, world, init)
     try:
         trees, labels = trees_and_labels()
         share = slice(rank * len(trees) // world, (rank + 1) * len(trees) // world)
@@ -52,19 +63,15 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         train(ddp, ddp, trees[share], labels[share])
         if rank == 0:
             torch.save(ddp.module.model.state_dict(), out)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        raise
+    finish()
 
 
 def test_ddp_on_two_ranks_equals_one_process_on_all_trees(tmp_path: Path) -> None:
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(worker, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
     trees, labels = trees_and_labels()
     single = model()
     train(single, lambda f, lists: f.apply(single, lists), trees, labels)
@@ -82,7 +89,7 @@ def sweep_model(i: int) -> TreeLSTM:
     return TreeLSTM(40, 8).double()
 
 
-def sweep_worker(rank: int, world: int, port: int, out: str) -> None:
+def sweep_worker(rank: int, world: int, init: str, out: str) -> None:
     import torch.nn.functional as F
 
     import fold.optim
@@ -90,8 +97,7 @@ def sweep_worker(rank: int, world: int, port: int, out: str) -> None:
     from fold.diagnostics import Diagnostic
     from fold.distributed import gather_diagnostics, save_sweep, shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    start(rank, world, init)
     try:
         mine = shard(len(LRS))
         bm = BatchModule.from_modules([sweep_model(i) for i in range(len(LRS))[mine]])
@@ -112,13 +118,15 @@ def sweep_worker(rank: int, world: int, port: int, out: str) -> None:
         else:
             assert summary is None
         save_sweep(bm, out)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()
 
 
 def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path) -> None:
     out = str(tmp_path / "sweep.pt")
-    mp.spawn(sweep_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(sweep_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
     states = torch.load(out, weights_only=True)
     losses = torch.load(out + ".losses", weights_only=True)
     assert len(states) == len(LRS)
@@ -140,13 +148,12 @@ def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path) -> None:
             )
 
 
-def failing_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def failing_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     from datetime import timedelta
 
     from fold.train import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    start(rank, world, init, timeout=timedelta(seconds=20))
     outcome = "finished"
     try:
         m = model()
@@ -168,13 +175,14 @@ def failing_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except Exception as err:  # noqa: BLE001 - record what each rank saw
         outcome = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
+    os._exit(0)  # the group is broken: skip gloo's destructors
 
 
 def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(tmp_path: Path) -> None:
     import time
 
     start = time.perf_counter()
-    mp.spawn(failing_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(failing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     assert time.perf_counter() - start < 60
     assert (
         (tmp_path / "rank1.txt")
