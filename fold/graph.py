@@ -458,34 +458,38 @@ class Fold:
         node's arguments.  Values and gradients are the same.  ``offload="cpu"`` keeps the
         tensors autograd saves for backward in (pinned) host memory during the forward.
         """
-        from fold.executor import Executor
-
         _check_limits(max_rows, max_bytes, offload)
         if offload == "cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
-        limits = {"max_rows": max_rows, "max_bytes": max_bytes}
         specs = _classify_lists(lists)
         plan = self.plan()
+        limits = {"max_rows": max_rows, "max_bytes": max_bytes}
         chunk = obj.fold_chunk() if hasattr(obj, "fold_chunk") else None
-        if chunk is not None and chunk < obj.batch:
-            # A BatchModule run a chunk of its models at a time: one graph, one plan, the
-            # executor once per chunk; node outputs are concatenated along the model dim.
-            parts = []
-            for cut in obj.chunks(chunk):
-                ex = Executor(self, obj, models=cut.stop - cut.start, **limits)
-                try:
-                    ex.run(plan)
-                    parts.append(
-                        [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
-                    )
-                finally:
-                    self.last_run = ex.report
-            return [
-                torch.cat([p[i] for p in parts], 0) if kind == _NODES else parts[0][i]
-                for i, (kind, _) in enumerate(specs)
-            ]
-        ex = Executor(self, obj, **limits)
+        if chunk is None or chunk >= obj.batch:
+            return self._run(obj, plan, specs, None, limits)
+        # A BatchModule run a chunk of its models at a time: one graph, one plan, the executor
+        # once per chunk; node outputs are concatenated along the model dim.
+        parts = [
+            self._run(obj, plan, specs, cut.stop - cut.start, limits) for cut in obj.chunks(chunk)
+        ]
+        return [
+            torch.cat([p[i] for p in parts], 0) if kind == _NODES else parts[0][i]
+            for i, (kind, _) in enumerate(specs)
+        ]
+
+    def _run(
+        self,
+        obj: Any,
+        plan: Any,
+        specs: list[tuple[str, list[Any]]],
+        models: int | None,
+        limits: dict[str, Any],
+    ) -> list[torch.Tensor]:
+        """One executor pass over ``plan``; its report stays inspectable even if it fails."""
+        from fold.executor import Executor
+
+        ex = Executor(self, obj, models=models, **limits)
         try:
             ex.run(plan)
             return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
