@@ -3,10 +3,10 @@
 Each group's outputs stay batched tensors (*sources*); a node's value is the pair (source,
 row).  Gathering an argument column costs nothing when its rows are a whole source in order,
 a ``narrow`` when they are a contiguous run of one source, and otherwise ONE
-``index_select`` from a *value table*: the concatenation of the sources of one shape and
-dtype, built lazily, out of place, the first time a column draws from several of them.  So
-the number of tensor ops grows with steps x groups x arguments, never with nodes, and
-autograd flows back through the gathers unchanged.
+``index_select`` from a *value table*: the sources of one shape, dtype and output index in
+one tensor, filled lazily the first time a column draws from several of them.  So the number
+of tensor ops grows with steps x groups x arguments, never with nodes, and autograd flows
+back through the gathers unchanged.
 """
 
 from __future__ import annotations
@@ -73,11 +73,10 @@ _MIXED = -(1 << 30)  # a recipe "source" for rows of several classes of one shap
 class Executor:
     """Runs one ``apply``: executes a plan's groups, then gathers the requested outputs.
 
-    Value tables: sources of one shape class (``shape[1:]``, dtype) are concatenated into one
-    table, lazily: when a column needs rows of several sources, every source of that class
-    not yet in the table is appended with one ``torch.cat``.  A TreeLSTM level gathers its
-    children (leaves and nodes of all lower levels) with one ``index_select`` per argument,
-    as hand-written level batching does, and everything stays out of place.
+    Value tables: the sources of one class (``shape[1:]``, dtype, output index) share one
+    preallocated table, filled lazily (see ``_fill_table``) when a column first needs rows of
+    several of them.  A TreeLSTM level gathers its children (leaves and nodes of all lower
+    levels) with one ``index_select`` per argument, as hand-written level batching does.
     """
 
     def __init__(
@@ -95,10 +94,10 @@ class Executor:
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
         # N models of a BatchModule: every node value has N rows, (node, model) order.
-        if models is None:
-            models = int(getattr(obj, "batch", 1)) if _is_batch_module(obj) else 1
-        self.models = models
         self.model_dim = _is_batch_module(obj)  # node outputs come back (models, len, ...)
+        if models is None:
+            models = int(obj.batch) if self.model_dim else 1
+        self.models = models
         if self.model_dim and graph.nobatch_ids:
             raise FoldError(
                 "apply: nobatch nodes are not supported with a BatchModule yet. "
@@ -109,7 +108,7 @@ class Executor:
         self.vrow: dict[int, int] = {}
         self.whole: dict[int, int] = {}
         self.sources: list[torch.Tensor] = []
-        self._classes: dict[tuple[Any, torch.dtype], int] = {}
+        self._classes: dict[tuple[Any, torch.dtype, int], int] = {}
         self._class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
         self._class_srcs: list[list[int]] = []  # per class: its sources, in table order
         self._class_rows: list[int] = []
@@ -126,7 +125,7 @@ class Executor:
     def _resolve(self, op: Any) -> Callable[..., Any]:
         fn = self._fns.get(op)
         if fn is None:
-            if isinstance(op, str) and _is_batch_module(self.obj):
+            if isinstance(op, str) and self.model_dim:
                 fn = self.obj.merged(op)  # the model's own method, on (node, model) rows
             elif isinstance(op, str):
                 fn = getattr(self.obj, op, None)
