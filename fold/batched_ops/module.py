@@ -147,13 +147,22 @@ class VmapFallback(AbstractBatchModule):
                 getattr(self, f"buffer{j}")[i].copy_(state[k])
 
 
+def _definer(klass: type, name: str) -> type | None:
+    """The class between ``klass`` and nn.Module that defines ``name`` (the model's own), if
+    any; the shells that give nn.Module's methods back (see ``_convert``) do not count."""
+    for k in klass.__mro__:
+        if k is nn.Module:
+            return None
+        if name in vars(k) and not vars(k).get("_fold_restores_module_api"):
+            return k
+    return None
+
+
 def _own_method(module: nn.Module, name: str) -> Callable[..., Any]:
     """``module.<name>``, preferring the model's own method over nn.Module's of that name."""
-    for klass in type(module).__mro__:
-        if klass is nn.Module:
-            break
-        if name in vars(klass) and not vars(klass).get("_fold_restores_module_api"):
-            return vars(klass)[name].__get__(module, type(module))
+    k = _definer(type(module), name)
+    if k is not None:
+        return vars(k)[name].__get__(module, type(module))
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise FoldError(
@@ -161,16 +170,6 @@ def _own_method(module: nn.Module, name: str) -> Callable[..., Any]:
             f"def {name}(self, ...) on it."
         )
     return fn
-
-
-def _defines(klass: type, name: str) -> bool:
-    """Whether a class between ``klass`` and nn.Module defines ``name``."""
-    for k in klass.__mro__:
-        if k is nn.Module:
-            return False
-        if name in vars(k):
-            return True
-    return False
 
 
 def _has_own_state(module: nn.Module) -> bool:
@@ -201,7 +200,7 @@ def _convert(modules: list[nn.Module], path: str, fallbacks: list[str]) -> nn.Mo
         return VmapFallback(modules, path)
     shell = copy.copy(first)  # the same class and attributes; fresh registries, children below
     shell._parameters, shell._buffers, shell._modules = {}, {}, {}
-    shadowed = {n for n in _SHADOWED if _defines(type(first), n)}
+    shadowed = {n for n in _SHADOWED if _definer(type(first), n) is not None}
     if shadowed:
         # The model's own `children` (say) would break .train() and .to() on the BatchModule:
         # the shell gets nn.Module's back; _own_method still finds the model's for fold's ops.
@@ -261,7 +260,7 @@ class BatchModule(nn.Module):
         self.train(modules[0].training)
         klass = type(modules[0])
         for name in sorted(_SHADOWED):
-            if _defines(klass, name) and (klass, name) not in _warned_shadow:
+            if _definer(klass, name) is not None and (klass, name) not in _warned_shadow:
                 _warned_shadow.add((klass, name))
                 warnings.warn(
                     f"{klass.__name__}.{name} shadows nn.Module.{name}, which .to(), .cuda() and "
