@@ -15,23 +15,26 @@ import bisect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from fold.errors import FoldError
 from fold.graph import (
-    BOOL,
-    INT,
+    FLOAT,
+    ID_MASK,
+    ID_SHIFT,
     NODE,
-    SPLIT,
+    NSPLIT_MASK,
+    NSPLIT_SHIFT,
+    OUT_MASK,
     Fold,
     node_id,
     op_name,
 )
+from fold.layout import handles_array
 from fold.scheduler.plan import Plan
 
 __all__ = ["Executor", "device_of"]
-
-_NUMBER_DTYPES = {INT: torch.long, BOOL: torch.bool}
 
 
 def device_of(obj: Any) -> torch.device:
@@ -57,14 +60,14 @@ def _describe(t: Any) -> str:
 
 
 # How to gather an argument column: (source or -1 - class table, start row, length, index
-# position, bias).  An index position >= 0 means index_select with that index minus the bias;
-# otherwise the source whole or a narrow of it.
-_Recipe = tuple[int, int, int, int, int]
+# position).  An index position >= 0 means index_select with that index; otherwise the source
+# whole or a narrow of it.
+_Recipe = tuple[int, int, int, int]
 
 # Every source has a virtual offset: its shape class in the high bits, its first row in the
-# class's value table below.  A node output's virtual row is that offset plus its row; one
-# dict lookup per handle (in C, via map) gives a column's rows, and their min/max tell whether
-# they share a class or a source.
+# class's value table below.  A node output's virtual row is that offset plus its row, kept in
+# an array indexed by (output index, node id): a column of handles becomes its rows in a few
+# numpy operations, and their min/max tell whether they share a class or a source.
 _CLASS_SHIFT = 40
 _ROW_MASK = (1 << _CLASS_SHIFT) - 1
 _MIXED = -(1 << 30)  # a recipe "source" for rows of several classes of one shape
@@ -104,9 +107,13 @@ class Executor:
                 "Fix: compute the shared value inside the op, or apply each model separately."
             )
         self._expand = torch.arange(self.models, device=self.device) if self.models > 1 else None
-        # Handle -> virtual row of its value (see _CLASS_SHIFT); nobatch handles -> source.
-        self.vrow: dict[int, int] = {}
-        self.whole: dict[int, int] = {}
+        self.arrays = graph.arrays()
+        n = self.arrays.n
+        # Per (output index, node id): the virtual row of the value (see _CLASS_SHIFT); per
+        # node: how many outputs its op returned (0: not run, or nobatch).
+        self.vrow = np.zeros((1, n), np.int64)
+        self.nout = np.zeros(n, np.int64)
+        self.whole: dict[tuple[int, int, int], int] = {}  # nobatch (id, split n, k) -> source
         self.sources: list[torch.Tensor] = []
         self._classes: dict[tuple[Any, torch.dtype, int], int] = {}
         self._class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
@@ -144,46 +151,71 @@ class Executor:
         self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
         for s, step in enumerate(plan.steps):
             for group in step.groups:
-                self._run_group(s, group.nodes)
-                self._rows_left -= len(group.nodes)
+                nodes = group.nodes
+                if type(nodes) is not np.ndarray:
+                    nodes = np.asarray(nodes, dtype=np.int64)
+                self._run_group(s, nodes)
+                self._rows_left -= len(nodes)
 
     # ------------------------------------------------------------------ gathers
-    def _column(self, handles: tuple[int, ...] | list[int]) -> list[int]:
-        """The virtual row of every handle of an argument column."""
-        try:
-            return list(map(self.vrow.__getitem__, handles))
-        except KeyError:
-            bad = next(h for h in handles if h not in self.vrow)
-        nid = node_id(bad)
-        n = self.graph.nsplit.get(nid, 0)
+    def _rows(self, handles: np.ndarray) -> np.ndarray:
+        """The virtual row of every handle of a column (an int64 array of handles).
+
+        Each handle is checked against its node's op: a whole handle needs one output, a
+        handle of ``split(n)`` needs ``n``.
+        """
+        nid = (handles >> ID_SHIFT) & ID_MASK
+        want = np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1)
+        if not np.array_equal(want, self.nout[nid]):
+            self._bad_handle(handles, want, nid)
+        if self.vrow.shape[0] == 1:
+            return self.vrow[0, nid]
+        return self.vrow[handles & OUT_MASK, nid]
+
+    def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
+        i = int(np.flatnonzero(want != self.nout[nid])[0])
+        h, node = int(handles[i]), int(nid[i])
+        n, m = (h >> NSPLIT_SHIFT) & NSPLIT_MASK, int(self.nout[node])
+        op = op_name(self.graph.op_of(node))
+        if m == 0:
+            raise FoldError(
+                f"apply: node {node} ({op!r}) has no value here: a nobatch node can only be an "
+                "argument of the ops that read it whole, or an output of its own list."
+            )
+        if n == 0:
+            raise FoldError(
+                f"apply: op {op!r} returned {m} outputs, but node {node} ({op!r}) is used whole, "
+                f"without split. Fix: use the handles of its split, h = f.add({op!r}, ...)"
+                f".split({m})."
+            )
         raise FoldError(
-            f"apply: node {nid} ({op_name(self.graph.op_of(nid))!r}) is used whole, but it was "
-            f"split into {n} outputs. Fix: use the handles returned by .split({n})."
+            f"apply: node {node} ({op!r}) was split with .split({n}), but op {op!r} returned "
+            f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
         )
 
-    def _recipe(self, rows: list[int], idx: list[list[int]]) -> _Recipe | None:
+    def _recipe(self, rows: np.ndarray, idx: list[np.ndarray]) -> _Recipe | None:
         """Plan a gather of virtual ``rows``; None if they span several shape classes."""
-        lo, hi = min(rows), max(rows)
+        lo, hi = int(rows.min()), int(rows.max())
         c = lo >> _CLASS_SHIFT
+        n = len(rows)
         if hi >> _CLASS_SHIFT != c:
-            metas = {self._class_meta[r >> _CLASS_SHIFT][:2] for r in rows}
+            metas = {self._class_meta[k][:2] for k in np.unique(rows >> _CLASS_SHIFT).tolist()}
             if len(metas) > 1:
                 return None  # different shapes or dtypes: the group must be split
             self._mixed.append(rows)  # one shape, several output indices: gathered per class
-            return _MIXED, 0, len(rows), len(self._mixed) - 1, 0
+            return _MIXED, 0, n, len(self._mixed) - 1
         starts = self._class_starts[c]
         j = bisect.bisect_right(starts, lo) - 1
         start = starts[j]
         src = self._class_srcs[c][j]
-        n = len(rows)
         if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-            if hi - lo == n - 1 and rows == list(range(lo, lo + n)):
-                return src, lo - start, n, -1, 0
-            idx.append(rows)
-            return src, 0, n, len(idx) - 1, start
+            if hi - lo == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+                return src, lo - start, n, -1
+            idx.append(rows - start)
+            return src, 0, n, len(idx) - 1
         self._fill_table(c)
-        idx.append(rows)
-        return -1 - c, 0, n, len(idx) - 1, c << _CLASS_SHIFT
+        idx.append(rows - (c << _CLASS_SHIFT))
+        return -1 - c, 0, n, len(idx) - 1
 
     def _fill_table(self, c: int) -> None:
         """Copy every source of class ``c`` not yet in its value table into it.
@@ -217,22 +249,19 @@ class Executor:
         )
         self._in_table[c] = len(srcs)
 
-    def _gather_mixed(self, rows: list[int]) -> torch.Tensor:
+    def _gather_mixed(self, rows: np.ndarray) -> torch.Tensor:
         """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
-        by_class: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            by_class.setdefault(r >> _CLASS_SHIFT, []).append(i)
+        classes = rows >> _CLASS_SHIFT
         parts, order = [], []
-        for c, positions in by_class.items():
+        for c in np.unique(classes).tolist():
             self._fill_table(c)
             table = self._tables[c]
             assert table is not None
-            index = torch.tensor([rows[i] & _ROW_MASK for i in positions])
-            index = self._rows_of(index.to(table.device, non_blocking=True))
-            parts.append(table.index_select(0, index))
-            order += positions
-        perm = torch.empty(len(rows), dtype=torch.long)
-        perm[torch.tensor(order)] = torch.arange(len(rows))
+            positions = np.flatnonzero(classes == c)
+            index = torch.from_numpy(rows[positions] & _ROW_MASK)
+            parts.append(table.index_select(0, self._rows_of(index.to(table.device))))
+            order.append(positions)
+        perm = torch.from_numpy(np.argsort(np.concatenate(order)))
         perm = self._rows_of(perm.to(parts[0].device, non_blocking=True))
         return torch.cat(parts, 0).index_select(0, perm)
 
@@ -242,26 +271,20 @@ class Executor:
             return index
         return (index.unsqueeze(1) * self.models + self._expand).view(-1)
 
-    def _index_tensors(self, idx: list[list[int]], recipes: list[_Recipe]) -> list[torch.Tensor]:
-        """All index lists of a group as tensors: one ``torch.tensor`` call, one transfer."""
+    def _index_tensors(self, idx: list[np.ndarray]) -> list[torch.Tensor]:
+        """All index arrays of a group as tensors: one host tensor, one transfer."""
         if not idx:
             return []
-        if len(idx) == 1:
-            flat = torch.tensor(idx[0], dtype=torch.long)
-        else:
-            flat = torch.tensor([i for lst in idx for i in lst], dtype=torch.long)
+        flat = torch.from_numpy(idx[0] if len(idx) == 1 else np.concatenate(idx))
         if not self.on_cpu:
             flat = flat.to(self.device, non_blocking=True)
-        views = [flat] if len(idx) == 1 else list(flat.split([len(lst) for lst in idx]))
-        for _, _, _, ix, bias in recipes:
-            if ix >= 0 and bias:
-                views[ix].sub_(bias)
+        views = [flat] if len(idx) == 1 else list(flat.split([len(a) for a in idx]))
         if self._expand is not None:
             views = [self._rows_of(v) for v in views]
         return views
 
     def _gather(self, recipe: _Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
-        src, start, length, ix, _ = recipe
+        src, start, length, ix = recipe
         if src == _MIXED:
             return self._gather_mixed(self._mixed[ix])
         t = self._tables[-1 - src] if src < 0 else self.sources[src]
@@ -273,56 +296,62 @@ class Executor:
         return t.narrow(0, start * m, length * m)
 
     # ------------------------------------------------------------------ groups
-    def _run_group(self, step: int, members: list[int]) -> None:
+    def _run_group(self, step: int, members: np.ndarray) -> None:
         g = self.graph
-        nid0 = members[0]
-        op, kinds = g.signatures[g.sig[nid0]]
+        a = self.arrays
+        nid0 = int(members[0])
+        sid = int(a.sig[nid0])
+        op, kinds = g.signatures[sid]
         fn = self._resolve(op)
         nobatch = g.nobatch_ids
         alone = bool(nobatch) and nid0 in nobatch
         n = len(members)
-        cols = list(zip(*[g.args[m] for m in members])) if kinds else []
+        cols = a.columns(sid)
+        whole_sig = n == a.count[sid]  # members are all of the signature's nodes, in order
+        pos = None if whole_sig else a.pos[members]
 
         # Phase 1: plan every argument column (and find columns whose sources differ in shape).
-        idx: list[list[int]] = []
-        recipes: list[_Recipe] = []
+        idx: list[np.ndarray] = []
         plans: list[Any] = []
-        mixed: list[list[int]] = []
+        mixed: list[np.ndarray] = []
         for j, k in enumerate(kinds):
             if k == NODE:
-                handles = cols[j]
-                h0 = handles[0]
-                if nobatch and node_id(h0) in nobatch:
-                    plans.append(("whole", self._whole_source(h0)))
+                handles = cols[j] if whole_sig else cols[j][pos]
+                if nobatch and node_id(int(handles[0])) in nobatch:
+                    plans.append(("whole", self._whole_source(int(handles[0]))))
                     continue
-                rows = self._column(handles)
+                rows = self._rows(handles)
                 recipe = self._recipe(rows, idx)
                 if recipe is None:
                     mixed.append(rows)
                     continue
-                recipes.append(recipe)
                 plans.append(("gather", recipe))
-            else:
-                plans.append(("literal", k))
+            elif type(k) is tuple:  # literal tensors
+                plans.append(
+                    ("tensors", cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
+                )
+            else:  # numbers
+                plans.append(("numbers", cols[j] if whole_sig else cols[j][pos]))
         if mixed:
             self._run_subgroups(step, members, mixed)
             return
 
         # Phase 2: index tensors, then the argument values.
-        itensors = self._index_tensors(idx, recipes)
+        itensors = self._index_tensors(idx)
         values: list[torch.Tensor] = []
-        for j, (what, p) in enumerate(plans):
+        for (what, p), k in zip(plans, kinds):
             if what == "gather":
                 values.append(self._gather(p, itensors))
             elif what == "whole":
                 values.append(self.sources[p])
-            elif type(p) is tuple:  # literal tensors: batch-of-one, concatenated
-                t = torch.cat(cols[j], 0) if n > 1 else cols[j][0]
-                t = t if t.device == self.device else t.to(self.device, non_blocking=True)
-                values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
             else:
-                t = torch.tensor(cols[j], dtype=_NUMBER_DTYPES.get(p, torch.get_default_dtype()))
-                t = t if self.on_cpu else t.to(self.device, non_blocking=True)
+                if what == "tensors":  # batch-of-one tensors, concatenated
+                    t = torch.cat(p, 0) if n > 1 else p[0]
+                else:
+                    t = torch.from_numpy(p)
+                    if k == FLOAT:
+                        t = t.to(torch.get_default_dtype())
+                t = t if t.device == self.device else t.to(self.device, non_blocking=True)
                 values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
 
         # Phase 3: the batched call (in chunks of rows where a memory limit asks for it).
@@ -401,18 +430,25 @@ class Executor:
             return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
         return first  # not tensors: _check_outputs reports it
 
-    def _add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: list[int]) -> None:
-        """Register a group's outputs and the virtual rows of its nodes' handles."""
-        hbs = list(map(self.graph.handles.__getitem__, members))
+    def _add_sources(
+        self, outs: tuple[torch.Tensor, ...], alone: bool, members: np.ndarray
+    ) -> None:
+        """Register a group's outputs and the virtual rows of its nodes' values."""
         n = len(members)
+        m = len(outs)
         seen: dict[int, int] = {}
+        if m > self.vrow.shape[0]:
+            grown = np.zeros((m, self.vrow.shape[1]), np.int64)
+            grown[: self.vrow.shape[0]] = self.vrow
+            self.vrow = grown
         for k, t in enumerate(outs):
             s = len(self.sources)
             self.sources.append(t)
             if alone:  # a nobatch value is only ever passed whole, never gathered by rows
-                self.whole[hbs[0] | SPLIT | k] = s
-                if len(outs) == 1:
-                    self.whole[hbs[0]] = s
+                nid = int(members[0])
+                self.whole[(nid, m, k)] = s
+                if m == 1:
+                    self.whole[(nid, 0, 0)] = s
                 continue
             # Output k of every op with this shape shares one class: a TreeLSTM's h values
             # (leaves and nodes) form one table and its c values another, so a gather's
@@ -434,34 +470,28 @@ class Executor:
             self._class_rows[c] += n
             self._class_starts[c].append(voff)
             self._class_srcs[c].append(s)
-            rows = range(voff, voff + n)
-            flag = SPLIT | k
-            self.vrow.update(zip([x | flag for x in hbs], rows))
-            if len(outs) == 1:  # the whole handle too; a multi-output node has none
-                self.vrow.update(zip(hbs, rows))
+            self.vrow[k, members] = np.arange(voff, voff + n)
+        if not alone:
+            self.nout[members] = m
 
     def _whole_source(self, h: int) -> int:
-        src = self.whole.get(h)
+        nid = node_id(h)
+        src = self.whole.get((nid, (h >> NSPLIT_SHIFT) & NSPLIT_MASK, h & OUT_MASK))
         if src is None:
-            nid = node_id(h)
             raise FoldError(
-                f"apply: nobatch node {nid} ({op_name(self.graph.op_of(nid))!r}) is used whole, "
-                "but its op returns several outputs. Fix: use the handles returned by .split()."
+                f"apply: nobatch node {nid} ({op_name(self.graph.op_of(nid))!r}) is used "
+                "with a split that does not match the outputs of its op. Fix: use it whole if "
+                "its op returns one tensor, else the handles of .split(n), n its outputs."
             )
         return src
 
-    def _run_subgroups(self, step: int, members: list[int], mixed: list[list[int]]) -> None:
+    def _run_subgroups(self, step: int, members: np.ndarray, mixed: list[np.ndarray]) -> None:
         """Split a group whose gathered arguments differ in shape or dtype, and run each part."""
-        parts: dict[tuple[int, ...], list[int]] = {}
-        for i, m in enumerate(members):
-            part_key = tuple(rows[i] >> _CLASS_SHIFT for rows in mixed)
-            p = parts.get(part_key)
-            if p is None:
-                parts[part_key] = [m]
-            else:
-                p.append(m)
-        for sub in parts.values():
-            self._run_group(step, sub)
+        classes = np.stack([rows >> _CLASS_SHIFT for rows in mixed])
+        _, part = np.unique(classes, axis=1, return_inverse=True)
+        part = part.reshape(-1)
+        for p in range(int(part.max()) + 1):
+            self._run_group(step, members[part == p])
 
     def _check_outputs(
         self, op: Any, step: int, members: list[int], out: Any, alone: bool
@@ -488,22 +518,6 @@ class Executor:
                         "per node in dim 0. Fix: keep the batch dim (no .sum() or .view(-1) over "
                         "it), or mark a node whose value is shared with .nobatch()."
                     )
-        nsplit = self.graph.nsplit
-        m = len(outs)
-        if m > 1 or nsplit:
-            got = list(map(nsplit.get, members))
-            ok = got.count(m) if m > 1 else got.count(None) + got.count(1)
-            if ok != len(members):
-                nid, want = next((i, w or 0) for i, w in zip(members, got) if (w or 1) != m)
-                if want == 0:
-                    raise FoldError(
-                        f"apply: op {op_name(op)!r} returned {m} outputs, but node {nid} is used "
-                        f"without split. Fix: h = f.add({op_name(op)!r}, ...).split({m})."
-                    )
-                raise FoldError(
-                    f"apply: node {nid} was split with .split({want}), but op {op_name(op)!r} "
-                    f"returned {m} output(s). Fix: call .split({m}), or return {want} tensors."
-                )
         return outs
 
     # ------------------------------------------------------------------ results
@@ -529,8 +543,8 @@ class Executor:
         nobatch = self.graph.nobatch_ids
         if nobatch and any(node_id(h) in nobatch for h in items):
             return torch.cat([self._value(h) for h in items], 0)
-        rows = self._column(items)
-        idx: list[list[int]] = []
+        rows = self._rows(handles_array(items))
+        idx: list[np.ndarray] = []
         recipe = self._recipe(rows, idx)
         if recipe is None:
             metas = {tuple(self._value(h).shape[1:]) for h in items}
@@ -539,7 +553,7 @@ class Executor:
                 f"({', '.join(map(str, sorted(metas)))}); they cannot be concatenated along "
                 "dim 0. Fix: put nodes of each shape in their own list."
             )
-        out = self._gather(recipe, self._index_tensors(idx, [recipe]))
+        out = self._gather(recipe, self._index_tensors(idx))
         if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
             out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
         return out
@@ -548,7 +562,7 @@ class Executor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""
         if node_id(h) in self.graph.nobatch_ids:
             return self.sources[self._whole_source(h)]
-        v = self._column([h])[0]
+        v = int(self._rows(handles_array([h]))[0])
         c = v >> _CLASS_SHIFT
         j = bisect.bisect_right(self._class_starts[c], v) - 1
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)

@@ -8,6 +8,7 @@ hands it to the executor (``fold.executor``).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 import weakref
@@ -29,22 +30,23 @@ _SCALAR_KINDS = {int: INT, float: FLOAT, bool: BOOL}
 # A Node is an int laid out as below, of a Node subclass made for its Fold.
 #   bits 0-6    output index k of a split output (0 for the whole node)
 #   bit  7      set on split outputs
-#   bits 8-35   node id
-#   bits 36-55  depth (above the id, so the max of some handles is the deepest one)
-# Why an int: the graph keeps handles as plain ints (tuples of plain ints cost the garbage
-# collector nothing; Node objects kept in the graph would fill its oldest generation and set
-# off full collections of the whole heap while recording), hashing and comparison run in C,
-# and add() finds the depth of all its arguments with one max().  Why a class per Fold: add()
-# looks its fast path up by argument types, so a Node of another Fold misses it and is
-# rejected on the slow path without any per-argument check on the fast one.
+#   bits 8-15   n of the split(n) that made the handle (0 for the whole node)
+#   bits 16-43  node id
+#   bits 44-    depth (highest, so the max of some handles is the deepest one; unbounded)
+# Why an int: hashing and comparison run in C, add() finds the depth of all its arguments with
+# one max(), and the executor turns a column of handles into rows with a few numpy operations.
+# Why a class per Fold: add() looks its fast path up by argument types, so a Node of another
+# Fold misses it and is rejected on the slow path without any per-argument check on the fast
+# one.  The split count travels in the handle, so split() writes nothing into the graph; apply
+# checks each handle it reads against the number of outputs the op returned.
 OUT_MASK = (1 << 7) - 1
 SPLIT = 1 << 7
-ID_SHIFT = 8
+NSPLIT_SHIFT = 8
+NSPLIT_MASK = (1 << 8) - 1
+LOW_MASK = (1 << 16) - 1  # output index, split flag and split count
+ID_SHIFT = 16
 ID_MASK = (1 << 28) - 1
-SRC_SHIFT = 7  # (h >> SRC_SHIFT) & SRC_MASK == 2 * id + (1 if a split output else 0)
-SRC_MASK = (1 << 29) - 1
-DEPTH_SHIFT = 36
-MAX_DEPTH = (1 << 20) - 1
+DEPTH_SHIFT = 44
 MAX_SPLIT = OUT_MASK + 1
 
 
@@ -58,6 +60,14 @@ def op_name(op: Any) -> str:
 def node_id(h: int) -> int:
     """The node id of a handle."""
     return (h >> ID_SHIFT) & ID_MASK
+
+
+def _depth_of(args: tuple[Any, ...], where: Any) -> int:
+    """The depth bits of a new node: 1 + the deepest node argument's (0 without any)."""
+    if where is None:
+        return 0
+    hi = max(args) if where is True else args[where] if type(where) is int else max(where(args))
+    return ((hi >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
 
 
 def _refuse_arithmetic(self: Node, *_: Any) -> Any:
@@ -92,7 +102,7 @@ class Node(int):
     @property
     def depth(self) -> int:
         """The step the depth scheduler runs the node at."""
-        return (self >> DEPTH_SHIFT) & MAX_DEPTH
+        return self >> DEPTH_SHIFT
 
     @property
     def index(self) -> int | None:
@@ -100,14 +110,29 @@ class Node(int):
         return self & OUT_MASK if self & SPLIT else None
 
     def split(self, n: int) -> tuple[Node, ...]:
-        """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``."""
-        f = self._fold_ref()
-        if n == 2 and f is not None and not self & SPLIT:  # the common case, kept short
-            if f.nsplit.setdefault((self >> ID_SHIFT) & ID_MASK, 2) == 2:
-                node = f._node_type
-                b = (self & ~OUT_MASK) | SPLIT  # a plain int
-                return node(b), node(b | 1)
-        return self.fold._split(self, n)
+        """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``.
+
+        Nothing is written into the graph: ``apply`` checks that the op returns ``n`` outputs
+        when a handle is used (a FoldError names the node and the count the op returned).
+        """
+        if n == 2 and not self & LOW_MASK:  # the common case, kept short
+            t = type(self)
+            b = self | _SPLIT2
+            return t(b), t(b | 1)
+        if self & SPLIT:
+            raise FoldError(
+                f"Node.split({n}) on output {self & OUT_MASK} of node {self.id}, which is "
+                "already one output of a split. Fix: split the node itself once, and have its "
+                "op return a flat tuple."
+            )
+        if type(n) is not int or not 1 <= n <= MAX_SPLIT:
+            raise FoldError(
+                f"Node.split({n!r}) on node {self.id}: n must be an int from 1 to {MAX_SPLIT}, "
+                "the number of tensors the op returns."
+            )
+        t = type(self)
+        b = self | SPLIT | n << NSPLIT_SHIFT
+        return tuple([t(b | k) for k in range(n)])
 
     def nobatch(self) -> Node:
         """Pass this node's value whole to every consumer instead of one row per consumer.
@@ -130,6 +155,9 @@ class Node(int):
     __str__ = __repr__
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse_arithmetic
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse_arithmetic
+
+
+_SPLIT2 = SPLIT | 2 << NSPLIT_SHIFT
 
 
 def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
@@ -205,23 +233,27 @@ class Fold:
                 f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."
             )
         self.strategy = strategy
-        # Flat per-node records, indexed by node id (ids are a topological order).
-        self.args: list[tuple[Any, ...]] = []
-        self.sig: list[int] = []  # signature id, into self.signatures
-        self.handles: list[int] = []  # per node: its whole handle (a plain int)
-        self.signatures: list[tuple[Any, tuple[Any, ...]]] = []  # (op, kinds) per id
-        self.nsplit: dict[int, int] = {}  # node id -> n of split(n)
-        self.nobatch_ids: set[int] = set()
+        # Per signature (op, argument kinds): (op, kinds), and its nodes as a dict from
+        # arguments to handle.  Insertion order is node order, so a signature's memo IS its
+        # list of nodes, and recording a node is one dict lookup and one insertion.  Adds with
+        # literal tensors key the memo by tensor identity and keep their arguments in _targs.
+        self.signatures: list[tuple[Any, tuple[Any, ...]]] = []
+        self._memos: list[dict[Any, int]] = []
+        self._targs: list[list[tuple[Any, ...]] | None] = []
         self._sig_ids: dict[tuple[Any, tuple[Any, ...]], int] = {}
-        # (op, *argument types) -> (signature id, where the node arguments are, per-argument
-        # constructors of the plain values kept in the graph, the signature's memo); see add().
-        self._fast: dict[tuple[Any, ...], tuple[int, Any, tuple[Any, ...], dict[Any, int]]] = {}
-        self._memos: list[dict[Any, int]] = []  # per signature: arguments -> handle
+        # (op, *argument types) -> (memo, where the node arguments are, per-argument
+        # normalisers or None); memo None marks the literal-tensor path.  See add().
+        self._fast: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+        self._ids = itertools.count()  # node ids, a topological order
+        self.nobatch_ids: set[int] = set()
         # Per group of the last apply: (step, op name, size, (shape, dtype) of each argument).
         self.last_run: list[tuple[int, str, int, tuple[Any, ...]]] | None = None
         self._node_type: type[Node] = type(
             "Node", (Node,), {"__slots__": (), "_fold_ref": weakref.ref(self)}
         )
+        self._recorders: dict[tuple[Any, int | None], Callable[..., Any]] = {}
+        self._flat_cache: tuple[int, list[Any], list[int], list[int]] | None = None
+        self._arrays_cache: Any = None
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -231,77 +263,89 @@ class Fold:
         callable (grouped by identity).  Arguments are Nodes of this Fold, Python
         ``int``/``float``/``bool`` (batched into 1-D tensors; ints become ``torch.long``), or
         batch-of-one tensors of shape ``(1, ...)`` (concatenated along dim 0).  Recording the
-        same op on the same arguments twice returns the same node.
+        same op on the same arguments twice returns the same node.  In a hot loop,
+        :meth:`op` records the same with less overhead per call.
         """
         # Fast path: ops whose arguments are this Fold's nodes and Python numbers, found by
         # argument types (a Node of another Fold is another type, so it takes the slow path).
         try:
-            sid, where, plain, memo = self._fast[(op, *map(type, args))]
+            memo, where, plain = self._fast[(op, *map(type, args))]
         except (KeyError, TypeError):
             return self._add_slow(op, args)
-        if sid < 0:
-            return self._add_tensors(op, args, where)
-        if where is None:
-            depth = 0
-        else:
-            # The graph keeps plain ints, not Node objects: the handles a user drops die young
-            # instead of filling the garbage collector's oldest generation.
-            if where is True:
-                args = tuple(map(int, args))
-                hi = max(args)
-            else:
-                args = tuple(map(operator.call, plain, args))
-                hi = args[where] if type(where) is int else max(where(args))
-            depth = ((hi >> DEPTH_SHIFT) & MAX_DEPTH) + 1
+        if plain is not None:
+            if memo is None:
+                return self._add_tensors(op, args, plain)
+            args = tuple(map(operator.call, plain, args))
         h = memo.get(args)
-        if h is None:  # _record, inlined: this is the hottest line of recording
-            sig = self.sig
-            nid = len(sig)
-            if depth > MAX_DEPTH or nid > ID_MASK:
-                self._record(op, args, sid, depth, memo, args)  # raises
-            self.args.append(args)
-            sig.append(sid)
-            h = memo[args] = depth << DEPTH_SHIFT | nid << ID_SHIFT
-            self.handles.append(h)
+        if h is None:  # a new node; a memo hit has the same arguments, so the same depth
+            if where is True:
+                d = ((max(args) >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
+            else:
+                d = _depth_of(args, where)
+            h = memo[args] = d | next(self._ids) << ID_SHIFT
         return self._node_type(h)
 
-    def _record(
-        self, op: Any, args: tuple[Any, ...], sid: int, depth: int, memo: dict[Any, int], key: Any
-    ) -> int:
-        """Append a new node; its handle is memoised in ``memo`` under ``key``."""
-        nid = len(self.sig)
-        if depth > MAX_DEPTH or nid > ID_MASK:
+    def op(self, op: str | Callable[..., Any], outputs: int | None = None) -> Callable[..., Any]:
+        """A recorder bound to ``op``, for hot recording loops.
+
+        ``rec = f.op("node", outputs=2)`` then ``h, c = rec(lh, lc, rh, rc)`` records the same
+        node as ``f.add("node", lh, lc, rh, rc).split(2)``, with about half the Python
+        overhead (no op lookup, no separate ``split`` call).  With ``outputs=None`` it returns
+        the whole node like ``add``.  Nodes are shared with ``add``: both memoise into the
+        same signature.
+        """
+        self._check_op(op)
+        if outputs is not None and (type(outputs) is not int or not 1 <= outputs <= MAX_SPLIT):
             raise FoldError(
-                f"Fold.add({op_name(op)!r}, ...): the graph exceeds {MAX_DEPTH} steps or {ID_MASK} nodes."
+                f"Fold.op({op_name(op)!r}, outputs={outputs!r}): outputs must be None or an int "
+                f"from 1 to {MAX_SPLIT}, the number of tensors the op returns."
             )
-        self.args.append(args)
-        self.sig.append(sid)
-        h = memo[key] = depth << DEPTH_SHIFT | nid << ID_SHIFT
-        self.handles.append(h)
-        return h
+        cached = self._recorders.get((op, outputs))
+        if cached is not None:
+            return cached
+        fast: dict[tuple[type, ...], tuple[dict[Any, int], Any]] = {}
+        # No strong reference to the Fold: it caches its recorders, and a cycle through them
+        # would keep a dropped graph alive until the next full garbage collection.
+        fold_ref, general, ids, T = weakref.ref(self), self._fast, self._ids, self._node_type
+        code = 0 if outputs is None else SPLIT | outputs << NSPLIT_SHIFT
+        n = outputs or 0
 
-    def _check_args(self, op: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any], int]:
-        """Classify every argument: (normalised args, kinds, depth), or a FoldError."""
-        kinds: list[Any] = []
-        depth = 0
-        for pos, a in enumerate(args):
-            t = type(a)
-            if t is self._node_type:
-                depth = max(depth, ((a >> DEPTH_SHIFT) & MAX_DEPTH) + 1)
-                kinds.append(NODE)
-                args = args[:pos] + (int(a),) + args[pos + 1 :]
-            elif t in _SCALAR_KINDS:
-                kinds.append(_SCALAR_KINDS[t])
-            elif t is torch.Tensor and a.ndim and a.shape[0] == 1:
-                kinds.append((a.shape[1:], a.dtype))
+        def record(*args: Any) -> Any:
+            types = tuple(map(type, args))
+            entry = fast.get(types)
+            if entry is None:
+                f = fold_ref()
+                if f is None:
+                    raise FoldError(
+                        f"recorder of {op_name(op)!r}: its Fold no longer exists. Fix: keep the "
+                        "Fold alive while recording, or take a recorder from the new Fold."
+                    )
+                h = f.add(op, *args)  # classifies (or rejects) the arguments
+                e = general.get((op, *types))
+                if e is not None and e[0] is not None and e[2] is None:
+                    fast[types] = (e[0], e[1])  # node and number arguments: cache the memo
             else:
-                kind, value = _arg_kind(op, pos, a)
-                if value is not a:
-                    args = args[:pos] + (value,) + args[pos + 1 :]
-                kinds.append(kind)
-        return args, kinds, depth
+                memo, where = entry
+                h = memo.get(args)
+                if h is None:
+                    if where is True:
+                        d = ((max(args) >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
+                    else:
+                        d = _depth_of(args, where)
+                    h = memo[args] = d | next(ids) << ID_SHIFT
+            if n == 2:
+                b = h | code
+                return T(b), T(b | 1)
+            if n == 0:
+                return T(h)
+            b = h | code
+            return tuple([T(b | k) for k in range(n)])
 
-    def _add_slow(self, op: Any, args: tuple[Any, ...]) -> Node:
+        record.__name__ = record.__qualname__ = f"record_{op_name(op)}"
+        self._recorders[(op, outputs)] = record
+        return record
+
+    def _check_op(self, op: Any) -> None:
         if type(op) is not str and not callable(op):
             raise FoldError(
                 f"Fold.add: op is a {type(op).__name__} ({op!r}); expected a method name (str) "
@@ -314,6 +358,30 @@ class Fold:
                 f"Fold.add: op {op_name(op)} is not hashable, so nodes of it cannot be grouped. "
                 "Fix: pass a function, a bound method, or a method name."
             ) from None
+
+    def _check_args(self, op: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any], int]:
+        """Classify every argument: (normalised args, kinds, depth bits), or a FoldError."""
+        kinds: list[Any] = []
+        hi = -1
+        for pos, a in enumerate(args):
+            t = type(a)
+            if t is self._node_type:
+                hi = max(hi, a)
+                kinds.append(NODE)
+            elif t in _SCALAR_KINDS:
+                kinds.append(_SCALAR_KINDS[t])
+            elif t is torch.Tensor and a.ndim and a.shape[0] == 1:
+                kinds.append((a.shape[1:], a.dtype))
+            else:
+                kind, value = _arg_kind(op, pos, a)
+                if value is not a:
+                    args = args[:pos] + (value,) + args[pos + 1 :]
+                kinds.append(kind)
+        depth = 0 if hi < 0 else ((hi >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
+        return args, kinds, depth
+
+    def _add_slow(self, op: Any, args: tuple[Any, ...]) -> Node:
+        self._check_op(op)
         types = tuple(map(type, args))
         args, kinds, depth = self._check_args(op, args)
         ktuple = tuple(kinds)
@@ -325,9 +393,10 @@ class Fold:
             if all(t is torch.Tensor for t, k in zip(types, ktuple) if type(k) is tuple):
                 tpos = tuple(i for i, k in enumerate(ktuple) if type(k) is tuple)
                 base = [NODE if k == NODE else None if type(k) is tuple else k for k in ktuple]
-                self._fast[(op, *types)] = (-1, (tpos, base, {}), (), {})
+                self._fast[(op, *types)] = (None, None, (tpos, base, {}))
             return self._add_classified(op, args, ktuple, depth)
-        sid, memo = self._signature(op, ktuple)
+        sid = self._signature(op, ktuple)
+        memo = self._memos[sid]
         # Arguments of node and number kinds only: later adds of these types take the fast path.
         where: Any = [i for i, k in enumerate(ktuple) if k == NODE]
         if not where:
@@ -338,11 +407,16 @@ class Fold:
             where = where[0]
         else:
             where = operator.itemgetter(*where)
-        plain = tuple(int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple)
-        self._fast[(op, *types)] = (sid, where, plain, memo)
+        plain: Any = None
+        if not all(t is self._node_type or t in _SCALAR_KINDS for t in types):
+            # e.g. numpy integers: normalised to the Python number of their kind
+            plain = tuple(
+                int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple
+            )
+        self._fast[(op, *types)] = (memo, where, plain)
         h = memo.get(args)
         if h is None:
-            h = self._record(op, args, sid, depth, memo, args)
+            h = memo[args] = depth | next(self._ids) << ID_SHIFT
         return self._node_type(h)
 
     def _add_tensors(self, op: Any, args: tuple[Any, ...], spec: Any) -> Node:
@@ -355,70 +429,99 @@ class Fold:
                 _arg_kind(op, p, a)  # raises: not a batch-of-one tensor
             kinds[p] = (a.shape[1:], a.dtype)
         kt = tuple(kinds)
-        if NODE in base:  # nodes of this Fold (guaranteed by the type lookup): depth, plain ints
+        if NODE in base:  # nodes of this Fold (guaranteed by the type lookup): depth
             args, _, depth = self._check_args(op, args)
         else:
             depth = 0
-        entry = sigs.get(kt)
-        if entry is None:
-            entry = sigs[kt] = self._signature(op, kt)
-        sid, memo = entry
-        key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kt)])
-        h = memo.get(key)
-        if h is None:
-            h = self._record(op, args, sid, depth, memo, key)
-        return self._node_type(h)
+        sid = sigs.get(kt)
+        if sid is None:
+            sid = sigs[kt] = self._signature(op, kt)
+        return self._record_tensors(sid, args, kt, depth)
 
     def _add_classified(
         self, op: Any, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
     ) -> Node:
-        sid, memo = self._signature(op, kinds)
+        return self._record_tensors(self._signature(op, kinds), args, kinds, depth)
+
+    def _record_tensors(
+        self, sid: int, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
+    ) -> Node:
         # Tensors compare elementwise; memoise literal tensors by identity instead (the graph
         # holds them, so their ids stay unique).
-        key = tuple(id(a) if type(k) is tuple else a for a, k in zip(args, kinds))
+        key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kinds)])
+        memo = self._memos[sid]
         h = memo.get(key)
         if h is None:
-            h = self._record(op, args, sid, depth, memo, key)
+            h = memo[key] = depth | next(self._ids) << ID_SHIFT
+            targs = self._targs[sid]
+            if targs is None:
+                targs = self._targs[sid] = []
+            targs.append(args)
         return self._node_type(h)
 
-    def _signature(self, op: Any, kinds: tuple[Any, ...]) -> tuple[int, dict[Any, int]]:
+    def _signature(self, op: Any, kinds: tuple[Any, ...]) -> int:
         sig_key = (op, kinds)
         sid = self._sig_ids.get(sig_key)
         if sid is None:
             sid = self._sig_ids[sig_key] = len(self.signatures)
             self.signatures.append(sig_key)
             self._memos.append({})
-        return sid, self._memos[sid]
-
-    def _split(self, node: Node, n: int) -> tuple[Node, ...]:
-        nid = node.id
-        if node & SPLIT:
-            raise FoldError(
-                f"Node.split({n}) on output {node & OUT_MASK} of node {nid} "
-                f"({op_name(self.op_of(nid))!r}), which is already one output of a split. Fix: "
-                "split the node itself once, and have its op return a flat tuple."
-            )
-        if type(n) is not int or not 1 <= n <= MAX_SPLIT:
-            raise FoldError(
-                f"Node.split({n!r}) on node {nid} ({op_name(self.op_of(nid))!r}): n must be an int "
-                f"from 1 to {MAX_SPLIT}, the number of tensors the op returns."
-            )
-        done = self.nsplit.setdefault(nid, n)
-        if done != n:
-            raise FoldError(
-                f"Node.split({n}) on node {nid} ({op_name(self.op_of(nid))!r}), which was "
-                f"already split into {done} outputs. Fix: call .split({done})."
-            )
-        b = (node & ~OUT_MASK) | SPLIT
-        return tuple([self._node_type(b | k) for k in range(n)])
+            self._targs.append(None)
+        return sid
 
     def __len__(self) -> int:
-        return len(self.sig)
+        return sum(map(len, self._memos))
+
+    # ------------------------------------------------------------------ flat views
+    def _flat(self) -> tuple[int, list[Any], list[int], list[int]]:
+        """(nodes, args, sig, handles): per-node lists indexed by node id, built on demand."""
+        n = len(self)
+        cache = self._flat_cache
+        if cache is None or cache[0] != n:
+            args: list[Any] = [None] * n
+            sig = [0] * n
+            handles = [0] * n
+            for sid, memo in enumerate(self._memos):
+                rows = self._targs[sid]
+                for a, h in zip(memo if rows is None else rows, memo.values()):
+                    nid = (h >> ID_SHIFT) & ID_MASK
+                    args[nid] = a
+                    sig[nid] = sid
+                    handles[nid] = h
+            cache = self._flat_cache = (n, args, sig, handles)
+        return cache
+
+    @property
+    def args(self) -> list[tuple[Any, ...]]:
+        """Per node id, its recorded arguments (node arguments as handles)."""
+        return self._flat()[1]
+
+    @property
+    def sig(self) -> list[int]:
+        """Per node id, its signature id (an index into ``signatures``)."""
+        return self._flat()[2]
+
+    @property
+    def handles(self) -> list[int]:
+        """Per node id, its whole handle (a plain int)."""
+        return self._flat()[3]
 
     @property
     def depth(self) -> list[int]:
         """Per node, its depth: 0 without node arguments, else 1 + the deepest argument's."""
         return [h >> DEPTH_SHIFT for h in self.handles]
+
+    def arrays(self) -> Any:
+        """The graph as numpy arrays (:class:`fold.layout.GraphArrays`), as apply reads it."""
+        from fold.layout import GraphArrays
+
+        n = len(self)
+        cache = self._arrays_cache
+        if cache is None or cache.n != n:
+            if n > ID_MASK:
+                raise FoldError(f"Fold: the graph has {n} nodes, more than {ID_MASK}.")
+            cache = self._arrays_cache = GraphArrays(self, n)
+        return cache
 
     def op_of(self, nid: int) -> Any:
         """The op recorded as node ``nid``."""
@@ -538,25 +641,29 @@ class Fold:
     def to_networkx(self) -> Any:
         """The graph as a ``networkx.DiGraph``.
 
-        Node attributes: ``op`` (name), ``depth``, ``split`` (n of ``split(n)``, 0 if never
-        split), ``nobatch``.  Edge attributes: ``arg`` (argument position) and ``out`` (the
-        output index of the source that is used).
+        Node attributes: ``op`` (name), ``depth``, ``split`` (the n of ``split(n)`` its
+        consumers use it with; 0 if they use it whole or it has none), ``nobatch``.  Edge
+        attributes: ``arg`` (argument position) and ``out`` (the output index of the source
+        that is used).
         """
         import networkx as nx
 
         g = nx.DiGraph()
-        for nid in range(len(self.sig)):
-            op = self.op_of(nid)
+        _, _, _, handles = self._flat()
+        for nid, h in enumerate(handles):
             g.add_node(
                 nid,
-                op=op_name(op),
-                depth=self.handles[nid] >> DEPTH_SHIFT,
-                split=self.nsplit.get(nid, 0),
+                op=op_name(self.op_of(nid)),
+                depth=h >> DEPTH_SHIFT,
+                split=0,
                 nobatch=nid in self.nobatch_ids,
             )
-        for nid in range(len(self.sig)):
+        for nid in range(len(handles)):
             for pos, a in self.node_args(nid):
-                g.add_edge(node_id(a), nid, arg=pos, out=a & OUT_MASK)
+                src = node_id(a)
+                g.add_edge(src, nid, arg=pos, out=a & OUT_MASK)
+                if a & SPLIT:
+                    g.nodes[src]["split"] = (a >> NSPLIT_SHIFT) & NSPLIT_MASK
         return g
 
     def draw(self, path: str) -> None:

@@ -111,8 +111,11 @@ def test_split_twice_differently_and_split_of_an_output() -> None:
     n = f.add("two", 1)
     a, _ = n.split(2)
     assert n.split(2)[0] == a
-    with pytest.raises(FoldError, match=r"already split into 2 outputs. Fix: call \.split\(2\)"):
-        n.split(3)
+    # split() records nothing: a split that does not match the op is caught where it is used.
+    wrong = n.split(3)
+    assert f.apply(Obj(), [[a]])[0].shape == (1,)
+    with pytest.raises(FoldError, match=r"split with \.split\(3\), but op 'two' returned 2"):
+        f.apply(Obj(), [[wrong[2]]])
     with pytest.raises(FoldError, match="already one output of a split"):
         a.split(2)
     with pytest.raises(FoldError, match="must be an int from 1 to 128"):
@@ -124,7 +127,7 @@ def test_whole_node_used_after_split_is_rejected() -> None:
     n = f.add("two", 1)
     n.split(2)
     user = f.add("one", n)
-    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, but it was split into 2"):
+    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, without split"):
         f.apply(Obj(), [[user]])
     with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole"):
         f.apply(Obj(), [[n]])
@@ -135,7 +138,7 @@ def test_whole_node_used_before_split_is_rejected_at_apply() -> None:
     n = f.add("two", 1)
     user = f.add("one", n)
     n.split(2)
-    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, but it was split"):
+    with pytest.raises(FoldError, match=r"node 0 \('two'\) is used whole, without split"):
         f.apply(Obj(), [[user]])
 
 

@@ -44,8 +44,8 @@ def test_depth_schedule_groups_by_depth_and_signature() -> None:
 def test_schedule_is_a_pure_function_of_the_graph() -> None:
     f = tree_fold()
     p1, p2 = depth_schedule(f), depth_schedule(f)
-    assert [[g.nodes for g in s.groups] for s in p1.steps] == [
-        [g.nodes for g in s.groups] for s in p2.steps
+    assert [[list(g.nodes) for g in s.groups] for s in p1.steps] == [
+        [list(g.nodes) for g in s.groups] for s in p2.steps
     ]
     assert sorted(n for s in p1.steps for g in s.groups for n in g.nodes) == list(range(len(f)))
 
@@ -133,3 +133,64 @@ def test_unfold_runs_ops_eagerly_like_fold() -> None:
     (a,) = f.apply(model, [[record_tree(f, t) for t in trees]])
     (b,) = u.apply(model, [[record_tree(u, t) for t in trees]])
     torch.testing.assert_close(a, b)
+
+
+class Ops:
+    def two(self, x):
+        return x + 1, x * 2
+
+    def mix(self, a, b):
+        return a * 3 + b
+
+    def scale(self, a, k):
+        return a * k
+
+
+def test_op_recorder_records_the_nodes_add_records() -> None:
+    f = fold.Fold()
+    two = f.op("two", outputs=2)
+    assert f.op("two", outputs=2) is two  # cached per (op, outputs)
+    a, b = two(1)
+    assert (a, b) == f.add("two", 1).split(2)  # memoised together with add
+    m = f.op("mix")(a, b)
+    assert m == f.add("mix", a, b)
+    s = f.op("scale", outputs=1)(m, 2.5)  # node and number arguments
+    assert s == f.add("scale", m, 2.5).split(1)
+    c, d = two(2)
+    assert len(f) == 4
+    outs = f.apply(Ops(), [[s[0]], [m], [a, c]])
+    ops = Ops()
+    u = fold.Unfold(ops)
+    ua, ub = u.add("two", 1).split(2)
+    um = u.add("mix", ua, ub)
+    (us,) = u.add("scale", um, 2.5).split(1)
+    uc, _ = u.add("two", 2).split(2)
+    for got, want in zip(outs, u.apply(ops, [[us], [um], [ua, uc]])):
+        torch.testing.assert_close(got, want)
+
+
+def test_op_recorder_rejects_bad_arguments() -> None:
+    f, g = fold.Fold(), fold.Fold()
+    other = g.add("two", 1)
+    mix = f.op("mix")
+    with pytest.raises(fold.FoldError, match=r"argument 1 is a Node of another Fold"):
+        mix(f.add("two", 1), other)
+    with pytest.raises(fold.FoldError, match=r"argument 0 is a str"):
+        mix("x", 1)
+    with pytest.raises(fold.FoldError, match=r"outputs must be None or an int from 1 to 128"):
+        f.op("two", outputs=0)
+    with pytest.raises(fold.FoldError, match="expected a method name"):
+        f.op(["two"])
+    rec = f.op("two", outputs=2)
+    del f
+    with pytest.raises(fold.FoldError, match="its Fold no longer exists"):
+        rec(1)
+
+
+def test_a_wrong_split_is_caught_where_a_consumer_reads_it() -> None:
+    f = fold.Fold()
+    x = f.add("two", 1)
+    (wrong,) = x.split(1)
+    f.add("mix", wrong, wrong)
+    with pytest.raises(fold.FoldError, match=r"split with \.split\(1\), but op 'two' returned 2"):
+        f.apply(Ops(), [[x.split(2)[0]]])

@@ -125,6 +125,15 @@ def programs(draw: Any) -> list[tuple[Any, ...]]:
     return prog
 
 
+def record(rec: Any, op: str, outputs: int | None, *args: Any) -> Any:
+    """``rec.add(op, *args)`` (split into ``outputs``), or on a Fold every other time the
+    bound recorder ``rec.op(op, outputs)``: both must record the same nodes."""
+    if isinstance(rec, fold.Fold) and len(rec) % 2:
+        return rec.op(op, outputs)(*args)
+    node = rec.add(op, *args)
+    return node if outputs is None else node.split(outputs)
+
+
 def replay(
     rec: Any, prog: list[tuple[Any, ...]], leaves: dict[tuple[Any, ...], torch.Tensor]
 ) -> list[Any]:
@@ -139,11 +148,11 @@ def replay(
         elif op in ("squash", "norm", "widen"):
             vals.append(rec.add(op, vals[ins[1]]))
         elif op == "fork":
-            vals.extend(rec.add("fork", vals[ins[1]]).split(2))
+            vals.extend(record(rec, "fork", 2, vals[ins[1]]))
         elif op == "scale":
-            vals.append(rec.add("scale", vals[ins[1]], ins[2]))
+            vals.append(record(rec, "scale", None, vals[ins[1]], ins[2]))
         elif op in ("mul", "mix"):
-            vals.append(rec.add(op, *(vals[i] for i in ins[1:])))
+            vals.append(record(rec, op, None, *(vals[i] for i in ins[1:])))
         else:
             table = rec.add("summary", vals[ins[1]]).nobatch()
             vals.extend(rec.add("attend", vals[u], table) for u in ins[2])

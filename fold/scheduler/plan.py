@@ -27,12 +27,13 @@ class Graph(Protocol):
 class Group:
     """Nodes that run as one batched call: same step, same signature.
 
-    ``nodes`` are node ids in the order their rows take in the group's output.  ``key`` is the
-    signature id, extended with the ids of nobatch arguments where there are any.
+    ``nodes`` are node ids (a list, or an int64 numpy array) in the order their rows take in
+    the group's output.  ``key`` is the signature id, extended with the ids of nobatch
+    arguments where there are any.
     """
 
     key: Any
-    nodes: list[int]
+    nodes: Any  # Sequence[int] | numpy.ndarray
 
 
 @dataclass(slots=True, eq=False)

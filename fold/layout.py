@@ -1,0 +1,85 @@
+"""A recorded graph as numpy arrays: what the scheduler and the executor read per ``apply``.
+
+Recording keeps Python objects (per signature, a dict from arguments to handle); running
+needs whole columns of them.  :class:`GraphArrays` converts each signature's nodes once per
+``apply``, in C (``array``/``numpy``), so that scheduling and gathering cost a few array
+operations per group instead of Python work per node.
+"""
+
+from __future__ import annotations
+
+import array
+from typing import Any
+
+import numpy as np
+
+from fold.errors import FoldError
+from fold.graph import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, op_name
+
+__all__ = ["GraphArrays", "handles_array"]
+
+_NUMBER_NP = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
+
+
+def handles_array(handles: Any) -> np.ndarray:
+    """Handles (Nodes or ints) as an int64 array, converted in C."""
+    try:
+        return np.frombuffer(array.array("q", handles), dtype=np.int64)
+    except OverflowError:
+        raise FoldError(
+            "apply: the graph is deeper than int64 handles can describe (about 500k steps). "
+            "Fix: split the computation into several Folds."
+        ) from None
+
+
+class GraphArrays:
+    """Per node id: ``sig`` (signature id), ``pos`` (index among its signature's nodes) and
+    ``depth``; per signature: ``count`` and, on demand, its argument ``columns``.
+
+    Node ids are a topological order; within a signature, positions follow node ids.
+    """
+
+    def __init__(self, fold: Any, n: int) -> None:
+        self.n = n
+        self._fold = fold
+        self.sig = np.empty(n, np.int64)
+        self.pos = np.empty(n, np.int64)
+        self.depth = np.empty(n, np.int64)
+        self.count: list[int] = []
+        for sid, memo in enumerate(fold._memos):
+            h = handles_array(memo.values())
+            ids = (h >> ID_SHIFT) & ID_MASK
+            self.sig[ids] = sid
+            self.pos[ids] = np.arange(len(h))
+            self.depth[ids] = h >> DEPTH_SHIFT
+            self.count.append(len(h))
+        self._columns: list[list[Any] | None] = [None] * len(self.count)
+
+    def columns(self, sid: int) -> list[Any]:
+        """Per argument position of signature ``sid``, the values of all its nodes, in node
+        order: an int64 array of handles (node arguments), a numpy array (numbers), or a list
+        (literal tensors)."""
+        cols = self._columns[sid]
+        if cols is None:
+            fold = self._fold
+            op, kinds = fold.signatures[sid]
+            rows = fold._targs[sid]
+            if rows is None:
+                rows = list(fold._memos[sid])
+            raw = list(zip(*rows)) if kinds else []
+            cols = []
+            for j, k in enumerate(kinds):
+                if k == NODE:
+                    cols.append(handles_array(raw[j]))
+                elif type(k) is tuple:
+                    cols.append(raw[j])
+                else:
+                    try:
+                        cols.append(np.array(raw[j], dtype=_NUMBER_NP[k]))
+                    except OverflowError:
+                        raise FoldError(
+                            f"apply: op {op_name(op)!r}, argument {j}: an int does not fit in "
+                            "torch.long (int64). Fix: pass a smaller int, or a float."
+                        ) from None
+            self._columns[sid] = cols
+        return cols
