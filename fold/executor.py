@@ -40,10 +40,16 @@ __all__ = ["Executor", "device_of"]
 def device_of(obj: Any) -> torch.device:
     """The device of ``obj``'s first parameter (or buffer); CPU for plain objects."""
     if isinstance(obj, torch.nn.Module):
-        for p in obj.parameters():
-            return p.device
-        for b in obj.buffers():
-            return b.device
+        # The order of parameters() then buffers(), without its generator machinery (this
+        # runs on every apply).
+        for attr in ("_parameters", "_buffers"):
+            stack = [obj]
+            while stack:
+                m = stack.pop()
+                for t in getattr(m, attr).values():
+                    if t is not None:
+                        return t.device
+                stack.extend(reversed(m._modules.values()))
     return torch.device("cpu")
 
 
@@ -166,7 +172,7 @@ class Executor:
         """
         nid = (handles >> ID_SHIFT) & ID_MASK
         want = np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1)
-        if not np.array_equal(want, self.nout[nid]):
+        if (want != self.nout[nid]).any():
             self._bad_handle(handles, want, nid)
         if self.vrow.shape[0] == 1:
             return self.vrow[0, nid]
@@ -195,9 +201,13 @@ class Executor:
 
     def _recipe(self, rows: np.ndarray, idx: list[np.ndarray]) -> _Recipe | None:
         """Plan a gather of virtual ``rows``; None if they span several shape classes."""
-        lo, hi = int(rows.min()), int(rows.max())
-        c = lo >> _CLASS_SHIFT
         n = len(rows)
+        lo, hi = int(rows[0]), int(rows[-1])
+        # Rows in order, one after another (a group's own nodes): first and last bound them.
+        run = hi - lo == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all()))
+        if not run:
+            lo, hi = int(rows.min()), int(rows.max())
+        c = lo >> _CLASS_SHIFT
         if hi >> _CLASS_SHIFT != c:
             metas = {self._class_meta[k][:2] for k in np.unique(rows >> _CLASS_SHIFT).tolist()}
             if len(metas) > 1:
@@ -209,7 +219,7 @@ class Executor:
         start = starts[j]
         src = self._class_srcs[c][j]
         if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-            if hi - lo == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+            if run:
                 return src, lo - start, n, -1
             idx.append(rows - start)
             return src, 0, n, len(idx) - 1
@@ -534,8 +544,7 @@ class Executor:
                     f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
                 )
             return torch.cat([t.to(self.device, non_blocking=True) for t in items], 0)
-        node_type = self.graph._node_type
-        if not all(type(h) is node_type for h in items):
+        if set(map(type, items)) != {self.graph._node_type}:
             raise FoldError(
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
                 "returned by this Fold's add()."
@@ -568,10 +577,16 @@ class Executor:
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
 
 
-def _is_batch_module(obj: Any) -> bool:
-    from fold.batched_ops import BatchModule
+_BATCH_MODULE: Any = None
 
-    return isinstance(obj, BatchModule)
+
+def _is_batch_module(obj: Any) -> bool:
+    global _BATCH_MODULE
+    if _BATCH_MODULE is None:  # imported late: fold.batched_ops imports the executor's package
+        from fold.batched_ops import BatchModule
+
+        _BATCH_MODULE = BatchModule
+    return isinstance(obj, _BATCH_MODULE)
 
 
 def _describe_output(out: Any) -> str:

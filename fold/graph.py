@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -160,6 +161,42 @@ class Node(int):
 _SPLIT2 = SPLIT | 2 << NSPLIT_SHIFT
 
 
+# Node classes are pooled: a class costs tens of microseconds to make and is cyclic garbage
+# once dropped (a per-sample training loop makes a Fold per step).  A pooled class serves a
+# new Fold only when nothing but the pool refers to it: no Fold, no recorder, and no handle
+# (each instance holds a reference to its class), so a handle of a dropped Fold can never be
+# mistaken for a handle of the new one.
+_NODE_TYPES: list[type[Node]] = []
+_POOL_SIZE = 16
+
+
+def _make_node_type() -> type[Node]:
+    return type("Node", (Node,), {"__slots__": ()})
+
+
+def _unused_refcount() -> int:
+    """The reference count of a pooled class nothing uses, read as _node_type_for reads it."""
+    probe = [_make_node_type()]
+    for cls in probe:
+        return sys.getrefcount(cls)
+    raise AssertionError
+
+
+_UNUSED = _unused_refcount()
+
+
+def _node_type_for(fold: Fold) -> type[Node]:
+    for cls in _NODE_TYPES:
+        if sys.getrefcount(cls) == _UNUSED:
+            break
+    else:
+        cls = _make_node_type()
+        if len(_NODE_TYPES) < _POOL_SIZE:
+            _NODE_TYPES.append(cls)
+    cls._fold_ref = weakref.ref(fold)
+    return cls
+
+
 def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
     """The slow path of argument classification: (kind, normalised value), or FoldError."""
     if isinstance(a, torch.Tensor):
@@ -248,9 +285,7 @@ class Fold:
         self.nobatch_ids: set[int] = set()
         # Per group of the last apply: (step, op name, size, (shape, dtype) of each argument).
         self.last_run: list[tuple[int, str, int, tuple[Any, ...]]] | None = None
-        self._node_type: type[Node] = type(
-            "Node", (Node,), {"__slots__": (), "_fold_ref": weakref.ref(self)}
-        )
+        self._node_type: type[Node] = _node_type_for(self)
         self._recorders: dict[tuple[Any, int | None], Callable[..., Any]] = {}
         self._flat_cache: tuple[int, list[Any], list[int], list[int]] | None = None
         self._arrays_cache: Any = None
@@ -422,6 +457,23 @@ class Fold:
     def _add_tensors(self, op: Any, args: tuple[Any, ...], spec: Any) -> Node:
         """An add with literal tensors among its arguments (the per-sample MNIST loop)."""
         tpos, base, sigs = spec
+        if len(args) == 1:  # one tensor, e.g. an image: kept short
+            a = args[0]
+            shape = a.shape
+            if not shape or shape[0] != 1:
+                _arg_kind(op, 0, a)  # raises: not a batch-of-one tensor
+            skey = (shape, a.dtype)
+            entry = sigs.get(skey)
+            if entry is None:
+                sid = self._signature(op, ((shape[1:], a.dtype),))
+                entry = sigs[skey] = (self._memos[sid], self._targs[sid])
+            memo, targs = entry
+            key = (id(a),)
+            h = memo.get(key)
+            if h is None:
+                h = memo[key] = next(self._ids) << ID_SHIFT
+                targs.append(args)
+            return self._node_type(h)
         kinds = list(base)
         for p in tpos:
             a = args[p]
@@ -433,29 +485,28 @@ class Fold:
             args, _, depth = self._check_args(op, args)
         else:
             depth = 0
-        sid = sigs.get(kt)
-        if sid is None:
-            sid = sigs[kt] = self._signature(op, kt)
-        return self._record_tensors(sid, args, kt, depth)
+        entry = sigs.get(kt)
+        if entry is None:
+            sid = self._signature(op, kt)
+            entry = sigs[kt] = (self._memos[sid], self._targs[sid])
+        return self._record_tensors(entry, args, kt, depth)
 
     def _add_classified(
         self, op: Any, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
     ) -> Node:
-        return self._record_tensors(self._signature(op, kinds), args, kinds, depth)
+        sid = self._signature(op, kinds)
+        return self._record_tensors((self._memos[sid], self._targs[sid]), args, kinds, depth)
 
     def _record_tensors(
-        self, sid: int, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
+        self, entry: Any, args: tuple[Any, ...], kinds: tuple[Any, ...], depth: int
     ) -> Node:
         # Tensors compare elementwise; memoise literal tensors by identity instead (the graph
         # holds them, so their ids stay unique).
+        memo, targs = entry
         key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kinds)])
-        memo = self._memos[sid]
         h = memo.get(key)
         if h is None:
             h = memo[key] = depth | next(self._ids) << ID_SHIFT
-            targs = self._targs[sid]
-            if targs is None:
-                targs = self._targs[sid] = []
             targs.append(args)
         return self._node_type(h)
 
@@ -466,7 +517,8 @@ class Fold:
             sid = self._sig_ids[sig_key] = len(self.signatures)
             self.signatures.append(sig_key)
             self._memos.append({})
-            self._targs.append(None)
+            # Literal tensors: memo keys are tensor ids, so the arguments are kept here.
+            self._targs.append([] if any(type(k) is tuple for k in kinds) else None)
         return sid
 
     def __len__(self) -> int:
@@ -513,13 +565,13 @@ class Fold:
 
     def arrays(self) -> Any:
         """The graph as numpy arrays (:class:`fold.layout.GraphArrays`), as apply reads it."""
-        from fold.layout import GraphArrays
-
         n = len(self)
         cache = self._arrays_cache
         if cache is None or cache.n != n:
             if n > ID_MASK:
                 raise FoldError(f"Fold: the graph has {n} nodes, more than {ID_MASK}.")
+            from fold.layout import GraphArrays
+
             cache = self._arrays_cache = GraphArrays(self, n)
         return cache
 

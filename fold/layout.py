@@ -41,12 +41,22 @@ class GraphArrays:
 
     def __init__(self, fold: Any, n: int) -> None:
         self.n = n
-        self._fold = fold
+        # The Fold's own lists, not the Fold: it caches this object, and a cycle would keep
+        # every applied graph alive until a full garbage collection.
+        self._signatures = fold.signatures
+        self._memos = fold._memos
+        self._targs = fold._targs
         self.sig = np.empty(n, np.int64)
         self.pos = np.empty(n, np.int64)
         self.depth = np.empty(n, np.int64)
         self.count: list[int] = []
-        for sid, memo in enumerate(fold._memos):
+        if len(fold._memos) == 1:  # one signature: node ids are its positions
+            h = handles_array(fold._memos[0].values())
+            self.sig[:] = 0
+            self.pos = np.arange(n)
+            self.depth = h >> DEPTH_SHIFT
+            self.count.append(n)
+        for sid, memo in enumerate(fold._memos if len(fold._memos) > 1 else ()):
             h = handles_array(memo.values())
             ids = (h >> ID_SHIFT) & ID_MASK
             self.sig[ids] = sid
@@ -61,11 +71,10 @@ class GraphArrays:
         (literal tensors)."""
         cols = self._columns[sid]
         if cols is None:
-            fold = self._fold
-            op, kinds = fold.signatures[sid]
-            rows = fold._targs[sid]
+            op, kinds = self._signatures[sid]
+            rows = self._targs[sid]
             if rows is None:
-                rows = list(fold._memos[sid])
+                rows = list(self._memos[sid])
             raw = list(zip(*rows)) if kinds else []
             cols = []
             for j, k in enumerate(kinds):
