@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fold.errors import FoldError
+from fold.scheduler import SCHEDULERS
 
 __all__ = ["Fold", "Node", "Unfold", "node_id", "op_name"]
 
@@ -263,8 +264,6 @@ class Fold:
     """
 
     def __init__(self, strategy: str = "depth") -> None:
-        from fold.scheduler import SCHEDULERS
-
         if strategy not in SCHEDULERS:
             raise FoldError(
                 f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."
@@ -329,15 +328,18 @@ class Fold:
         the whole node like ``add``.  Nodes are shared with ``add``: both memoise into the
         same signature.
         """
+        try:
+            cached = self._recorders.get((op, outputs))
+        except TypeError:
+            cached = None  # an unhashable op: _check_op says so
+        if cached is not None:
+            return cached
         self._check_op(op)
         if outputs is not None and (type(outputs) is not int or not 1 <= outputs <= MAX_SPLIT):
             raise FoldError(
                 f"Fold.op({op_name(op)!r}, outputs={outputs!r}): outputs must be None or an int "
                 f"from 1 to {MAX_SPLIT}, the number of tensors the op returns."
             )
-        cached = self._recorders.get((op, outputs))
-        if cached is not None:
-            return cached
         fast: dict[tuple[type, ...], tuple[dict[Any, int], Any]] = {}
         # No strong reference to the Fold: it caches its recorders, and a cycle through them
         # would keep a dropped graph alive until the next full garbage collection.
@@ -359,6 +361,10 @@ class Fold:
                 e = general.get((op, *types))
                 if e is not None and e[0] is not None and e[2] is None:
                     fast[types] = (e[0], e[1])  # node and number arguments: cache the memo
+                elif e is not None and e[0] is None:
+                    fast[types] = (None, e[2])  # literal tensors: cache the tensor path
+            elif entry[0] is None:
+                h = fold_ref()._add_tensors(op, args, entry[1])  # type: ignore[union-attr]
             else:
                 memo, where = entry
                 h = memo.get(args)
@@ -587,8 +593,6 @@ class Fold:
     # ------------------------------------------------------------------ execution
     def plan(self) -> Any:
         """The schedule of this graph (a :class:`fold.scheduler.Plan`), as ``apply`` runs it."""
-        from fold.scheduler import SCHEDULERS
-
         return SCHEDULERS[self.strategy](self)
 
     def apply(

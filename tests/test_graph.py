@@ -194,3 +194,21 @@ def test_a_wrong_split_is_caught_where_a_consumer_reads_it() -> None:
     f.add("mix", wrong, wrong)
     with pytest.raises(fold.FoldError, match=r"split with \.split\(1\), but op 'two' returned 2"):
         f.apply(Ops(), [[x.split(2)[0]]])
+
+
+def test_node_classes_are_reused_only_when_nothing_refers_to_them() -> None:
+    from fold import graph
+
+    f = fold.Fold()
+    stale = f.add("two", 1)
+    del f
+    g = fold.Fold()
+    # The stale handle keeps its class alive, so the new Fold has another one and rejects it.
+    assert g._node_type is not type(stale)
+    with pytest.raises(fold.FoldError, match="Node of another Fold"):
+        g.add("mix", g.add("two", 1), stale)
+    del stale, g
+    pooled = len(graph._NODE_TYPES)
+    for _ in range(50):  # a Fold per step, as a training loop makes them
+        fold.Fold().add("two", 1)
+    assert len(graph._NODE_TYPES) <= pooled + 1
