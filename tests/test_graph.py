@@ -212,3 +212,22 @@ def test_node_classes_are_reused_only_when_nothing_refers_to_them() -> None:
     for _ in range(50):  # a Fold per step, as a training loop makes them
         fold.Fold().add("two", 1)
     assert len(graph._NODE_TYPES) <= pooled + 1
+
+
+def test_specialised_recorders_fall_back_for_other_arities_and_types() -> None:
+    f, g = fold.Fold(), fold.Fold()
+    mix = f.op("mix")
+    a, b = f.op("two", outputs=2)(1)
+    first = mix(a, b)  # classifies (a node, a node) and unrolls that case
+    fast = f.op("mix")
+    assert fast is not mix and f.op("mix") is fast
+    assert fast(a, b) == first and mix(a, b) == first
+    assert fast(b, a) == f.add("mix", b, a)
+    assert fast(a, 2) == f.add("mix", a, 2)  # other types: the general path
+    assert fast(a) == f.add("mix", a)  # other arities too
+    assert fast(a, b, a) == f.add("mix", a, b, a)
+    with pytest.raises(fold.FoldError, match="argument 1 is a Node of another Fold"):
+        fast(a, g.add("two", 1))
+    leaf = f.op("two", outputs=2)
+    assert leaf(True) == f.add("two", True).split(2)  # bool is not int: its own signature
+    assert f.signatures[f.sig[leaf(True)[0].id]][1] == (fold.graph.BOOL,)
