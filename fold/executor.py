@@ -179,6 +179,7 @@ class Executor:
         return self.vrow[handles & OUT_MASK, nid]
 
     def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
+        handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
         i = int(np.flatnonzero(want != self.nout[nid])[0])
         h, node = int(handles[i]), int(nid[i])
         n, m = (h >> NSPLIT_SHIFT) & NSPLIT_MASK, int(self.nout[node])
@@ -199,33 +200,46 @@ class Executor:
             f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
         )
 
-    def _recipe(self, rows: np.ndarray, idx: list[np.ndarray]) -> _Recipe | None:
-        """Plan a gather of virtual ``rows``; None if they span several shape classes."""
-        n = len(rows)
-        lo, hi = int(rows[0]), int(rows[-1])
-        # Rows in order, one after another (a group's own nodes): first and last bound them.
-        run = hi - lo == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all()))
-        if not run:
-            lo, hi = int(rows.min()), int(rows.max())
-        c = lo >> _CLASS_SHIFT
-        if hi >> _CLASS_SHIFT != c:
-            metas = {self._class_meta[k][:2] for k in np.unique(rows >> _CLASS_SHIFT).tolist()}
-            if len(metas) > 1:
-                return None  # different shapes or dtypes: the group must be split
-            self._mixed.append(rows)  # one shape, several output indices: gathered per class
-            return _MIXED, 0, n, len(self._mixed) - 1
-        starts = self._class_starts[c]
-        j = bisect.bisect_right(starts, lo) - 1
-        start = starts[j]
-        src = self._class_srcs[c][j]
-        if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-            if run:
-                return src, lo - start, n, -1
-            idx.append(rows - start)
-            return src, 0, n, len(idx) - 1
-        self._fill_table(c)
-        idx.append(rows - (c << _CLASS_SHIFT))
-        return -1 - c, 0, n, len(idx) - 1
+    def _recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[_Recipe | None]:
+        """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
+        column whose rows span shape classes of different shapes or dtypes.
+
+        A handful of array operations serve all the columns of a group at once.
+        """
+        n, k = rows.shape
+        # A column in order, one row after another (a group's own nodes) is a narrow.
+        runs = [True] * k if n == 1 else (np.diff(rows, axis=0) == 1).all(axis=0).tolist()
+        if all(runs):
+            los, his = rows[0].tolist(), rows[-1].tolist()
+        else:
+            los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
+        recipes: list[_Recipe | None] = []
+        for col, (run, lo, hi) in enumerate(zip(runs, los, his)):
+            c = lo >> _CLASS_SHIFT
+            if hi >> _CLASS_SHIFT != c:
+                column = rows[:, col]
+                classes = np.unique(column >> _CLASS_SHIFT).tolist()
+                if len({self._class_meta[x][:2] for x in classes}) > 1:
+                    recipes.append(None)  # different shapes or dtypes: split the group
+                    continue
+                self._mixed.append(column)  # one shape, several output indices: per class
+                recipes.append((_MIXED, 0, n, len(self._mixed) - 1))
+                continue
+            starts = self._class_starts[c]
+            j = bisect.bisect_right(starts, lo) - 1
+            start = starts[j]
+            src = self._class_srcs[c][j]
+            if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
+                if run:
+                    recipes.append((src, lo - start, n, -1))
+                    continue
+                idx.append(rows[:, col] - start)
+                recipes.append((src, 0, n, len(idx) - 1))
+                continue
+            self._fill_table(c)
+            idx.append(rows[:, col] - (c << _CLASS_SHIFT))
+            recipes.append((-1 - c, 0, n, len(idx) - 1))
+        return recipes
 
     def _fill_table(self, c: int) -> None:
         """Copy every source of class ``c`` not yet in its value table into it.
@@ -316,35 +330,45 @@ class Executor:
         nobatch = g.nobatch_ids
         alone = bool(nobatch) and nid0 in nobatch
         n = len(members)
-        cols = a.columns(sid)
+        cols, node_js, hmat = a.columns(sid)
         whole_sig = n == a.count[sid]  # members are all of the signature's nodes, in order
         pos = None if whole_sig else a.pos[members]
 
         # Phase 1: plan every argument column (and find columns whose sources differ in shape).
         idx: list[np.ndarray] = []
         plans: list[Any] = []
-        mixed: list[np.ndarray] = []
         for j, k in enumerate(kinds):
             if k == NODE:
-                handles = cols[j] if whole_sig else cols[j][pos]
-                if nobatch and node_id(int(handles[0])) in nobatch:
-                    plans.append(("whole", self._whole_source(int(handles[0]))))
-                    continue
-                rows = self._rows(handles)
-                recipe = self._recipe(rows, idx)
-                if recipe is None:
-                    mixed.append(rows)
-                    continue
-                plans.append(("gather", recipe))
+                plans.append(None)  # below, all node columns at once
             elif type(k) is tuple:  # literal tensors
                 plans.append(
                     ("tensors", cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
                 )
             else:  # numbers
                 plans.append(("numbers", cols[j] if whole_sig else cols[j][pos]))
-        if mixed:
-            self._run_subgroups(step, members, mixed)
-            return
+        if node_js:
+            handles = hmat if whole_sig else hmat[pos]
+            gathered = node_js
+            if nobatch:  # columns reading a nobatch node take its value whole
+                keep = []
+                for c, j in enumerate(node_js):
+                    h0 = int(handles[0, c])
+                    if node_id(h0) in nobatch:
+                        plans[j] = ("whole", self._whole_source(h0))
+                    else:
+                        keep.append(c)
+                gathered = [node_js[c] for c in keep]
+                if len(keep) < len(node_js):
+                    handles = handles[:, keep]
+            if gathered:
+                rows = self._rows(handles)
+                recipes = self._recipes(rows, idx)
+                mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
+                if mixed:
+                    self._run_subgroups(step, members, mixed)
+                    return
+                for j, r in zip(gathered, recipes):
+                    plans[j] = ("gather", r)
 
         # Phase 2: index tensors, then the argument values.
         itensors = self._index_tensors(idx)
@@ -552,9 +576,9 @@ class Executor:
         nobatch = self.graph.nobatch_ids
         if nobatch and any(node_id(h) in nobatch for h in items):
             return torch.cat([self._value(h) for h in items], 0)
-        rows = self._rows(handles_array(items))
+        rows = self._rows(handles_array(items)[:, None])
         idx: list[np.ndarray] = []
-        recipe = self._recipe(rows, idx)
+        (recipe,) = self._recipes(rows, idx)
         if recipe is None:
             metas = {tuple(self._value(h).shape[1:]) for h in items}
             raise FoldError(
@@ -571,7 +595,7 @@ class Executor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""
         if node_id(h) in self.graph.nobatch_ids:
             return self.sources[self._whole_source(h)]
-        v = int(self._rows(handles_array([h]))[0])
+        v = int(self._rows(handles_array([h]))[0])  # 1-D works too: elementwise
         c = v >> _CLASS_SHIFT
         j = bisect.bisect_right(self._class_starts[c], v) - 1
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)

@@ -73,6 +73,7 @@ def _depth_of(args: tuple[Any, ...], where: Any) -> int:
 
 
 _MISSING = object()
+_RECORDER_CODE: dict[str, Any] = {}
 
 
 def _specialised_recorder(
@@ -132,10 +133,14 @@ def _specialised_recorder(
         generic=generic,
         _depth_of=_depth_of,
     )
-    exec(compile(src, f"<fold recorder {generic.__name__}>", "exec"), env)
-    fn = env["record"]
+    code = _RECORDER_CODE.get(src)
+    if code is None:  # the templates are few: compile each once per process
+        code = _RECORDER_CODE[src] = compile(src, "<fold recorder>", "exec")
+    exec(code, env)
+    fn = env.pop("record")  # not left in its own globals: no reference cycle
     fn.__name__ = fn.__qualname__ = generic.__name__
     fn.__doc__ = generic.__doc__
+    fn.generic = generic  # type: ignore[attr-defined]
     return fn
 
 
@@ -429,9 +434,14 @@ class Fold:
                 if e is not None and e[0] is not None and e[2] is None:
                     fast[types] = (e[0], e[1])  # node and number arguments: cache the memo
                     key = (op, outputs)
-                    if f._recorders.get(key) is record and 0 < len(types) <= 8:
+                    generic = f._recorders.get(key)  # not `record` itself: no closure cycle
+                    if (
+                        generic is not None
+                        and not hasattr(generic, "generic")
+                        and 0 < len(types) <= 8
+                    ):
                         f._recorders[key] = _specialised_recorder(
-                            record, types, e[0], e[1], ids, T, code, n
+                            generic, types, e[0], e[1], ids, T, code, n
                         )
                 elif e is not None and e[0] is None:
                     fast[types] = (None, e[2])  # literal tensors: cache the tensor path

@@ -9,6 +9,7 @@ operations per group instead of Python work per node.
 from __future__ import annotations
 
 import array
+import itertools
 from typing import Any
 
 import numpy as np
@@ -63,32 +64,43 @@ class GraphArrays:
             self.pos[ids] = np.arange(len(h))
             self.depth[ids] = h >> DEPTH_SHIFT
             self.count.append(len(h))
-        self._columns: list[list[Any] | None] = [None] * len(self.count)
+        self._columns: list[Any] = [None] * len(self.count)
 
-    def columns(self, sid: int) -> list[Any]:
-        """Per argument position of signature ``sid``, the values of all its nodes, in node
-        order: an int64 array of handles (node arguments), a numpy array (numbers), or a list
-        (literal tensors)."""
-        cols = self._columns[sid]
-        if cols is None:
+    def columns(self, sid: int) -> tuple[list[Any], list[int], np.ndarray | None]:
+        """The arguments of signature ``sid``'s nodes, in node order: per argument position a
+        numpy array (numbers) or a list (literal tensors), None at node positions; the node
+        positions; and the node arguments' handles as one int64 array (nodes x positions)."""
+        entry = self._columns[sid]
+        if entry is None:
             op, kinds = self._signatures[sid]
             rows = self._targs[sid]
             if rows is None:
                 rows = list(self._memos[sid])
-            raw = list(zip(*rows)) if kinds else []
-            cols = []
-            for j, k in enumerate(kinds):
-                if k == NODE:
-                    cols.append(handles_array(raw[j]))
-                elif type(k) is tuple:
-                    cols.append(raw[j])
-                else:
-                    try:
-                        cols.append(np.array(raw[j], dtype=_NUMBER_NP[k]))
-                    except OverflowError:
-                        raise FoldError(
-                            f"apply: op {op_name(op)!r}, argument {j}: an int does not fit in "
-                            "torch.long (int64). Fix: pass a smaller int, or a float."
-                        ) from None
-            self._columns[sid] = cols
-        return cols
+            node_js = [j for j, k in enumerate(kinds) if k == NODE]
+            if node_js and len(node_js) == len(kinds):  # node arguments only: one conversion
+                hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(
+                    len(rows), len(kinds)
+                )
+                entry = ([None] * len(kinds), node_js, hmat)
+            else:
+                raw = list(zip(*rows)) if kinds else []
+                cols: list[Any] = []
+                for j, k in enumerate(kinds):
+                    if k == NODE:
+                        cols.append(None)
+                    elif type(k) is tuple:
+                        cols.append(raw[j])
+                    else:
+                        try:
+                            cols.append(np.array(raw[j], dtype=_NUMBER_NP[k]))
+                        except OverflowError:
+                            raise FoldError(
+                                f"apply: op {op_name(op)!r}, argument {j}: an int does not fit "
+                                "in torch.long (int64). Fix: pass a smaller int, or a float."
+                            ) from None
+                hmat = (
+                    np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
+                )
+                entry = (cols, node_js, hmat)
+            self._columns[sid] = entry
+        return entry
