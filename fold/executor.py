@@ -208,7 +208,7 @@ class Executor:
         """
         n, k = rows.shape
         # A column in order, one row after another (a group's own nodes) is a narrow.
-        runs = [True] * k if n == 1 else (np.diff(rows, axis=0) == 1).all(axis=0).tolist()
+        runs = [True] * k if n == 1 else ((rows[1:] - rows[:-1]) == 1).all(axis=0).tolist()
         if all(runs):
             los, his = rows[0].tolist(), rows[-1].tolist()
         else:
@@ -299,10 +299,12 @@ class Executor:
         """All index arrays of a group as tensors: one host tensor, one transfer."""
         if not idx:
             return []
-        flat = torch.from_numpy(idx[0] if len(idx) == 1 else np.concatenate(idx))
-        if not self.on_cpu:
+        if self.on_cpu:  # nothing to transfer: each array is its tensor
+            views = [torch.from_numpy(a) for a in idx]
+        else:
+            flat = torch.from_numpy(idx[0] if len(idx) == 1 else np.concatenate(idx))
             flat = flat.to(self.device, non_blocking=True)
-        views = [flat] if len(idx) == 1 else list(flat.split([len(a) for a in idx]))
+            views = [flat] if len(idx) == 1 else list(flat.split([len(a) for a in idx]))
         if self._expand is not None:
             views = [self._rows_of(v) for v in views]
         return views
