@@ -164,19 +164,19 @@ class Executor:
                 self._rows_left -= len(nodes)
 
     # ------------------------------------------------------------------ gathers
-    def _rows(self, handles: np.ndarray) -> np.ndarray:
-        """The virtual row of every handle of a column (an int64 array of handles).
+    def _rows(self, handles: np.ndarray, decoded: Any = None) -> np.ndarray:
+        """The virtual row of every handle (an int64 array of handles).
 
         Each handle is checked against its node's op: a whole handle needs one output, a
-        handle of ``split(n)`` needs ``n``.
+        handle of ``split(n)`` needs ``n``.  ``decoded`` is ``decode(handles)`` where the
+        caller has it already.
         """
-        nid = (handles >> ID_SHIFT) & ID_MASK
-        want = np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1)
+        nid, out, want = decode(handles) if decoded is None else decoded
         if (want != self.nout[nid]).any():
             self._bad_handle(handles, want, nid)
         if self.vrow.shape[0] == 1:
             return self.vrow[0, nid]
-        return self.vrow[handles & OUT_MASK, nid]
+        return self.vrow[out, nid]
 
     def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
         handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
@@ -283,7 +283,8 @@ class Executor:
             assert table is not None
             positions = np.flatnonzero(classes == c)
             index = torch.from_numpy(rows[positions] & _ROW_MASK)
-            parts.append(table.index_select(0, self._rows_of(index.to(table.device))))
+            index = self._rows_of(index.to(table.device, non_blocking=True))
+            parts.append(table.index_select(0, index))
             order.append(positions)
         perm = torch.from_numpy(np.argsort(np.concatenate(order)))
         perm = self._rows_of(perm.to(parts[0].device, non_blocking=True))
@@ -332,7 +333,7 @@ class Executor:
         nobatch = g.nobatch_ids
         alone = bool(nobatch) and nid0 in nobatch
         n = len(members)
-        cols, node_js, hmat = a.columns(sid)
+        cols, node_js, hmat, decoded = a.columns(sid)
         whole_sig = n == a.count[sid]  # members are all of the signature's nodes, in order
         pos = None if whole_sig else a.pos[members]
 
@@ -350,6 +351,8 @@ class Executor:
                 plans.append(("numbers", cols[j] if whole_sig else cols[j][pos]))
         if node_js:
             handles = hmat if whole_sig else hmat[pos]
+            if not whole_sig:
+                decoded = tuple(x[pos] for x in decoded)
             gathered = node_js
             if nobatch:  # columns reading a nobatch node take its value whole
                 keep = []
@@ -362,8 +365,9 @@ class Executor:
                 gathered = [node_js[c] for c in keep]
                 if len(keep) < len(node_js):
                     handles = handles[:, keep]
+                    decoded = tuple(x[:, keep] for x in decoded)
             if gathered:
-                rows = self._rows(handles)
+                rows = self._rows(handles, decoded)
                 recipes = self._recipes(rows, idx)
                 mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
                 if mixed:
@@ -412,7 +416,7 @@ class Executor:
         outs = self._check_outputs(op, step, members, out, alone)
         self._add_sources(outs, alone, members)
         # Shapes are kept raw; Fold.summary formats them only when asked.
-        self.report.append((step, op_name(op), n, tuple((v.shape, v.dtype) for v in values)))
+        self.report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
 
     def _limit(self, op: Any, values: list[torch.Tensor], plans: list[Any], n: int) -> int:
         """Nodes per call for this group under ``max_rows`` / ``max_bytes``."""
@@ -604,6 +608,15 @@ class Executor:
 
 
 _BATCH_MODULE: Any = None
+
+
+def decode(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Handles -> (node ids, output indices, outputs each handle needs its op to return)."""
+    return (
+        (handles >> ID_SHIFT) & ID_MASK,
+        handles & OUT_MASK,
+        np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1),
+    )
 
 
 def _is_batch_module(obj: Any) -> bool:

@@ -19,6 +19,13 @@ from fold.graph import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, o
 
 __all__ = ["GraphArrays", "handles_array"]
 
+
+def _decode(handles: np.ndarray) -> Any:
+    from fold.executor import decode
+
+    return decode(handles)
+
+
 _NUMBER_NP = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
 
 
@@ -66,10 +73,11 @@ class GraphArrays:
             self.count.append(len(h))
         self._columns: list[Any] = [None] * len(self.count)
 
-    def columns(self, sid: int) -> tuple[list[Any], list[int], np.ndarray | None]:
+    def columns(self, sid: int) -> tuple[list[Any], list[int], np.ndarray | None, Any]:
         """The arguments of signature ``sid``'s nodes, in node order: per argument position a
         numpy array (numbers) or a list (literal tensors), None at node positions; the node
-        positions; and the node arguments' handles as one int64 array (nodes x positions)."""
+        positions; the node arguments' handles as one int64 array (nodes x positions); and
+        those handles decoded (``fold.executor.decode``), once for all the groups."""
         entry = self._columns[sid]
         if entry is None:
             op, kinds = self._signatures[sid]
@@ -81,7 +89,7 @@ class GraphArrays:
                 hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(
                     len(rows), len(kinds)
                 )
-                entry = ([None] * len(kinds), node_js, hmat)
+                entry = ([None] * len(kinds), node_js, hmat, _decode(hmat))
             else:
                 raw = list(zip(*rows)) if kinds else []
                 cols: list[Any] = []
@@ -101,6 +109,6 @@ class GraphArrays:
                 hmat = (
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )
-                entry = (cols, node_js, hmat)
+                entry = (cols, node_js, hmat, None if hmat is None else _decode(hmat))
             self._columns[sid] = entry
         return entry
