@@ -21,14 +21,17 @@ def interleaved(
     """Run each function ``reps`` times, round-robin, and return the wall times (seconds).
 
     Round-robin order spreads the machine's noise evenly over the contenders, so their ratio
-    is far steadier than back-to-back blocks would give.
+    is far steadier than back-to-back blocks would give; the order is reversed every other
+    round, so no contender always runs right after the same one (whose cache footprint it
+    would inherit).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for r in range(reps):
+        for name, fn in items if r % 2 == 0 else items[::-1]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

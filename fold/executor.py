@@ -160,7 +160,8 @@ class Executor:
                 nodes = group.nodes
                 if type(nodes) is not np.ndarray:
                     nodes = np.asarray(nodes, dtype=np.int64)
-                self._run_group(s, nodes)
+                key = group.key  # the signature id, unless nobatch arguments extend it
+                self._run_group(s, nodes, key if type(key) is int else None)
                 self._rows_left -= len(nodes)
 
     # ------------------------------------------------------------------ gathers
@@ -323,11 +324,12 @@ class Executor:
         return t.narrow(0, start * m, length * m)
 
     # ------------------------------------------------------------------ groups
-    def _run_group(self, step: int, members: np.ndarray) -> None:
+    def _run_group(self, step: int, members: np.ndarray, sid: int | None = None) -> None:
         g = self.graph
         a = self.arrays
         nid0 = int(members[0])
-        sid = int(a.sig[nid0])
+        if sid is None:
+            sid = int(a.sig[nid0])
         op, kinds = g.signatures[sid]
         fn = self._resolve(op)
         nobatch = g.nobatch_ids
@@ -530,8 +532,9 @@ class Executor:
         classes = np.stack([rows >> _CLASS_SHIFT for rows in mixed])
         _, part = np.unique(classes, axis=1, return_inverse=True)
         part = part.reshape(-1)
+        sid = int(self.arrays.sig[members[0]])
         for p in range(int(part.max()) + 1):
-            self._run_group(step, members[part == p])
+            self._run_group(step, members[part == p], sid)
 
     def _check_outputs(
         self, op: Any, step: int, members: list[int], out: Any, alone: bool

@@ -42,7 +42,8 @@ def handles_array(handles: Any) -> np.ndarray:
 
 class GraphArrays:
     """Per node id: ``sig`` (signature id), ``pos`` (index among its signature's nodes) and
-    ``depth``; per signature: ``count`` and, on demand, its argument ``columns``.
+    ``depth``, built on first use; per signature: ``count`` and, on demand, its argument
+    ``columns``.  ``flat``: no node has node arguments (every node is at depth 0).
 
     Node ids are a topological order; within a signature, positions follow node ids.
     """
@@ -54,24 +55,40 @@ class GraphArrays:
         self._signatures = fold.signatures
         self._memos = fold._memos
         self._targs = fold._targs
-        self.sig = np.empty(n, np.int64)
-        self.pos = np.empty(n, np.int64)
-        self.depth = np.empty(n, np.int64)
-        self.count: list[int] = []
-        if len(fold._memos) == 1:  # one signature: node ids are its positions
-            h = handles_array(fold._memos[0].values())
-            self.sig[:] = 0
-            self.pos = np.arange(n)
-            self.depth = h >> DEPTH_SHIFT
-            self.count.append(n)
-        for sid, memo in enumerate(fold._memos if len(fold._memos) > 1 else ()):
-            h = handles_array(memo.values())
-            ids = (h >> ID_SHIFT) & ID_MASK
-            self.sig[ids] = sid
-            self.pos[ids] = np.arange(len(h))
-            self.depth[ids] = h >> DEPTH_SHIFT
-            self.count.append(len(h))
+        self.count: list[int] = list(map(len, fold._memos))
+        self.flat = not any(NODE in kinds for _, kinds in fold.signatures)
+        self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._columns: list[Any] = [None] * len(self.count)
+
+    def _nodes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._per_node is None:
+            n = self.n
+            if len(self._memos) == 1:  # one signature: node ids are its positions
+                h = handles_array(self._memos[0].values())
+                per_node = (np.zeros(n, np.int64), np.arange(n), h >> DEPTH_SHIFT)
+            else:
+                sig, pos, depth = (np.empty(n, np.int64) for _ in range(3))
+                for sid, memo in enumerate(self._memos):
+                    h = handles_array(memo.values())
+                    ids = (h >> ID_SHIFT) & ID_MASK
+                    sig[ids] = sid
+                    pos[ids] = np.arange(len(h))
+                    depth[ids] = h >> DEPTH_SHIFT
+                per_node = (sig, pos, depth)
+            self._per_node = per_node
+        return self._per_node
+
+    @property
+    def sig(self) -> np.ndarray:
+        return self._nodes()[0]
+
+    @property
+    def pos(self) -> np.ndarray:
+        return self._nodes()[1]
+
+    @property
+    def depth(self) -> np.ndarray:
+        return self._nodes()[2]
 
     def columns(self, sid: int) -> tuple[list[Any], list[int], np.ndarray | None, Any]:
         """The arguments of signature ``sid``'s nodes, in node order: per argument position a

@@ -48,7 +48,7 @@ def depth_schedule(graph: Graph) -> Plan:
     if a.n == 0:
         return Plan([])
     nsig = len(a.count)
-    if nsig == 1 and not a.depth.any():  # e.g. one op per sample: one group
+    if nsig == 1 and a.flat:  # e.g. one op per sample: one group
         return Plan([Step([Group(0, np.arange(a.n))])])
     key = a.depth * nsig + a.sig
     order = np.argsort(key, kind="stable")
