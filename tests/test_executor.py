@@ -403,3 +403,26 @@ def test_tensor_ops_grow_with_steps_and_groups_not_with_nodes() -> None:
     big_fwd, big_bwd = count_ops(32)  # 4x the nodes, the same depth
     assert big_fwd < 1.5 * small_fwd, (small_fwd, big_fwd)
     assert big_bwd < 1.5 * small_bwd, (small_bwd, big_bwd)
+
+
+@pytest.mark.parametrize("order", ["all in order", "reversed", "repeated", "prefix"])
+def test_output_lists_of_a_one_op_graph(order: str) -> None:
+    """A per-sample graph (one op, no node arguments): its output list is the group's output
+    when it names every node in order, and a gather otherwise; values and gradients match."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    xs = [torch.randn(1, 5) for _ in range(6)]
+    f = fold.Fold()
+    nodes = [f.add("forward", x) for x in xs]
+    pick = {
+        "all in order": list(range(6)),
+        "reversed": list(range(5, -1, -1)),
+        "repeated": [2] * 6,
+        "prefix": [0, 1, 2],
+    }[order]
+    (out,) = f.apply(lin, [[nodes[i] for i in pick]])
+    want = torch.cat([lin(xs[i]) for i in pick])
+    torch.testing.assert_close(out, want)
+    (g,) = torch.autograd.grad(out.square().sum(), lin.weight)
+    (g_want,) = torch.autograd.grad(want.square().sum(), lin.weight)
+    torch.testing.assert_close(g, g_want)
