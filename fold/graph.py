@@ -73,6 +73,9 @@ def _depth_of(args: tuple[Any, ...], where: Any) -> int:
 
 
 _MISSING = object()
+# (op name, *argument types) -> (tensor positions, kinds of the others) for adds of literal
+# tensors and numbers, shared by all Folds.
+_TENSOR_TEMPLATES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[Any, ...]]] = {}
 _RECORDER_CODE: dict[str, Any] = {}
 
 
@@ -504,8 +507,14 @@ class Fold:
         return args, kinds, depth
 
     def _add_slow(self, op: Any, args: tuple[Any, ...]) -> Node:
-        self._check_op(op)
         types = tuple(map(type, args))
+        if type(op) is str:
+            tmpl = _TENSOR_TEMPLATES.get((op, *types))
+            if tmpl is not None:  # seen by an earlier Fold: skip classifying the arguments
+                spec = (tmpl[0], list(tmpl[1]), {})
+                self._fast[(op, *types)] = (None, None, spec)
+                return self._add_tensors(op, args, spec)
+        self._check_op(op)
         args, kinds, depth = self._check_args(op, args)
         ktuple = tuple(kinds)
         if len(self._fast) > 4096:  # bounded: e.g. a new lambda recorded per add
@@ -517,6 +526,12 @@ class Fold:
                 tpos = tuple(i for i, k in enumerate(ktuple) if type(k) is tuple)
                 base = [NODE if k == NODE else None if type(k) is tuple else k for k in ktuple]
                 self._fast[(op, *types)] = (None, None, (tpos, base, {}))
+                if type(op) is str and all(t is torch.Tensor or t in _SCALAR_KINDS for t in types):
+                    # No node argument: the classification holds for every Fold (a per-sample
+                    # loop makes a Fold per step).  Keyed by name only, so no object is kept.
+                    if len(_TENSOR_TEMPLATES) > 1024:
+                        _TENSOR_TEMPLATES.clear()
+                    _TENSOR_TEMPLATES[(op, *types)] = (tpos, tuple(base))
             return self._add_classified(op, args, ktuple, depth)
         sid = self._signature(op, ktuple)
         memo = self._memos[sid]
