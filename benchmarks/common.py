@@ -48,6 +48,15 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of ``a``'s time / ``b``'s time in the same round.
+
+    Runs of one round are adjacent, so slow drifts of the machine cancel in each ratio; on a
+    shared machine this is steadier than the ratio of the two medians.
+    """
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),

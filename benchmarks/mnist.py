@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, paired_ratio, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
 
@@ -95,7 +95,10 @@ def main() -> None:
         f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
     )
     print(table(rows, ["method", "median_ms_per_step", "samples/s", "vs_batched"]))
-    print(f"wrote {write_json('mnist', {'args': vars(args), 'rows': rows})}")
+    paired = paired_ratio(times, "fold", "batched")
+    print(f"fold / batched, median of per-round ratios: {paired:.3f}")
+    result = {"args": vars(args), "rows": rows, "fold_vs_batched_paired": paired}
+    print(f"wrote {write_json('mnist', result)}")
 
 
 if __name__ == "__main__":
