@@ -31,7 +31,7 @@ from fold.graph import (
     node_id,
     op_name,
 )
-from fold.layout import handles_array
+from fold.layout import handles_array, number_column
 from fold.scheduler.plan import Plan
 
 __all__ = ["Executor", "device_of"]
@@ -138,19 +138,7 @@ class Executor:
     def _resolve(self, op: Any) -> Callable[..., Any]:
         fn = self._fns.get(op)
         if fn is None:
-            if isinstance(op, str) and self.model_dim:
-                fn = self.obj.merged(op)  # the model's own method, on (node, model) rows
-            elif isinstance(op, str):
-                fn = getattr(self.obj, op, None)
-                if fn is None or not callable(fn):
-                    raise FoldError(
-                        f"apply: op {op!r} is not a method of the {type(self.obj).__name__} "
-                        f"given to apply. Fix: define def {op}(self, ...) on "
-                        f"{type(self.obj).__name__}, or record a callable instead of a name."
-                    )
-            else:
-                fn = op
-            self._fns[op] = fn
+            fn = self._fns[op] = resolve_op(self.obj, op, self.model_dim)
         return fn
 
     def run(self, plan: Plan) -> None:
@@ -409,13 +397,8 @@ class Executor:
                 else self._call_in_chunks(fn, values, plans, n, limit)
             )
         except Exception as err:
-            raise FoldError(
-                f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
-                f"with arguments ({', '.join(_describe(v) for v in values)}): "
-                f"{type(err).__name__}: {err}. Fix: run the same graph with fold.Unfold(obj) to "
-                "debug the op on one example; a batched op must treat dim 0 as the batch."
-            ) from err
-        outs = self._check_outputs(op, step, members, out, alone)
+            raise op_failed(op, step, n, values, err) from err
+        outs = check_outputs(op, step, n * self.models, out, alone)
         self._add_sources(outs, alone, members)
         # Shapes are kept raw; Fold.summary formats them only when asked.
         self.report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
@@ -470,7 +453,7 @@ class Executor:
             return torch.cat(parts, 0)
         if isinstance(first, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in first):
             return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
-        return first  # not tensors: _check_outputs reports it
+        return first  # not tensors: check_outputs reports it
 
     def _add_sources(
         self, outs: tuple[torch.Tensor, ...], alone: bool, members: np.ndarray
@@ -536,47 +519,11 @@ class Executor:
         for p in range(int(part.max()) + 1):
             self._run_group(step, members[part == p], sid)
 
-    def _check_outputs(
-        self, op: Any, step: int, members: list[int], out: Any, alone: bool
-    ) -> tuple[torch.Tensor, ...]:
-        if isinstance(out, torch.Tensor):
-            outs: tuple[torch.Tensor, ...] = (out,)
-        elif (
-            isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out)
-        ):
-            outs = tuple(out)
-        else:
-            raise FoldError(
-                f"apply: op {op_name(op)!r} (step {step}) returned {_describe_output(out)}; an op "
-                "must return a tensor or a tuple of tensors. Fix: return torch tensors, e.g. "
-                "torch.as_tensor(value)."
-            )
-        n = len(members) * self.models
-        if not alone:
-            for k, t in enumerate(outs):
-                if t.dim() == 0 or t.shape[0] != n:
-                    raise FoldError(
-                        f"apply: op {op_name(op)!r} (step {step}) returned output {k} of shape "
-                        f"{tuple(t.shape)} for a group of {n} node(s); outputs must have one row "
-                        "per node in dim 0. Fix: keep the batch dim (no .sum() or .view(-1) over "
-                        "it), or mark a node whose value is shared with .nobatch()."
-                    )
-        return outs
-
     # ------------------------------------------------------------------ results
     def output(self, kind: str, items: list[Any], i: int) -> torch.Tensor:
         """The value of one list given to apply."""
-        if kind == "numbers":
-            t = torch.tensor(items)
-            return t if self.on_cpu else t.to(self.device, non_blocking=True)
-        if kind == "tensors":
-            shapes = {(t.shape[1:], t.dtype) for t in items}
-            if len(shapes) > 1:
-                raise FoldError(
-                    f"apply: lists[{i}] holds tensors of different shapes or dtypes "
-                    f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
-                )
-            return torch.cat([t.to(self.device, non_blocking=True) for t in items], 0)
+        if kind != "nodes":
+            return literal_output(kind, items, i, self.device)
         if set(map(type, items)) != {self.graph._node_type}:
             raise FoldError(
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
@@ -626,6 +573,126 @@ class Executor:
 
 
 _BATCH_MODULE: Any = None
+
+
+def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
+    """The function an op name or callable stands for, given the object passed to apply."""
+    if isinstance(op, str) and model_dim:
+        return obj.merged(op)  # the model's own method, on (node, model) rows
+    if isinstance(op, str):
+        fn = getattr(obj, op, None)
+        if fn is None or not callable(fn):
+            raise FoldError(
+                f"apply: op {op!r} is not a method of the {type(obj).__name__} given to apply. "
+                f"Fix: define def {op}(self, ...) on {type(obj).__name__}, or record a callable "
+                "instead of a name."
+            )
+        return fn
+    return op
+
+
+def op_failed(op: Any, step: int, n: int, values: list[Any], err: Exception) -> FoldError:
+    """The FoldError for an op that raised, naming the op, step, group size and shapes."""
+    return FoldError(
+        f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
+        f"with arguments ({', '.join(_describe(v) for v in values)}): "
+        f"{type(err).__name__}: {err}. Fix: run the same graph with fold.Unfold(obj) to "
+        "debug the op on one example; a batched op must treat dim 0 as the batch."
+    )
+
+
+def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:
+    """An op's result as a tuple of tensors of ``rows`` rows each (any rows if ``alone``)."""
+    if isinstance(out, torch.Tensor):
+        outs: tuple[torch.Tensor, ...] = (out,)
+    elif isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        outs = tuple(out)
+    else:
+        raise FoldError(
+            f"apply: op {op_name(op)!r} (step {step}) returned {_describe_output(out)}; an op "
+            "must return a tensor or a tuple of tensors. Fix: return torch tensors, e.g. "
+            "torch.as_tensor(value)."
+        )
+    if not alone:
+        for k, t in enumerate(outs):
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise FoldError(
+                    f"apply: op {op_name(op)!r} (step {step}) returned output {k} of shape "
+                    f"{tuple(t.shape)} for a group of {rows} node(s); outputs must have one row "
+                    "per node in dim 0. Fix: keep the batch dim (no .sum() or .view(-1) over "
+                    "it), or mark a node whose value is shared with .nobatch()."
+                )
+    return outs
+
+
+def literal_output(kind: str, items: list[Any], i: int, device: torch.device) -> torch.Tensor:
+    """The value of a list of numbers (a 1-D tensor) or of batch-of-one tensors (their cat)."""
+    if kind == "numbers":
+        t = torch.tensor(items)
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    shapes = {(t.shape[1:], t.dtype) for t in items}
+    if len(shapes) > 1:
+        raise FoldError(
+            f"apply: lists[{i}] holds tensors of different shapes or dtypes "
+            f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
+        )
+    return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
+
+
+def run_one_op(graph: Fold, obj: Any, specs: list[tuple[str, list[Any]]]) -> Any:
+    """``apply`` of a graph of one op whose arguments are all literals (a per-sample loop:
+    ``f.add("forward", image)`` per sample), where every list of nodes names all of them in
+    recording order.  None where that does not hold: the general executor runs it then.
+
+    It is the general executor's single group without its bookkeeping: one call of the op on
+    the concatenated literals, and each list of nodes is the op's output itself.
+    """
+    memos = graph._memos
+    if len(memos) != 1 or graph.nobatch_ids:
+        return None
+    op, kinds = graph.signatures[0]
+    if NODE in kinds or _is_batch_module(obj):
+        return None
+    memo = memos[0]
+    handles = None
+    for kind, items in specs:
+        if kind == "nodes":
+            if handles is None:
+                handles = list(memo.values())
+            if items != handles or set(map(type, items)) != {graph._node_type}:
+                return None
+    device = device_of(obj)
+    fn = resolve_op(obj, op, False)
+    n = len(memo)
+    rows = graph._targs[0] or list(memo)
+    values = []
+    for j, (k, col) in enumerate(zip(kinds, zip(*rows))):
+        if type(k) is tuple:  # batch-of-one tensors
+            t = torch.cat(col, 0) if n > 1 else col[0]
+        else:
+            t = torch.from_numpy(number_column(op, j, k, col))
+            if k == FLOAT:
+                t = t.to(torch.get_default_dtype())
+        values.append(t if t.device == device else t.to(device, non_blocking=True))
+    try:
+        out = fn(*values)
+    except Exception as err:
+        raise op_failed(op, 0, n, values, err) from err
+    outs = check_outputs(op, 0, n, out, False)
+    graph.last_run = [(0, op_name(op), n, tuple([(v.shape, v.dtype) for v in values]))]
+    results = []
+    for i, (kind, items) in enumerate(specs):
+        if kind != "nodes":
+            results.append(literal_output(kind, items, i, device))
+        elif len(outs) == 1:
+            results.append(outs[0])
+        else:
+            raise FoldError(
+                f"apply: op {op_name(op)!r} returned {len(outs)} outputs, but node 0 "
+                f"({op_name(op)!r}) is used whole, without split. Fix: use the handles of its "
+                f"split, h = f.add({op_name(op)!r}, ...).split({len(outs)})."
+            )
+    return results
 
 
 def decode(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -719,6 +719,12 @@ class Fold:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
         specs = _classify_lists(lists)
+        if max_rows is None and max_bytes is None:
+            from fold.executor import run_one_op
+
+            done = run_one_op(self, obj, specs)  # a per-sample loop's graph: one call
+            if done is not None:
+                return done
         plan = self.plan()
         limits = {"max_rows": max_rows, "max_bytes": max_bytes}
         chunk = obj.fold_chunk() if hasattr(obj, "fold_chunk") else None

@@ -17,7 +17,7 @@ import numpy as np
 from fold.errors import FoldError
 from fold.graph import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, op_name
 
-__all__ = ["GraphArrays", "handles_array"]
+__all__ = ["GraphArrays", "handles_array", "number_column"]
 
 
 def _decode(handles: np.ndarray) -> Any:
@@ -37,6 +37,17 @@ def handles_array(handles: Any) -> np.ndarray:
         raise FoldError(
             "apply: the graph is deeper than int64 handles can describe (about 500k steps). "
             "Fix: split the computation into several Folds."
+        ) from None
+
+
+def number_column(op: Any, pos: int, kind: int, values: Any) -> np.ndarray:
+    """Python numbers of one argument position as a numpy array of their kind's dtype."""
+    try:
+        return np.array(values, dtype=_NUMBER_NP[kind])
+    except OverflowError:
+        raise FoldError(
+            f"apply: op {op_name(op)!r}, argument {pos}: an int does not fit in torch.long "
+            "(int64). Fix: pass a smaller int, or a float."
         ) from None
 
 
@@ -116,13 +127,7 @@ class GraphArrays:
                     elif type(k) is tuple:
                         cols.append(raw[j])
                     else:
-                        try:
-                            cols.append(np.array(raw[j], dtype=_NUMBER_NP[k]))
-                        except OverflowError:
-                            raise FoldError(
-                                f"apply: op {op_name(op)!r}, argument {j}: an int does not fit "
-                                "in torch.long (int64). Fix: pass a smaller int, or a float."
-                            ) from None
+                        cols.append(number_column(op, j, k, raw[j]))
                 hmat = (
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )

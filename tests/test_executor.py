@@ -426,3 +426,49 @@ def test_output_lists_of_a_one_op_graph(order: str) -> None:
     (g,) = torch.autograd.grad(out.square().sum(), lin.weight)
     (g_want,) = torch.autograd.grad(want.square().sum(), lin.weight)
     torch.testing.assert_close(g, g_want)
+
+
+class _PerSample:
+    def forward(self, x, k, scale):
+        return x * k[:, None] * scale[:, None]
+
+    def two(self, x):
+        return x + 1, x - 1
+
+    def bad(self, x):
+        raise RuntimeError("kaboom")
+
+
+def test_one_op_graphs_take_one_call_and_keep_every_check() -> None:
+    """A per-sample graph (one op, literal arguments only) runs as one call; its results, its
+    summary and its errors are those of the general executor."""
+    torch.manual_seed(0)
+    xs = [torch.randn(1, 3, requires_grad=True) for _ in range(4)]
+    f = fold.Fold()
+    nodes = [f.add("forward", x, i, 0.5) for i, x in enumerate(xs)]
+    out, ks = f.apply(_PerSample(), [nodes, [1, 2, 3, 4]])
+    want = torch.cat([x * i * 0.5 for i, x in enumerate(xs)])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(ks, torch.tensor([1, 2, 3, 4]))
+    grads = torch.autograd.grad(out.sum(), xs)
+    torch.testing.assert_close(
+        torch.cat(grads), torch.tensor([[0.0] * 3, [0.5] * 3, [1.0] * 3, [1.5] * 3])
+    )
+    assert "forward x4 ((4, 3), (4,) int64, (4,))" in f.summary()
+
+    g = fold.Fold()
+    whole = [g.add("two", x) for x in xs]
+    with pytest.raises(
+        fold.FoldError, match=r"op 'two' returned 2 outputs, but node 0 .*without split"
+    ):
+        g.apply(_PerSample(), [whole])
+    b = fold.Fold()
+    bad = [b.add("bad", x) for x in xs]
+    with pytest.raises(
+        fold.FoldError, match=r"op 'bad' failed at step 0 on a group of 4 node\(s\)"
+    ):
+        b.apply(_PerSample(), [bad])
+    other = fold.Fold()
+    theirs = [other.add("two", x) for x in xs]  # equal ints, another Fold's handles
+    with pytest.raises(fold.FoldError, match="nodes that this Fold did not record"):
+        g.apply(_PerSample(), [theirs])
