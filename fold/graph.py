@@ -382,7 +382,18 @@ class Fold:
         except (KeyError, TypeError):
             return self._add_slow(op, args)
         if plain is not None:
-            if memo is None:
+            if memo is None:  # literal tensors
+                if len(args) == 1:  # one tensor (a per-sample image): kept inline
+                    a = args[0]
+                    entry = plain[2].get((a.shape, a.dtype))  # only valid shapes get in
+                    if entry is not None:
+                        memo, targs = entry
+                        key = (id(a),)
+                        h = memo.get(key)
+                        if h is None:
+                            h = memo[key] = next(self._ids) << ID_SHIFT
+                            targs.append(args)
+                        return self._node_type(h)
                 return self._add_tensors(op, args, plain)
             args = tuple(map(operator.call, plain, args))
         h = memo.get(args)
