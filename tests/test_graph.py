@@ -231,3 +231,20 @@ def test_specialised_recorders_fall_back_for_other_arities_and_types() -> None:
     leaf = f.op("two", outputs=2)
     assert leaf(True) == f.add("two", True).split(2)  # bool is not int: its own signature
     assert f.signatures[f.sig[leaf(True)[0].id]][1] == (fold.graph.BOOL,)
+
+
+def test_the_graph_keeps_plain_ints_not_node_objects() -> None:
+    """Node handles are objects the garbage collector tracks; the graph must keep plain ints,
+    or every recorded graph fills the oldest generation (full collections while recording)."""
+    f = fold.Fold()
+    trees = [random_tree(random.Random(i), 6, 50) for i in range(4)]
+    roots = [record_tree(f, t) for t in trees]  # Fold.op recorders, unrolled after one call
+    x = f.add("two", 3)
+    a, b = x.split(2)
+    f.add("mix", a, b)  # add
+    f.add("mix", a, 2)  # add, mixed kinds
+    f.add("image", torch.ones(1, 2), a)  # literal tensor with a node argument
+    kept = [k for memo in f._memos for key in memo for k in key]
+    kept += [k for targs in f._targs if targs for args in targs for k in args]
+    assert roots and kept
+    assert not [k for k in kept if isinstance(k, fold.Node)]
