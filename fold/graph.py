@@ -414,11 +414,12 @@ class Fold:
             args = tuple(map(operator.call, plain, args))
         h = memo.get(args)
         if h is None:  # a new node; a memo hit has the same arguments, so the same depth
-            if where is True:
+            if where is True:  # node arguments only
                 d = ((max(args) >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
+                h = memo[tuple(map(int, args))] = d | next(self._ids) << ID_SHIFT
             else:
                 d = _depth_of(args, where)
-            h = memo[_plain_key(args)] = d | next(self._ids) << ID_SHIFT
+                h = memo[_plain_key(args)] = d | next(self._ids) << ID_SHIFT
         return self._node_type(h)
 
     def op(self, op: str | Callable[..., Any], outputs: int | None = None) -> Callable[..., Any]:
