@@ -21,8 +21,6 @@ import torch
 from fold.errors import FoldError
 from fold.graph import (
     FLOAT,
-    ID_MASK,
-    ID_SHIFT,
     NODE,
     NSPLIT_MASK,
     NSPLIT_SHIFT,
@@ -31,7 +29,7 @@ from fold.graph import (
     node_id,
     op_name,
 )
-from fold.layout import handles_array, number_column
+from fold.layout import decode, handles_array, number_column
 from fold.scheduler.plan import Plan
 
 __all__ = ["Executor", "device_of"]
@@ -693,15 +691,6 @@ def run_one_op(graph: Fold, obj: Any, specs: list[tuple[str, list[Any]]]) -> Any
                 f"split, h = f.add({op_name(op)!r}, ...).split({len(outs)})."
             )
     return results
-
-
-def decode(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Handles -> (node ids, output indices, outputs each handle needs its op to return)."""
-    return (
-        (handles >> ID_SHIFT) & ID_MASK,
-        handles & OUT_MASK,
-        np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1),
-    )
 
 
 def _is_batch_module(obj: Any) -> bool:

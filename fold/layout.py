@@ -15,15 +15,30 @@ from typing import Any
 import numpy as np
 
 from fold.errors import FoldError
-from fold.graph import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, op_name
+from fold.graph import (
+    BOOL,
+    DEPTH_SHIFT,
+    FLOAT,
+    ID_MASK,
+    ID_SHIFT,
+    INT,
+    NODE,
+    NSPLIT_MASK,
+    NSPLIT_SHIFT,
+    OUT_MASK,
+    op_name,
+)
 
-__all__ = ["GraphArrays", "handles_array", "number_column"]
+__all__ = ["GraphArrays", "decode", "handles_array", "number_column"]
 
 
-def _decode(handles: np.ndarray) -> Any:
-    from fold.executor import decode
-
-    return decode(handles)
+def decode(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Handles -> (node ids, output indices, outputs each handle needs its op to return)."""
+    return (
+        (handles >> ID_SHIFT) & ID_MASK,
+        handles & OUT_MASK,
+        np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1),
+    )
 
 
 _NUMBER_NP = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
@@ -117,7 +132,7 @@ class GraphArrays:
                 hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(
                     len(rows), len(kinds)
                 )
-                entry = ([None] * len(kinds), node_js, hmat, _decode(hmat))
+                entry = ([None] * len(kinds), node_js, hmat, decode(hmat))
             else:
                 raw = list(zip(*rows)) if kinds else []
                 cols: list[Any] = []
@@ -131,6 +146,6 @@ class GraphArrays:
                 hmat = (
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )
-                entry = (cols, node_js, hmat, None if hmat is None else _decode(hmat))
+                entry = (cols, node_js, hmat, None if hmat is None else decode(hmat))
             self._columns[sid] = entry
         return entry
