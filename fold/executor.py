@@ -21,6 +21,8 @@ import torch
 from fold.errors import FoldError
 from fold.graph import (
     FLOAT,
+    ID_MASK,
+    ID_SHIFT,
     NODE,
     NSPLIT_MASK,
     NSPLIT_SHIFT,
@@ -164,6 +166,18 @@ class Executor:
         if self.vrow.shape[0] == 1:
             return self.vrow[0, nid]
         return self.vrow[out, nid]
+
+    def _rows_one(self, handles: list[int]) -> list[int]:
+        """``_rows`` for the handles of one node, as plain ints."""
+        nout, vrow = self.nout, self.vrow
+        rows = []
+        for h in handles:
+            nid = (h >> ID_SHIFT) & ID_MASK
+            want = (h >> NSPLIT_SHIFT) & NSPLIT_MASK or 1
+            if nout[nid] != want:
+                self._bad_handle(np.array([h]), np.array([want]), np.array([nid]))
+            rows.append(int(vrow[h & OUT_MASK, nid]))
+        return rows
 
     def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
         handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
@@ -337,10 +351,20 @@ class Executor:
                 )
             else:  # numbers
                 plans.append(("numbers", cols[j] if whole_sig else cols[j][pos]))
-        if node_js:
+        if node_js and n == 1 and not nobatch:
+            # One node (an RNN step, the top of a tree): each argument is one row of one
+            # source, a narrow; plain ints are far cheaper than arrays at this size.
+            hs = hmat[0 if whole_sig else int(pos[0])].tolist()
+            for j, row in zip(node_js, self._rows_one(hs)):
+                c = row >> _CLASS_SHIFT
+                starts = self._class_starts[c]
+                i = bisect.bisect_right(starts, row) - 1
+                plans[j] = ("gather", (self._class_srcs[c][i], row - starts[i], 1, -1))
+        elif node_js:
             handles = hmat if whole_sig else hmat[pos]
             if not whole_sig:
-                decoded = tuple(x[pos] for x in decoded)
+                nid, out, want = decoded
+                decoded = (nid[pos], out[pos], want[pos])
             gathered = node_js
             if nobatch:  # columns reading a nobatch node take its value whole
                 keep = []
@@ -493,9 +517,12 @@ class Executor:
             self._class_rows[c] += n
             self._class_starts[c].append(voff)
             self._class_srcs[c].append(s)
-            self.vrow[k, members] = np.arange(voff, voff + n)
+            if n == 1:
+                self.vrow[k, members[0]] = voff
+            else:
+                self.vrow[k, members] = np.arange(voff, voff + n)
         if not alone:
-            self.nout[members] = m
+            self.nout[members[0] if n == 1 else members] = m
 
     def _whole_source(self, h: int) -> int:
         nid = node_id(h)
