@@ -248,3 +248,27 @@ def test_the_graph_keeps_plain_ints_not_node_objects() -> None:
     kept += [k for targs in f._targs if targs for args in targs for k in args]
     assert roots and kept
     assert not [k for k in kept if isinstance(k, fold.Node)]
+
+
+@pytest.mark.parametrize("outputs", [None, 1, 3])
+def test_unrolled_recorders_return_what_add_and_split_return(outputs) -> None:
+    class Three:
+        def three(self, x, k):
+            return (x * k, x + k, x - k) if outputs == 3 else x * k
+
+    f = fold.Fold()
+    base = f.add("three", 1.5, 2)  # a node argument for the recorder below
+    (x,) = [base] if outputs != 3 else [base.split(3)[0]]
+    rec = f.op("three", outputs=outputs)
+    first = rec(x, 2)  # generic: classifies, then the Fold unrolls the recorder
+    unrolled = f.op("three", outputs=outputs)
+    assert unrolled is not rec
+    for k in (2, 3, 4):
+        got = unrolled(x, k)
+        node = f.add("three", x, k)
+        want = node if outputs is None else node.split(outputs)
+        assert got == want and type(got) is type(want)
+    assert first == unrolled(x, 2)
+    lists = [[v] for v in (first if outputs else [first])] if outputs != 3 else [[first[2]]]
+    out = f.apply(Three(), lists)
+    assert out[0].shape == (1,)
