@@ -1,9 +1,11 @@
 """Recording: the :class:`Fold` graph, its :class:`Node` handles, and the eager :class:`Unfold`.
 
-Recording is the user's inner loop, so :meth:`Fold.add` only appends to flat per-Fold lists
-(op, arguments, signature id, depth) and returns a tiny ``__slots__`` handle.  Nothing is
-computed until :meth:`Fold.apply`, which asks a scheduler (``fold.scheduler``) for a plan and
-hands it to the executor (``fold.executor``).
+Recording is the user's inner loop, so :meth:`Fold.add` finds the node's signature with one
+dict lookup keyed by the argument types, inserts the arguments (as plain ints and numbers)
+into that signature's memo dict, which is also its node list, and returns an int handle;
+:meth:`Fold.op` recorders do the same with less overhead per call.  Nothing is computed until
+:meth:`Fold.apply`, which converts the graph to arrays (``fold.layout``), asks a scheduler
+(``fold.scheduler``) for a plan and hands it to the executor (``fold.executor``).
 """
 
 from __future__ import annotations
