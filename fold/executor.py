@@ -557,24 +557,6 @@ class Executor:
         nobatch = self.graph.nobatch_ids
         if nobatch and any(node_id(h) in nobatch for h in items):
             return torch.cat([self._value(h) for h in items], 0)
-        memos = self.graph._memos
-        if (
-            len(memos) == 1
-            and len(self.sources) == 1
-            and len(items) == self.arrays.n
-            and items == list(memos[0].values())
-        ):
-            # One signature run as one group with one output (a per-sample loop), and the list
-            # is all its nodes in order, used whole: the output itself.
-            out = self.sources[0]
-        else:
-            out = self._gather_nodes(items, i)
-        if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
-            out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
-        return out
-
-    def _gather_nodes(self, items: list[Any], i: int) -> torch.Tensor:
-        """The values of output nodes ``items`` (of ``lists[i]``), concatenated."""
         rows = self._rows(handles_array(items)[:, None])
         idx: list[np.ndarray] = []
         (recipe,) = self._recipes(rows, idx)
@@ -585,7 +567,10 @@ class Executor:
                 f"({', '.join(map(str, sorted(metas)))}); they cannot be concatenated along "
                 "dim 0. Fix: put nodes of each shape in their own list."
             )
-        return self._gather(recipe, self._index_tensors(idx))
+        out = self._gather(recipe, self._index_tensors(idx))
+        if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
+            out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
+        return out
 
     def _value(self, h: int) -> torch.Tensor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""

@@ -401,7 +401,7 @@ class Fold:
             return self._add_slow(op, args)
         if plain is not None:
             if memo is None:  # literal tensors
-                if len(args) == 1:  # one tensor (a per-sample image): kept inline
+                if len(args) == 1:  # one tensor (a per-sample image): _record_tensors inline
                     a = args[0]
                     entry = plain[2].get((a.shape, a.dtype))  # only valid shapes get in
                     if entry is not None:
@@ -595,18 +595,14 @@ class Fold:
             shape = a.shape
             if not shape or shape[0] != 1:
                 _arg_kind(op, 0, a)  # raises: not a batch-of-one tensor
+            # Keyed by the whole shape, as add() looks entries up before calling here.
             skey = (shape, a.dtype)
+            kinds = ((shape[1:], a.dtype),)
             entry = sigs.get(skey)
             if entry is None:
-                sid = self._signature(op, ((shape[1:], a.dtype),))
+                sid = self._signature(op, kinds)
                 entry = sigs[skey] = (self._memos[sid], self._targs[sid])
-            memo, targs = entry
-            key = (id(a),)
-            h = memo.get(key)
-            if h is None:
-                h = memo[key] = next(self._ids) << ID_SHIFT
-                targs.append(args)
-            return self._node_type(h)
+            return self._record_tensors(entry, args, kinds, 0)
         kinds = list(base)
         for p in tpos:
             a = args[p]
@@ -639,8 +635,9 @@ class Fold:
         key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kinds)])
         h = memo.get(key)
         if h is None:
-            h = memo[_plain_key(key)] = depth | next(self._ids) << ID_SHIFT
-            targs.append(_plain_key(args) if NODE in kinds else args)
+            nodes = NODE in kinds
+            h = memo[_plain_key(key) if nodes else key] = depth | next(self._ids) << ID_SHIFT
+            targs.append(_plain_key(args) if nodes else args)
         return self._node_type(h)
 
     def _signature(self, op: Any, kinds: tuple[Any, ...]) -> int:
