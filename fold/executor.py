@@ -31,7 +31,7 @@ from fold.graph import (
     node_id,
     op_name,
 )
-from fold.layout import decode, handles_array, number_column
+from fold.layout import decode, handles_array, number_column, numbers_tensor
 from fold.scheduler.plan import Plan
 
 __all__ = ["Executor", "device_of"]
@@ -638,7 +638,7 @@ def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple
 def literal_output(kind: str, items: list[Any], i: int, device: torch.device) -> torch.Tensor:
     """The value of a list of numbers (a 1-D tensor) or of batch-of-one tensors (their cat)."""
     if kind == "numbers":
-        t = torch.tensor(items)
+        t = numbers_tensor(items)
         return t if device.type == "cpu" else t.to(device, non_blocking=True)
     shapes = {(t.shape[1:], t.dtype) for t in items}
     if len(shapes) > 1:
@@ -669,7 +669,8 @@ def run_one_op(graph: Fold, obj: Any, specs: list[tuple[str, list[Any]]]) -> Any
         if kind == "nodes":
             if handles is None:
                 handles = list(memo.values())
-            if items != handles or set(map(type, items)) != {graph._node_type}:
+            # apply's check of the lists made each list one type: this Fold's nodes?
+            if type(items[0]) is not graph._node_type or items != handles:
                 return None
     device = device_of(obj)
     fn = resolve_op(obj, op, False)

@@ -324,6 +324,37 @@ def test_numbers_and_tensor_lists_and_dtypes() -> None:
     assert tensors.shape == (2, 2)
 
 
+@pytest.mark.parametrize(
+    "items",
+    [[3, 1, 4], [0.1, 2.5, -1e30], [True, False], [1, 2.5], [True, 2], [1e300], [2**62, -(2**63)]],
+)
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_number_lists_become_what_torch_tensor_makes(items: list, default: torch.dtype) -> None:
+    """apply's lists of numbers are built through numpy; torch.tensor is the reference."""
+    from fold.layout import numbers_tensor
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        ref = torch.tensor(items)
+        got = numbers_tensor(items)
+        (applied,) = fold.Fold().apply(object(), [items])
+    finally:
+        torch.set_default_dtype(old)
+    for t in (got, applied):
+        assert t.dtype == ref.dtype
+        torch.testing.assert_close(t, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_number_list_beyond_int64_raises_as_torch_does() -> None:
+    from fold.layout import numbers_tensor
+
+    with pytest.raises(Exception) as ref:
+        torch.tensor([1, 2**64])
+    with pytest.raises(ref.type):
+        numbers_tensor([1, 2**64])
+
+
 def test_callable_ops_are_grouped_by_identity() -> None:
     def double(x):
         return x * 2
