@@ -10,7 +10,6 @@ backward time (planning included) for both; writes benchmarks/results/agenda.jso
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
 
@@ -54,15 +53,13 @@ def record(strategy: str, seqs: list[list[int]]) -> tuple[fold.Fold, list[fold.N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, device=False)
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--reps", type=int, default=11)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    setup(args)
     torch.manual_seed(0)
     rng = random.Random(0)
     seqs = [

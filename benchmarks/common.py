@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import json
 import platform
 import statistics
@@ -36,6 +38,47 @@ def interleaved(
             fn()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def parser(doc: str | None, *, device: bool = True) -> argparse.ArgumentParser:
+    """The scripts' argument parser, with the options they share (--threads, --device)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument(
+        "--steady-malloc",
+        action="store_true",
+        help="keep freed heap memory in the process (glibc), see steady_malloc()",
+    )
+    if device:
+        ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    return ap
+
+
+def setup(args: argparse.Namespace) -> None:
+    """Apply the shared options: threads, and the allocator setting if asked for."""
+    torch.set_num_threads(args.threads)
+    if args.steady_malloc and not steady_malloc():
+        raise SystemExit("--steady-malloc: this C library has no glibc mallopt")
+
+
+def steady_malloc() -> bool:
+    """Make glibc keep freed heap memory in the process: no trimming, no mmap per block.
+
+    By default glibc returns the top of the heap to the system when more than 128 KiB of it
+    is free, and serves large blocks by mmap, so a training step can pay tens of page faults
+    for memory it freed a moment earlier, or none, depending on how the contenders' small
+    allocations happen to lie in that process (MNIST: 0.6-1.3 for the same code in different
+    processes).  Both contenders run under the same setting; this removes the lottery, not
+    any contender's own work.  False where this is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 1 << 25))
 
 
 def sync(device: str) -> None:

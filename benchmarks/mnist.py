@@ -10,7 +10,6 @@ once on the stacked (32, 1, 28, 28) batch.  Writes benchmarks/results/mnist.json
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, paired_ratio, table, write_json  # noqa: E402
+from common import interleaved, median, paired_ratio, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
 
@@ -37,16 +36,13 @@ class MLP(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, device=False)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10, help="training steps per timed run")
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--eager-reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    setup(args)
     torch.manual_seed(0)
     images = [torch.rand(1, 28, 28) for _ in range(args.batch * args.steps)]
     labels = [int(i % 10) for i in range(len(images))]

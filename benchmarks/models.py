@@ -12,7 +12,6 @@ benchmarks/results/models_<arch>[_cuda].json.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, sync, table, write_json  # noqa: E402
+from common import interleaved, median, parser, setup, sync, table, write_json  # noqa: E402
 
 from fold.batched_ops import BatchModule, batch_loss  # noqa: E402
 
@@ -65,17 +64,13 @@ ARCHS = {"lenet": LeNet, "mlp": MLP}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--models", type=int, nargs="+", default=[32])
     ap.add_argument("--arch", choices=sorted(ARCHS), default="lenet")
     ap.add_argument("--images", type=int, default=64)
     ap.add_argument("--reps", type=int, default=11)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    setup(args)
     torch.manual_seed(0)
     dev = args.device
     rows = []

@@ -11,7 +11,6 @@ benchmarks/results/sweep[_cuda].json.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, sync, table, write_json  # noqa: E402
+from common import interleaved, median, parser, setup, sync, table, write_json  # noqa: E402
 from tree_lstm import make_trees  # noqa: E402
 
 from fold.batched_ops import BatchModule  # noqa: E402
@@ -29,17 +28,13 @@ from fold.models import TreeLSTM, record_tree  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--models", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--trees", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=150)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    setup(args)
     torch.manual_seed(0)
     dev = args.device
     trees = make_trees(args.trees, 5, 35, 10_000)

@@ -10,7 +10,6 @@ Writes benchmarks/results/tree_lstm.json.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, table, write_json  # noqa: E402
+from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
 from fold.models import TreeLSTM, record_tree  # noqa: E402
@@ -120,17 +119,14 @@ def step(model: TreeLSTM, forward, trees: list[Tree]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, device=False)
     ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
     ap.add_argument("--trees", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=10_000)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--eager-reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    setup(args)
     torch.manual_seed(0)
     trees = make_trees(args.trees, 5, 35, args.vocab)
     nodes = sum(len(t) for t in trees)

@@ -11,33 +11,28 @@ and, with matplotlib, docs/tree_throughput[_cuda].png.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, sync, table, write_json  # noqa: E402
+from common import interleaved, median, parser, setup, sync, table, write_json  # noqa: E402
 from tree_lstm import eager_forward, fold_forward, level_batched, make_trees  # noqa: E402
 
 from fold.models import TreeLSTM  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     ap.add_argument("--hidden", type=int, default=150)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument(
         "--eager-trees", type=int, default=64, help="eager is timed on at most this many trees"
     )
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    setup(args)
     torch.manual_seed(0)
     dev = args.device
     model = TreeLSTM(10_000, args.hidden).to(dev)

@@ -396,11 +396,14 @@ class Fold:
         # Fast path: ops whose arguments are this Fold's nodes and Python numbers, found by
         # argument types (a Node of another Fold is another type, so it takes the slow path).
         try:  # (op, type) built directly for one argument: a third of the cost of map
-            memo, where, plain = self._fast[
+            entry = self._fast.get(
                 (op, type(args[0])) if len(args) == 1 else (op, *map(type, args))
-            ]
-        except (KeyError, TypeError):
+            )
+        except TypeError:  # an unhashable op: _add_slow says so
+            entry = None
+        if entry is None:  # a get, not a KeyError: a Fold's first add is a miss
             return self._add_slow(op, args)
+        memo, where, plain = entry
         if plain is not None:
             if memo is None:  # literal tensors
                 if len(args) == 1:  # one tensor (a per-sample image): _record_tensors inline

@@ -326,7 +326,15 @@ def test_numbers_and_tensor_lists_and_dtypes() -> None:
 
 @pytest.mark.parametrize(
     "items",
-    [[3, 1, 4], [0.1, 2.5, -1e30], [True, False], [1, 2.5], [True, 2], [1e300], [2**62, -(2**63)]],
+    [
+        [3, 1, 4],
+        [0.1, 1 / 3, 2.5, -1e30, 1e-45, 3.4028235e38, float("inf"), float("nan")],
+        [True, False],
+        [1, 2.5],
+        [True, 2],
+        [1e300],
+        [2**62, -(2**63)],
+    ],
 )
 @pytest.mark.parametrize("default", [torch.float32, torch.float64])
 def test_number_lists_become_what_torch_tensor_makes(items: list, default: torch.dtype) -> None:
