@@ -20,6 +20,7 @@ import torch
 
 from fold.errors import FoldError
 from fold.graph import (
+    _SCALAR_KINDS,
     FLOAT,
     ID_MASK,
     ID_SHIFT,
@@ -649,29 +650,37 @@ def literal_output(kind: str, items: list[Any], i: int, device: torch.device) ->
     return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
 
 
-def run_one_op(graph: Fold, obj: Any, specs: list[tuple[str, list[Any]]]) -> Any:
+def run_one_op(graph: Fold, obj: Any, lists: Any) -> Any:
     """``apply`` of a graph of one op whose arguments are all literals (a per-sample loop:
-    ``f.add("forward", image)`` per sample), where every list of nodes names all of them in
-    recording order.  None where that does not hold: the general executor runs it then.
+    ``f.add("forward", image)`` per sample), where every list in ``lists`` is either all of
+    the graph's nodes in recording order or Python numbers of one type.  None where that
+    does not hold: ``apply`` then checks the lists and runs the general executor.
 
     It is the general executor's single group without its bookkeeping: one call of the op on
-    the concatenated literals, and each list of nodes is the op's output itself.
+    the concatenated literals, and each list of nodes is the op's output itself.  It reads
+    ``lists`` itself, before apply's full check, as the whole call is overhead a per-sample
+    training step pays every step.
     """
     memos = graph._memos
-    if len(memos) != 1 or graph.nobatch_ids:
+    if len(memos) != 1 or graph.nobatch_ids or type(lists) not in (list, tuple):
         return None
     op, kinds = graph.signatures[0]
     if NODE in kinds or _is_batch_module(obj):
         return None
     memo = memos[0]
+    node_type = graph._node_type
     handles = None
-    for kind, items in specs:
-        if kind == "nodes":
+    for items in lists:
+        if type(items) is not list or not items or len(set(map(type, items))) != 1:
+            return None
+        kind = type(items[0])
+        if kind is node_type:
             if handles is None:
                 handles = list(memo.values())
-            # apply's check of the lists made each list one type: this Fold's nodes?
-            if type(items[0]) is not graph._node_type or items != handles:
+            if items != handles:
                 return None
+        elif kind not in _SCALAR_KINDS:
+            return None
     device = device_of(obj)
     fn = resolve_op(obj, op, False)
     n = len(memo)
@@ -692,9 +701,10 @@ def run_one_op(graph: Fold, obj: Any, specs: list[tuple[str, list[Any]]]) -> Any
     outs = check_outputs(op, 0, n, out, False)
     graph.last_run = [(0, op_name(op), n, tuple([(v.shape, v.dtype) for v in values]))]
     results = []
-    for i, (kind, items) in enumerate(specs):
-        if kind != "nodes":
-            results.append(literal_output(kind, items, i, device))
+    for items in lists:
+        if type(items[0]) is not node_type:
+            t = numbers_tensor(items)
+            results.append(t if device.type == "cpu" else t.to(device, non_blocking=True))
         elif len(outs) == 1:
             results.append(outs[0])
         else:

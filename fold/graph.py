@@ -751,11 +751,11 @@ class Fold:
             if offload == "cpu":
                 with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                     return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
-        specs = _classify_lists(lists)
         if max_rows is None and max_bytes is None:
-            done = _executor.run_one_op(self, obj, specs)  # a per-sample loop's graph: one call
+            done = _executor.run_one_op(self, obj, lists)  # a per-sample loop's graph: one call
             if done is not None:
                 return done
+        specs = _classify_lists(lists)
         plan = self.plan()
         limits = {"max_rows": max_rows, "max_bytes": max_bytes}
         chunk = obj.fold_chunk() if hasattr(obj, "fold_chunk") else None
