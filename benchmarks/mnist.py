@@ -1,11 +1,15 @@
 """Per-sample MNIST MLP training, 32 samples per step: eager per-sample, fold, plain batched.
 
-    python benchmarks/mnist.py            # 1 thread, fold and batched interleaved, medians
+    python benchmarks/mnist.py                   # 1 thread, contenders interleaved, medians
+    python benchmarks/mnist.py --steady-malloc   # the same, glibc keeping freed memory
+
 
 Each contender does the same training step (forward, cross-entropy, backward, Adam) on the
 same 32 images of 1x28x28: eager runs the model once per image (gradients accumulated), fold
 records one ``forward`` node per image and applies the graph, plain batched calls the model
-once on the stacked (32, 1, 28, 28) batch.  Writes benchmarks/results/mnist.json.
+once on the stacked (32, 1, 28, 28) batch; "fold, apply only" runs fold's training loop on
+graphs recorded beforehand (what recording costs is the difference).  --steady-malloc: see
+benchmarks/common.py, steady_malloc.  Writes benchmarks/results/mnist.json.
 """
 
 from __future__ import annotations
@@ -66,6 +70,19 @@ def main() -> None:
             F.cross_entropy(logits, y).backward()
             opt.step()
 
+    # The same loop on graphs recorded beforehand: what apply costs without the recording.
+    graphs = []
+    for s in range(args.steps):
+        f = fold.Fold()
+        graphs.append((f, [f.add("forward", images[i]) for i in range(s * b, (s + 1) * b)]))
+
+    def apply_only() -> None:
+        for s, (f, outs) in enumerate(graphs):
+            logits, y = f.apply(model, [outs, labels[s * b : (s + 1) * b]])
+            opt.zero_grad()
+            F.cross_entropy(logits, y).backward()
+            opt.step()
+
     def batched() -> None:
         for s in range(args.steps):
             x = torch.cat(images[s * b : (s + 1) * b])
@@ -74,7 +91,9 @@ def main() -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-    times = interleaved({"fold": folded, "batched": batched}, args.reps)
+    times = interleaved(
+        {"fold": folded, "fold, apply only": apply_only, "batched": batched}, args.reps
+    )
     # Eager is 5-10x slower: timed on its own, so it does not run between the two compared.
     times.update(interleaved({"eager": eager}, args.eager_reps, warmup=0))
     med = {k: median(v) for k, v in times.items()}
@@ -85,15 +104,22 @@ def main() -> None:
             "samples/s": b * args.steps / med[k],
             "vs_batched": med[k] / med["batched"],
         }
-        for k in ("eager", "fold", "batched")
+        for k in ("eager", "fold", "fold, apply only", "batched")
     ]
     print(
         f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
     )
     print(table(rows, ["method", "median_ms_per_step", "samples/s", "vs_batched"]))
     paired = paired_ratio(times, "fold", "batched")
+    apply_paired = paired_ratio(times, "fold, apply only", "batched")
     print(f"fold / batched, median of per-round ratios: {paired:.3f}")
-    result = {"args": vars(args), "rows": rows, "fold_vs_batched_paired": paired}
+    print(f"fold apply only / batched, median of per-round ratios: {apply_paired:.3f}")
+    result = {
+        "args": vars(args),
+        "rows": rows,
+        "fold_vs_batched_paired": paired,
+        "apply_only_vs_batched_paired": apply_paired,
+    }
     print(f"wrote {write_json('mnist', result)}")
 
 
