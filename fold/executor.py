@@ -558,6 +558,8 @@ class Executor:
         nobatch = self.graph.nobatch_ids
         if nobatch and any(node_id(h) in nobatch for h in items):
             return torch.cat([self._value(h) for h in items], 0)
+        if len(items) == 1 and not self.model_dim:  # e.g. the root of one tree: its row
+            return self._value(items[0])
         rows = self._rows(handles_array(items)[:, None])
         idx: list[np.ndarray] = []
         (recipe,) = self._recipes(rows, idx)
@@ -577,7 +579,7 @@ class Executor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""
         if node_id(h) in self.graph.nobatch_ids:
             return self.sources[self._whole_source(h)]
-        v = int(self._rows(handles_array([h]))[0])  # 1-D works too: elementwise
+        (v,) = self._rows_one([h])
         c = v >> _CLASS_SHIFT
         j = bisect.bisect_right(self._class_starts[c], v) - 1
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
