@@ -19,24 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, paired_ratio, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(784, 200)
-        self.lin2 = nn.Linear(200, 100)
-        self.logits = nn.Linear(100, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(-1, 784)
-        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
+from fold.models import MLP  # noqa: E402
 
 
 def main() -> None:

@@ -18,24 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fold
-
-
-class MLP(nn.Module):
-    """The notebook's network, for any input size."""
-
-    def __init__(self, pixels: int) -> None:
-        super().__init__()
-        self.pixels = pixels
-        self.lin1 = nn.Linear(pixels, 200)
-        self.lin2 = nn.Linear(200, 100)
-        self.logits = nn.Linear(100, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(-1, self.pixels)
-        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
+from fold.models import MLP
 
 
 def read_idx(path: Path) -> torch.Tensor:

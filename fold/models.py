@@ -1,7 +1,8 @@
 """Reference models written the fold way: per-example ops that batch along dim 0.
 
 :class:`TreeLSTM` is the binary Child-Sum/N-ary TreeLSTM of Tai et al. (2015) used by the
-examples and benchmarks.  Its ops are ``leaf`` and ``node`` (not ``children``, which would
+examples and benchmarks; :class:`MLP` the per-sample image classifier of the MNIST example,
+benchmark and tests.  Its ops are ``leaf`` and ``node`` (not ``children``, which would
 shadow ``nn.Module.children`` and break ``.to()``).
 """
 
@@ -14,7 +15,23 @@ from torch import nn
 from fold.graph import Fold, Node, Unfold
 from fold.treebank import Tree
 
-__all__ = ["TreeLSTM", "record_tree"]
+__all__ = ["MLP", "TreeLSTM", "record_tree"]
+
+
+class MLP(nn.Module):
+    """A ``pixels``-200-100-10 ReLU classifier whose ``forward`` takes images of any shape
+    with ``pixels`` values each (a (1, 28, 28) image per sample, or a batch of them)."""
+
+    def __init__(self, pixels: int = 784) -> None:
+        super().__init__()
+        self.pixels = pixels
+        self.lin1 = nn.Linear(pixels, 200)
+        self.lin2 = nn.Linear(200, 100)
+        self.logits = nn.Linear(100, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, self.pixels)
+        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
 
 
 class TreeLSTM(nn.Module):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fold
-from fold.models import TreeLSTM, record_tree
+from fold.models import MLP, TreeLSTM, record_tree
 from fold.treebank import Tree, random_tree
 
 
@@ -65,18 +65,6 @@ def test_two_output_split_tree() -> None:
     ubc, ubd = u.add("B", 1, 2).split(2)
     (ref,) = u.apply(u.obj, [[u.add("D", ubd, u.add("C", ubc, 5))]])
     assert out.tolist() == ref.tolist() == [-1]
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(784, 200)
-        self.lin2 = nn.Linear(200, 100)
-        self.logits = nn.Linear(100, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(-1, 784)
-        return self.logits(F.relu(self.lin2(F.relu(self.lin1(x)))))
 
 
 def test_per_sample_mnist_forward_and_training_match_eager() -> None:
