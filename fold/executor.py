@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,11 @@ import torch
 from fold.errors import FoldError
 from fold.graph import (
     _SCALAR_KINDS,
+    DEPTH_SHIFT,
     FLOAT,
     ID_MASK,
     ID_SHIFT,
+    LOW_MASK,
     NODE,
     NSPLIT_MASK,
     NSPLIT_SHIFT,
@@ -184,23 +187,7 @@ class Executor:
         handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
         i = int(np.flatnonzero(want != self.nout[nid])[0])
         h, node = int(handles[i]), int(nid[i])
-        n, m = (h >> NSPLIT_SHIFT) & NSPLIT_MASK, int(self.nout[node])
-        op = op_name(self.graph.op_of(node))
-        if m == 0:
-            raise FoldError(
-                f"apply: node {node} ({op!r}) has no value here: a nobatch node can only be an "
-                "argument of the ops that read it whole, or an output of its own list."
-            )
-        if n == 0:
-            raise FoldError(
-                f"apply: op {op!r} returned {m} outputs, but node {node} ({op!r}) is used whole, "
-                f"without split. Fix: use the handles of its split, h = f.add({op!r}, ...)"
-                f".split({m})."
-            )
-        raise FoldError(
-            f"apply: node {node} ({op!r}) was split with .split({n}), but op {op!r} returned "
-            f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
-        )
+        raise bad_split(self.graph, node, (h >> NSPLIT_SHIFT) & NSPLIT_MASK, int(self.nout[node]))
 
     def _recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[_Recipe | None]:
         """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
@@ -652,70 +639,140 @@ def literal_output(kind: str, items: list[Any], i: int, device: torch.device) ->
     return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
 
 
-def run_one_op(graph: Fold, obj: Any, lists: Any) -> Any:
-    """``apply`` of a graph of one op whose arguments are all literals (a per-sample loop:
-    ``f.add("forward", image)`` per sample), where every list in ``lists`` is either all of
-    the graph's nodes in recording order or Python numbers of one type.  None where that
-    does not hold: ``apply`` then checks the lists and runs the general executor.
+def bad_split(graph: Fold, node: int, n: int, m: int) -> FoldError:
+    """The FoldError for a handle of ``node`` made by ``split(n)`` (``n`` 0: the whole node)
+    where its op returned ``m`` outputs (0: the node has no value of its own)."""
+    op = op_name(graph.op_of(node))
+    if m == 0:
+        return FoldError(
+            f"apply: node {node} ({op!r}) has no value here: a nobatch node can only be an "
+            "argument of the ops that read it whole, or an output of its own list."
+        )
+    if n == 0:
+        return FoldError(
+            f"apply: op {op!r} returned {m} outputs, but node {node} ({op!r}) is used whole, "
+            f"without split. Fix: use the handles of its split, h = f.add({op!r}, ...)"
+            f".split({m})."
+        )
+    return FoldError(
+        f"apply: node {node} ({op!r}) was split with .split({n}), but op {op!r} returned "
+        f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
+    )
 
-    It is the general executor's single group without its bookkeeping: one call of the op on
-    the concatenated literals, and each list of nodes is the op's output itself.  It reads
-    ``lists`` itself, before apply's full check, as the whole call is overhead a per-sample
-    training step pays every step.
+
+def _whole_source(col: Any, handles: list[list[int]], first: dict[int, int]) -> Any:
+    """``(signature, output index, split n)`` when the handles in ``col`` are every node of
+    one signature, in recording order, each taken whole or each as output k of one split;
+    else None."""
+    h0 = int(col[0])  # Nodes refuse arithmetic (it would not record); plain ints from here
+    low = h0 & LOW_MASK
+    t = first.get(h0 - low)
+    if t is None or len(col) != len(handles[t]):
+        return None
+    # A handle's low bits are its output index and split; the nodes' own handles have none,
+    # so a column equals theirs after subtracting the first one's low bits only if all of
+    # its handles carry the same low bits.
+    if (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) != handles[t]:
+        return None
+    return t, low & OUT_MASK, (low >> NSPLIT_SHIFT) & NSPLIT_MASK
+
+
+def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
+    """``apply`` of a graph where each op runs as one group on whole outputs of earlier ones,
+    in order; None where that does not hold (``apply`` then checks the lists and runs the
+    general executor).  Per-sample training loops record such graphs: ``f.add("forward",
+    image)`` per sample, often followed by ``f.add("loss", logits, label)``.
+
+    The conditions: no nobatch node, no BatchModule; every node argument column of a
+    signature is all the nodes of one earlier signature in recording order (whole, or output
+    k of the same split), so every node of a signature sits at one depth and the depth
+    scheduler would make each signature one group; and every list in ``lists`` is such a
+    column or Python numbers of one type.  Then each signature is one call of its op on the
+    earlier outputs themselves (no gather, no index), its literals concatenated, and each list
+    of nodes is an op output itself: the general executor's groups, values and gradients,
+    without its planning and bookkeeping, which for a graph of a few groups cost more than the
+    groups (all of it is Python on cold caches, paid every training step).  The lists are
+    read here, before apply's full check of them, for the same reason.
     """
     memos = graph._memos
-    if len(memos) != 1 or graph.nobatch_ids or type(lists) not in (list, tuple):
+    if graph.nobatch_ids or type(lists) not in (list, tuple) or _is_batch_module(obj):
         return None
-    op, kinds = graph.signatures[0]
-    if NODE in kinds or _is_batch_module(obj):
-        return None
-    memo = memos[0]
+    handles = [list(memo.values()) for memo in memos]
+    first = {h[0]: t for t, h in enumerate(handles)}
+    columns: list[list[Any]] = []
+    sources: list[list[Any]] = []
+    for s, (_op, kinds) in enumerate(graph.signatures):
+        cols = list(zip(*(graph._targs[s] or memos[s]))) if kinds else []
+        src: list[Any] = [None] * len(kinds)
+        for j, k in enumerate(kinds):
+            if k == NODE:
+                src[j] = _whole_source(cols[j], handles, first)
+                if src[j] is None or src[j][0] >= s:
+                    return None
+        columns.append(cols)
+        sources.append(src)
     node_type = graph._node_type
-    handles = None
+    wanted = []
     for items in lists:
         if type(items) is not list or not items or len(set(map(type, items))) != 1:
             return None
         kind = type(items[0])
         if kind is node_type:
-            if handles is None:
-                handles = list(memo.values())
-            if items != handles:
+            src = _whole_source(items, handles, first)
+            if src is None:
                 return None
-        elif kind not in _SCALAR_KINDS:
-            return None
-    device = device_of(obj)
-    fn = resolve_op(obj, op, False)
-    n = len(memo)
-    rows = graph._targs[0] or list(memo)
-    values = []
-    for j, (k, col) in enumerate(zip(kinds, zip(*rows))):
-        if type(k) is tuple:  # batch-of-one tensors
-            t = torch.cat(col, 0) if n > 1 else col[0]
+            wanted.append(src)
+        elif kind in _SCALAR_KINDS:
+            wanted.append(None)
         else:
-            t = torch.from_numpy(number_column(op, j, k, col))
-            if k == FLOAT:
-                t = t.to(torch.get_default_dtype())
-        values.append(t if t.device == device else t.to(device, non_blocking=True))
-    try:
-        out = fn(*values)
-    except Exception as err:
-        raise op_failed(op, 0, n, values, err) from err
-    outs = check_outputs(op, 0, n, out, False)
-    graph.last_run = [(0, op_name(op), n, tuple([(v.shape, v.dtype) for v in values]))]
+            return None
+
+    device = device_of(obj)
+    outs: list[tuple[torch.Tensor, ...]] = []
+    report = []
+    for s, (op, kinds) in enumerate(graph.signatures):
+        fn = resolve_op(obj, op, False)
+        n = len(handles[s])
+        step = handles[s][0] >> DEPTH_SHIFT
+        values = []
+        for j, (k, col, src) in enumerate(zip(kinds, columns[s], sources[s])):
+            if src is not None:
+                values.append(_source_output(graph, outs, handles, src))
+                continue
+            if type(k) is tuple:  # batch-of-one tensors
+                t = torch.cat(col, 0) if n > 1 else col[0]
+            else:
+                t = torch.from_numpy(number_column(op, j, k, col))
+                if k == FLOAT:
+                    t = t.to(torch.get_default_dtype())
+            values.append(t if t.device == device else t.to(device, non_blocking=True))
+        try:
+            out = fn(*values)
+        except Exception as err:
+            raise op_failed(op, step, n, values, err) from err
+        outs.append(check_outputs(op, step, n, out, False))
+        report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
+    # The executor reports groups by step; signatures of one step keep recording order.
+    graph.last_run = sorted(report, key=lambda r: r[0])
     results = []
-    for items in lists:
-        if type(items[0]) is not node_type:
+    for items, src in zip(lists, wanted):
+        if src is None:
             t = numbers_tensor(items)
             results.append(t if device.type == "cpu" else t.to(device, non_blocking=True))
-        elif len(outs) == 1:
-            results.append(outs[0])
         else:
-            raise FoldError(
-                f"apply: op {op_name(op)!r} returned {len(outs)} outputs, but node 0 "
-                f"({op_name(op)!r}) is used whole, without split. Fix: use the handles of its "
-                f"split, h = f.add({op_name(op)!r}, ...).split({len(outs)})."
-            )
+            results.append(_source_output(graph, outs, handles, src))
     return results
+
+
+def _source_output(
+    graph: Fold, outs: list[tuple[torch.Tensor, ...]], handles: list[list[int]], src: Any
+) -> torch.Tensor:
+    """Output k of signature t (``src``), checked against the split its handles name."""
+    t, k, nsplit = src
+    m = len(outs[t])
+    if m != (nsplit or 1):
+        raise bad_split(graph, node_id(handles[t][0]), nsplit, m)
+    return outs[t][k]
 
 
 def _is_batch_module(obj: Any) -> bool:

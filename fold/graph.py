@@ -752,7 +752,7 @@ class Fold:
                 with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                     return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
         if max_rows is None and max_bytes is None:
-            done = _executor.run_one_op(self, obj, lists)  # a per-sample loop's graph: one call
+            done = _executor.run_chain(self, obj, lists)  # e.g. a per-sample loop: op after op
             if done is not None:
                 return done
         specs = _classify_lists(lists)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -499,3 +500,92 @@ def test_one_op_graphs_take_one_call_and_keep_every_check() -> None:
     theirs = [other.add("two", x) for x in xs]  # equal ints, another Fold's handles
     with pytest.raises(fold.FoldError, match="nodes that this Fold did not record"):
         g.apply(_PerSample(), [theirs])
+
+
+class _Chain(nn.Module):
+    """Per-sample ops that chain: an encoder with two outputs, a head, a per-sample loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 6)
+        self.head = nn.Linear(3, 5)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.enc(x).chunk(2, 1)
+
+    def mix(self, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(a) * w[:, None] + b)
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y, reduction="none")
+
+    def twice(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, 2 * x
+
+
+def _record_chain(f: fold.Fold | fold.Unfold, xs: list[torch.Tensor], order: list[int]) -> Any:
+    mids = []
+    for i, x in enumerate(xs):
+        a, b = f.add("encode", x).split(2)
+        mids.append((a, b, 0.5 + i))
+    logits = [f.add("mix", *mids[i]) for i in order]
+    losses = [f.add("loss", lg, i % 5) for lg, i in zip(logits, order)]
+    return logits, losses
+
+
+def _no_executor(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the general executor ran")
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled"])
+def test_per_sample_chains_match_eager(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode -> mix -> loss per sample: one call per op on whole outputs when every column
+    is an earlier op's nodes in order (the general executor is not even built), and the
+    general executor when it is not; values and gradients match Unfold either way."""
+    xs = [torch.randn(1, 4) for _ in range(7)]
+    pick = list(range(7)) if order == "in order" else [3, 0, 6, 1, 5, 2, 4]
+    model = _Chain()
+    f = fold.Fold()
+    logits, losses = _record_chain(f, xs, pick)
+    if order == "in order":
+        monkeypatch.setattr(fold.executor, "Executor", _no_executor)
+    got_logits, got_loss, ys = f.apply(model, [logits, losses, [i % 5 for i in pick]])
+    got = torch.autograd.grad(got_loss.sum() + got_logits.square().sum(), model.parameters())
+
+    u = fold.Unfold(model)
+    ref_logits, ref_losses = _record_chain(u, xs, pick)
+    want_logits, want_loss, want_ys = u.apply(
+        model, [ref_logits, ref_losses, [i % 5 for i in pick]]
+    )
+    want = torch.autograd.grad(want_loss.sum() + want_logits.square().sum(), model.parameters())
+    torch.testing.assert_close(got_logits, want_logits)
+    torch.testing.assert_close(got_loss, want_loss)
+    torch.testing.assert_close(ys, want_ys)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_chain_reports_and_checks_as_the_general_executor() -> None:
+    """The chain path's summary equals the general executor's (forced with max_rows), and a
+    wrong split or a whole use of a two-output op raise the executor's FoldErrors."""
+    xs = [torch.randn(1, 4) for _ in range(5)]
+    model = _Chain()
+    f = fold.Fold()
+    logits, losses = _record_chain(f, xs, list(range(5)))
+    a = f.apply(model, [losses])
+    chain_summary = f.summary()
+    b = f.apply(model, [losses], max_rows=100)
+    assert f.summary() == chain_summary
+    assert "encode x5" in chain_summary and "loss x5" in chain_summary
+    torch.testing.assert_close(a[0], b[0])
+
+    g = fold.Fold()
+    hs = [g.add("twice", x).split(3)[1] for x in xs]
+    with pytest.raises(fold.FoldError, match=r"split with \.split\(3\), but op 'twice' returned 2"):
+        g.apply(model, [hs])
+    w = fold.Fold()
+    whole = [w.add("twice", x) for x in xs]
+    heads = [w.add("loss", h, 1) for h in whole]
+    with pytest.raises(fold.FoldError, match=r"op 'twice' returned 2 outputs, but node 0 .*whole"):
+        w.apply(model, [heads])
