@@ -8,7 +8,8 @@ Each contender does the same training step (forward, cross-entropy, backward, Ad
 same 32 images of 1x28x28: eager runs the model once per image (gradients accumulated), fold
 records one ``forward`` node per image and applies the graph, plain batched calls the model
 once on the stacked (32, 1, 28, 28) batch; "fold, apply only" runs fold's training loop on
-graphs recorded beforehand (what recording costs is the difference).  --steady-malloc: see
+graphs recorded beforehand (what recording costs is the difference); "fold, loss nodes"
+records each sample's loss as a node too (forward -> loss).  --steady-malloc: see
 benchmarks/common.py, steady_malloc.  Writes benchmarks/results/mnist.json.
 """
 
@@ -27,6 +28,13 @@ import fold  # noqa: E402
 from fold.models import MLP  # noqa: E402
 
 
+class PerSampleLoss(MLP):
+    """The MLP with a per-sample loss op, for the loop that records the loss per sample too."""
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y, reduction="none")
+
+
 def main() -> None:
     ap = parser(__doc__, device=False)
     ap.add_argument("--batch", type=int, default=32)
@@ -38,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     images = [torch.rand(1, 28, 28) for _ in range(args.batch * args.steps)]
     labels = [int(i % 10) for i in range(len(images))]
-    model = MLP()
+    model = PerSampleLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     b = args.batch
 
@@ -56,6 +64,18 @@ def main() -> None:
             logits, y = f.apply(model, [outs, labels[s * b : (s + 1) * b]])
             opt.zero_grad()
             F.cross_entropy(logits, y).backward()
+            opt.step()
+
+    def folded_loss() -> None:  # the loss recorded per sample too: forward -> loss
+        for s in range(args.steps):
+            f = fold.Fold()
+            losses = [
+                f.add("loss", f.add("forward", images[i]), labels[i])
+                for i in range(s * b, (s + 1) * b)
+            ]
+            (loss,) = f.apply(model, [losses])
+            opt.zero_grad()
+            loss.mean().backward()
             opt.step()
 
     # The same loop on graphs recorded beforehand: what apply costs without the recording.
@@ -80,7 +100,13 @@ def main() -> None:
             opt.step()
 
     times = interleaved(
-        {"fold": folded, "fold, apply only": apply_only, "batched": batched}, args.reps
+        {
+            "fold": folded,
+            "fold, apply only": apply_only,
+            "fold, loss nodes": folded_loss,
+            "batched": batched,
+        },
+        args.reps,
     )
     # Eager is 5-10x slower: timed on its own, so it does not run between the two compared.
     times.update(interleaved({"eager": eager}, args.eager_reps, warmup=0))
@@ -92,7 +118,7 @@ def main() -> None:
             "samples/s": b * args.steps / med[k],
             "vs_batched": med[k] / med["batched"],
         }
-        for k in ("eager", "fold", "fold, apply only", "batched")
+        for k in ("eager", "fold", "fold, apply only", "fold, loss nodes", "batched")
     ]
     print(
         f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
@@ -101,12 +127,15 @@ def main() -> None:
     paired = paired_ratio(times, "fold", "batched")
     apply_paired = paired_ratio(times, "fold, apply only", "batched")
     print(f"fold / batched, median of per-round ratios: {paired:.3f}")
+    loss_paired = paired_ratio(times, "fold, loss nodes", "batched")
     print(f"fold apply only / batched, median of per-round ratios: {apply_paired:.3f}")
+    print(f"fold with loss nodes / batched, median of per-round ratios: {loss_paired:.3f}")
     result = {
         "args": vars(args),
         "rows": rows,
         "fold_vs_batched_paired": paired,
         "apply_only_vs_batched_paired": apply_paired,
+        "loss_nodes_vs_batched_paired": loss_paired,
     }
     print(f"wrote {write_json('mnist', result)}")
 

@@ -424,6 +424,12 @@ class Fold:
             if where is True:  # node arguments only
                 d = ((max(args) >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
                 h = memo[tuple(map(int, args))] = d | next(self._ids) << ID_SHIFT
+            elif type(where) is int:  # one node argument among numbers (a per-sample loss)
+                a = args[where] | 0  # the plain int
+                key = list(args)
+                key[where] = a
+                d = ((a >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT
+                h = memo[tuple(key)] = d | next(self._ids) << ID_SHIFT
             else:
                 d = _depth_of(args, where)
                 h = memo[_plain_key(args)] = d | next(self._ids) << ID_SHIFT
