@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import platform
 import statistics
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -79,6 +81,63 @@ def steady_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 1 << 25))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()
+    ]
+
+
+def _host_in_use() -> Any:
+    """A function returning the bytes glibc's malloc has handed out and not had back; None
+    where this is not glibc (2.33+)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use() -> int:
+        m = mallinfo2()
+        return m.uordblks + m.hblkhd  # heap chunks in use + mmapped chunks
+
+    return in_use
+
+
+class _PeakAfterEachOp(TorchDispatchMode):
+    def __init__(self, in_use: Callable[[], int]) -> None:
+        super().__init__()
+        self.in_use = in_use
+        self.peak = in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
+
+
+def peak_host_bytes(fn: Callable[[], Any]) -> int | None:
+    """The CPU stand-in for ``torch.cuda.max_memory_allocated``: the most bytes malloc had
+    handed out after any tensor op of ``fn()`` (backward included), above what it had before.
+
+    Read after each op dispatched, so a temporary freed inside one op is not seen (the same
+    for every contender); it counts all of the process's malloc'd memory, so Python objects
+    bigger than 512 bytes count too.  None where this is not glibc.
+    """
+    in_use = _host_in_use()
+    if in_use is None:
+        return None
+    with _PeakAfterEachOp(in_use):  # the mode's first use loads ~20 MB of its own, once
+        torch.zeros(2).add_(1).sum()
+    gc.collect()
+    base = in_use()
+    with _PeakAfterEachOp(in_use) as mode:
+        fn()
+    return mode.peak - base
 
 
 def sync(device: str) -> None:

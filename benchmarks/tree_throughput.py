@@ -1,11 +1,12 @@
 """TreeLSTM training throughput against trees per fold: eager, fold, level-by-level batching.
 
     python benchmarks/tree_throughput.py                    # CPU, 1 thread
-    python benchmarks/tree_throughput.py --device cuda      # on a GPU (adds peak memory)
+    python benchmarks/tree_throughput.py --device cuda      # on a GPU
 
 For 1, 16, 64, 256 and 1024 trees per batch (random binary trees, 5-35 leaves, vocab 10k),
-trees/s of forward+backward, interleaved runs, medians.  On CUDA it also reports the peak
-memory of fold and of the level-batched code.  Writes benchmarks/results/tree_throughput[_cuda].json
+trees/s of forward+backward, interleaved runs, medians, and the peak memory of one
+forward+backward of fold and of the level-batched code: torch.cuda.max_memory_allocated on a
+GPU; on CPU malloc's bytes in use after each op (benchmarks/common.py, peak_host_bytes).  Writes benchmarks/results/tree_throughput[_cuda].json
 and, with matplotlib, docs/tree_throughput[_cuda].png.
 """
 
@@ -17,7 +18,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, median, parser, setup, sync, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    interleaved,
+    median,
+    parser,
+    peak_host_bytes,
+    setup,
+    sync,
+    table,
+    write_json,
+)
 from tree_lstm import eager_forward, fold_forward, level_batched, make_trees  # noqa: E402
 
 from fold.models import TreeLSTM  # noqa: E402
@@ -60,11 +70,16 @@ def main() -> None:
             n = len(eager_trees) if name == "eager" else size
             row[f"{name} trees/s"] = n / median(times[name])
         row["fold/level"] = median(times["fold"]) / median(times["level"])
-        if dev == "cuda":
-            for name, fwd in (("fold", fold_forward), ("level", level_batched)):
+        for name, fwd in (("fold", fold_forward), ("level", level_batched)):
+            if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 run(fwd, trees)()
-                row[f"{name} peak MB"] = torch.cuda.max_memory_allocated() / 2**20
+                peak = torch.cuda.max_memory_allocated()
+            else:  # malloc's bytes in use after each op: the CPU stand-in
+                peak = peak_host_bytes(run(fwd, trees))
+            if peak is not None:
+                row[f"{name} peak MB"] = peak / 2**20
+        if "fold peak MB" in row:
             row["peak fold/level"] = row["fold peak MB"] / row["level peak MB"]
         rows.append(row)
         print(f"  {size} trees done", flush=True)
