@@ -135,14 +135,18 @@ def record(rec: Any, op: str, outputs: int | None, *args: Any) -> Any:
 
 
 def replay(
-    rec: Any, prog: list[tuple[Any, ...]], leaves: dict[tuple[Any, ...], torch.Tensor]
+    rec: Any,
+    prog: list[tuple[Any, ...]],
+    leaves: dict[tuple[Any, ...], torch.Tensor],
+    shift: int = 0,
 ) -> list[Any]:
-    """Record ``prog`` into a Fold or an Unfold; returns the handle of every value."""
+    """Record ``prog`` into a Fold or an Unfold; returns the handle of every value.
+    ``shift`` offsets the embedding ids (another sample of the same program)."""
     vals: list[Any] = []
     for ins in prog:
         op = ins[0]
         if op == "embed":
-            vals.append(rec.add("embed", ins[1]))
+            vals.append(rec.add("embed", (ins[1] + shift) % 7))
         elif op == "image":
             vals.append(rec.add("image", leaves[ins[1], ins[2]]))
         elif op in ("squash", "norm", "widen"):
@@ -201,6 +205,59 @@ def test_random_dags_fold_equals_unfold(prog: list[tuple[Any, ...]], strategy: s
     widths = widths_of(prog, leaves)
     f_out, f_grads = run(fold.Fold(strategy), model, prog, leaves, widths)
     u_out, u_grads = run(fold.Unfold(model), model, prog, leaves, widths)
+    assert len(f_out) == len(u_out)
+    for a, b in zip(f_out, u_out):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(f_grads, u_grads):
+        torch.testing.assert_close(a, b)
+
+
+def _leaves(seed: int) -> dict[Any, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        (shape, k): torch.randn(*shape, generator=g, dtype=torch.double, requires_grad=True)
+        for shape in LEAF_SHAPES
+        for k in range(3)
+    }
+
+
+def run_samples(
+    rec: Any,
+    model: Ops,
+    prog: list[tuple[Any, ...]],
+    leaves: list[dict[Any, Any]],
+    order: list[int],
+):
+    """Record ``prog`` once per sample (its own leaves and embedding ids), then apply with
+    one list per value of the program: that value of every sample, in ``order``."""
+    per_sample = [replay(rec, prog, leaves[s], shift=s) for s in range(len(leaves))]
+    lists = [[per_sample[s][v] for s in order] for v in range(len(per_sample[0]))]
+    outs = rec.apply(model, lists)
+    loss = sum(
+        (o * torch.linspace(-1, 1, o.numel(), dtype=torch.double).view_as(o)).sum() for o in outs
+    )
+    params = list(model.parameters()) + [t for d in leaves for t in d.values()]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return outs, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(), st.integers(1, 5), st.sampled_from(["in order", "reversed", "first only"]))
+def test_per_sample_programs_fold_equals_unfold(
+    prog: list[tuple[Any, ...]], samples: int, order_kind: str
+) -> None:
+    """The same random program recorded once per sample (a per-sample loop): every op a group
+    of one node per sample, the case the chain path of ``apply`` takes when the output lists
+    name the samples in order, and the general executor otherwise."""
+    leaves = [_leaves(10 + s) for s in range(samples)]
+    order = {
+        "in order": list(range(samples)),
+        "reversed": list(range(samples))[::-1],
+        "first only": [0],
+    }[order_kind]
+    model = Ops()
+    f_out, f_grads = run_samples(fold.Fold(), model, prog, leaves, order)
+    u_out, u_grads = run_samples(fold.Unfold(model), model, prog, leaves, order)
     assert len(f_out) == len(u_out)
     for a, b in zip(f_out, u_out):
         torch.testing.assert_close(a, b)
