@@ -660,21 +660,21 @@ def bad_split(graph: Fold, node: int, n: int, m: int) -> FoldError:
     )
 
 
-def _whole_source(col: Any, handles: list[list[int]], first: dict[int, int]) -> Any:
-    """``(signature, output index, split n)`` when the handles in ``col`` are every node of
-    one signature, in recording order, each taken whole or each as output k of one split;
-    else None."""
-    h0 = int(col[0])  # Nodes refuse arithmetic (it would not record); plain ints from here
+def _head(h: Any, first: dict[int, int]) -> tuple[int, int] | None:
+    """(signature, low bits) of a column whose first handle is ``h``, if ``h`` is the first
+    node of a signature (whole, or output k of a split); else None."""
+    h0 = int(h)  # Nodes refuse arithmetic (it would not record); plain ints from here
     low = h0 & LOW_MASK
     t = first.get(h0 - low)
-    if t is None or len(col) != len(handles[t]):
-        return None
-    # A handle's low bits are its output index and split; the nodes' own handles have none,
-    # so a column equals theirs after subtracting the first one's low bits only if all of
-    # its handles carry the same low bits.
-    if (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) != handles[t]:
-        return None
-    return t, low & OUT_MASK, (low >> NSPLIT_SHIFT) & NSPLIT_MASK
+    return None if t is None else (t, low)
+
+
+def _in_order(col: Any, t: int, low: int, handles: list[list[int]]) -> bool:
+    """Whether ``col`` holds every node of signature ``t`` in recording order, each with the
+    low bits ``low`` (its output index and split)."""
+    # The nodes' own handles have no low bits, so the column equals theirs after subtracting
+    # the first one's low bits only if all of its handles carry the same low bits.
+    return (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) == handles[t]
 
 
 def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
@@ -697,34 +697,46 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
     memos = graph._memos
     if graph.nobatch_ids or type(lists) not in (list, tuple) or _is_batch_module(obj):
         return None
-    handles = [list(memo.values()) for memo in memos]
-    first = {h[0]: t for t, h in enumerate(handles)}
-    columns: list[list[Any]] = []
-    sources: list[list[Any]] = []
+    counts = list(map(len, memos))
+    first = {next(iter(memo.values())): t for t, memo in enumerate(memos)}
+    # A cheap pass on the first node of each column and list: most graphs that are not
+    # chains (trees, sequences) fail here, before any column is read whole.
+    heads: list[list[Any]] = []
     for s, (_op, kinds) in enumerate(graph.signatures):
-        cols = list(zip(*(graph._targs[s] or memos[s]))) if kinds else []
-        src: list[Any] = [None] * len(kinds)
+        row0 = graph._targs[s][0] if graph._targs[s] else next(iter(memos[s]))
+        head: list[Any] = [None] * len(kinds)
         for j, k in enumerate(kinds):
             if k == NODE:
-                src[j] = _whole_source(cols[j], handles, first)
-                if src[j] is None or src[j][0] >= s:
+                head[j] = _head(row0[j], first)
+                if head[j] is None or head[j][0] >= s or counts[head[j][0]] != counts[s]:
                     return None
-        columns.append(cols)
-        sources.append(src)
+        heads.append(head)
     node_type = graph._node_type
-    wanted = []
+    wanted: list[Any] = []
     for items in lists:
         if type(items) is not list or not items or len(set(map(type, items))) != 1:
             return None
         kind = type(items[0])
         if kind is node_type:
-            src = _whole_source(items, handles, first)
-            if src is None:
+            w = _head(items[0], first)
+            if w is None or counts[w[0]] != len(items):
                 return None
-            wanted.append(src)
+            wanted.append(w)
         elif kind in _SCALAR_KINDS:
             wanted.append(None)
         else:
+            return None
+    # The whole columns and lists.
+    handles = [list(memo.values()) for memo in memos]
+    columns: list[list[Any]] = []
+    for s, (_op, kinds) in enumerate(graph.signatures):
+        cols = list(zip(*(graph._targs[s] or memos[s]))) if kinds else []
+        for col, head in zip(cols, heads[s]):
+            if head is not None and not _in_order(col, *head, handles):
+                return None
+        columns.append(cols)
+    for items, w in zip(lists, wanted):
+        if w is not None and not _in_order(items, *w, handles):
             return None
 
     device = device_of(obj)
@@ -735,9 +747,9 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
         n = len(handles[s])
         step = handles[s][0] >> DEPTH_SHIFT
         values = []
-        for j, (k, col, src) in enumerate(zip(kinds, columns[s], sources[s])):
-            if src is not None:
-                values.append(_source_output(graph, outs, handles, src))
+        for j, (k, col, head) in enumerate(zip(kinds, columns[s], heads[s])):
+            if head is not None:
+                values.append(_source_output(graph, outs, handles, head))
                 continue
             if type(k) is tuple:  # batch-of-one tensors
                 t = torch.cat(col, 0) if n > 1 else col[0]
@@ -755,20 +767,22 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
     # The executor reports groups by step; signatures of one step keep recording order.
     graph.last_run = sorted(report, key=lambda r: r[0])
     results = []
-    for items, src in zip(lists, wanted):
-        if src is None:
+    for items, w in zip(lists, wanted):
+        if w is None:
             t = numbers_tensor(items)
             results.append(t if device.type == "cpu" else t.to(device, non_blocking=True))
         else:
-            results.append(_source_output(graph, outs, handles, src))
+            results.append(_source_output(graph, outs, handles, w))
     return results
 
 
 def _source_output(
     graph: Fold, outs: list[tuple[torch.Tensor, ...]], handles: list[list[int]], src: Any
 ) -> torch.Tensor:
-    """Output k of signature t (``src``), checked against the split its handles name."""
-    t, k, nsplit = src
+    """The output of signature t that a column with low bits ``low`` reads (``src``: (t,
+    low)), checked against the split its handles name."""
+    t, low = src
+    k, nsplit = low & OUT_MASK, (low >> NSPLIT_SHIFT) & NSPLIT_MASK
     m = len(outs[t])
     if m != (nsplit or 1):
         raise bad_split(graph, node_id(handles[t][0]), nsplit, m)
