@@ -168,7 +168,7 @@ class Executor:
         if (want != self.nout[nid]).any():
             self._bad_handle(handles, want, nid)
         if self.vrow.shape[0] == 1:
-            return self.vrow[0, nid]
+            return self.vrow[0][nid]  # a row, then 1-D indexing: numpy's fast path
         return self.vrow[out, nid]
 
     def _rows_one(self, handles: list[int]) -> list[int]:
@@ -508,7 +508,7 @@ class Executor:
             if n == 1:
                 self.vrow[k, members[0]] = voff
             else:
-                self.vrow[k, members] = np.arange(voff, voff + n)
+                self.vrow[k][members] = np.arange(voff, voff + n)  # row view, 1-D index
         if not alone:
             self.nout[members[0] if n == 1 else members] = m
 
