@@ -5,7 +5,9 @@
 Sequences of random lengths (1 to --max-len words) with a two-layer head on each final state,
 at 1, 16 and 256 sequences per batch, plus one sequence of --long-len steps (where every
 group has one node, so the per-group cost of the engine is all that differs).  Fold records
-``start``/``step``/``head`` nodes per word and applies the graph; the hand-written code sorts
+``start``/``step``/``head`` nodes per word and applies the graph, with depth scheduling
+(``fold``) and with ``Fold(strategy="agenda")`` (``agenda``: one head group instead of one
+per distinct length); the hand-written code sorts
 the sequences by length and runs one GRU step per time step on the prefix still running.
 Interleaved runs, medians; writes benchmarks/results/rnn.json.
 """
@@ -23,10 +25,16 @@ from agenda import SeqClassifier, record  # noqa: E402
 from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
 
 
-def fold_forward(model: SeqClassifier, seqs: list[list[int]]) -> torch.Tensor:
-    f, outs = record("depth", seqs)
+def fold_forward(
+    model: SeqClassifier, seqs: list[list[int]], strategy: str = "depth"
+) -> torch.Tensor:
+    f, outs = record(strategy, seqs)
     (logits,) = f.apply(model, [outs])
     return logits
+
+
+def agenda_forward(model: SeqClassifier, seqs: list[list[int]]) -> torch.Tensor:
+    return fold_forward(model, seqs, "agenda")
 
 
 def hand_forward(model: SeqClassifier, seqs: list[list[int]]) -> torch.Tensor:
@@ -79,7 +87,7 @@ def main() -> None:
     rows = []
     for name, seqs in workloads:
         want = eager_forward(model, seqs)
-        for fwd in (fold_forward, hand_forward):
+        for fwd in (fold_forward, agenda_forward, hand_forward):
             torch.testing.assert_close(fwd(model, seqs), want, rtol=1e-4, atol=1e-5)
 
         def run(fwd, seqs=seqs):
@@ -89,7 +97,10 @@ def main() -> None:
 
             return go
 
-        times = interleaved({"fold": run(fold_forward), "hand": run(hand_forward)}, args.reps)
+        times = interleaved(
+            {"fold": run(fold_forward), "agenda": run(agenda_forward), "hand": run(hand_forward)},
+            args.reps,
+        )
         times.update(interleaved({"eager": run(eager_forward)}, max(1, args.reps // 4)))
         med = {k: median(v) for k, v in times.items()}
         steps = sum(map(len, seqs))
@@ -99,8 +110,10 @@ def main() -> None:
                 "words": steps,
                 "eager ms": 1e3 * med["eager"],
                 "fold ms": 1e3 * med["fold"],
+                "agenda ms": 1e3 * med["agenda"],
                 "hand ms": 1e3 * med["hand"],
                 "fold/hand": med["fold"] / med["hand"],
+                "agenda/hand": med["agenda"] / med["hand"],
                 "fold us/word": 1e6 * med["fold"] / steps,
             }
         )

@@ -263,3 +263,22 @@ def test_per_sample_programs_fold_equals_unfold(
         torch.testing.assert_close(a, b)
     for a, b in zip(f_grads, u_grads):
         torch.testing.assert_close(a, b)
+
+
+def _plan_rows(plan: Any) -> list[tuple[Any, list[int]]]:
+    return [(g.key, [int(n) for n in g.nodes]) for s in plan.steps for g in s.groups]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(), st.integers(1, 40))
+def test_agenda_implementations_plan_alike(prog: list[tuple[Any, ...]], samples: int) -> None:
+    """The agenda's array implementation (wide graphs) makes the plan of its per-node one,
+    on random programs recorded once per sample: nobatch keys, splits, an argument node read
+    at two positions, signatures at many depths."""
+    from fold.scheduler.agenda import _agenda_arrays, _agenda_nodes
+
+    f = fold.Fold("agenda")
+    leaves = _leaves(3)
+    for s in range(samples):
+        replay(f, prog, leaves, shift=s)
+    assert _plan_rows(_agenda_arrays(f, f.arrays())) == _plan_rows(_agenda_nodes(f))

@@ -88,3 +88,32 @@ def test_agenda_matches_depth_on_trees() -> None:
 @pytest.mark.parametrize("schedule", [depth_schedule, agenda_schedule])
 def test_empty_graph_has_an_empty_plan(schedule) -> None:
     assert schedule(fold.Fold()).steps == []
+
+
+def test_wide_graphs_take_the_array_agenda_and_match_depth(monkeypatch) -> None:
+    """64 sequences: the agenda's array implementation plans them (the per-node one would
+    raise here), with one head group, and the values and gradients equal depth scheduling's."""
+    from fold.scheduler import agenda
+
+    def refuse(graph):
+        raise AssertionError("the per-node agenda ran on a wide graph")
+
+    monkeypatch.setattr(agenda, "_agenda_nodes", refuse)
+    rng = random.Random(4)
+    lengths = [rng.randint(1, 9) for _ in range(64)]
+    model = SeqModel()
+    results, grads = {}, {}
+    for strategy in ("depth", "agenda"):
+        f = fold.Fold(strategy)
+        outs = record_sequences(f, lengths)
+        (results[strategy],) = f.apply(model, [outs])
+        grads[strategy] = torch.autograd.grad(results[strategy].square().sum(), model.parameters())
+        heads = [r for r in f.last_run if r[1] == "head"]
+        if strategy == "agenda":
+            assert len(heads) == 1 and heads[0][2] == len(lengths)
+            assert f.plan().num_groups == 1 + (max(lengths) - 1) + 1
+        else:
+            assert len(heads) == len(set(lengths))
+    torch.testing.assert_close(results["depth"], results["agenda"])
+    for a, b in zip(grads["depth"], grads["agenda"]):
+        torch.testing.assert_close(a, b)

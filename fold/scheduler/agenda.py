@@ -10,9 +10,13 @@ arguments are all computed, and repeatedly launches one key's ready nodes as a g
 2. otherwise the key whose ready nodes have the longest average path still ahead of them
    (critical path first).  Ops near the outputs, such as a classifier head, have the
    shortest paths ahead, so they wait while the long chains run and gather all their
-   members into one group, as DyNet's agenda lets such ops wait.
+   members into one group, as DyNet's agenda lets such ops wait;
+3. ties go to the key holding the oldest ready node (the lowest node id).
 
-Every step of the plan holds one group.
+Every step of the plan holds one group.  Two implementations of the one rule: a per-node
+loop for narrow graphs (a few nodes per launch, where plain ints are cheapest) and one with
+a few array operations per launch for wide ones (thousands of nodes, tens of launches: a
+batch of sequences).  They give the same plan; a property test holds them to it.
 """
 
 from __future__ import annotations
@@ -20,14 +24,28 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from fold.scheduler.depth import group_keys
 from fold.scheduler.plan import Graph, Group, Plan, Step
 
 __all__ = ["agenda_schedule"]
 
+# Average nodes per depth level from which the array implementation is used.
+WIDE = 16
+
 
 def agenda_schedule(graph: Graph) -> Plan:
     """Plan every node of ``graph`` with the agenda rule above.  Iterative, no recursion."""
+    if hasattr(graph, "arrays"):
+        a = graph.arrays()
+        if a.n and a.n >= WIDE * (int(a.depth.max()) + 1):
+            return _agenda_arrays(graph, a)
+    return _agenda_nodes(graph)
+
+
+def _agenda_nodes(graph: Graph) -> Plan:
+    """The agenda, one node at a time (plain ints and lists)."""
     from fold.graph import ID_MASK, ID_SHIFT, NODE
 
     keys = group_keys(graph)
@@ -73,32 +91,148 @@ def agenda_schedule(graph: Graph) -> Plan:
     remaining = Counter(keys)
     ready: dict[Any, list[int]] = {}
     total: dict[Any, int] = {}  # per key: sum of `ahead` over its ready nodes
+    oldest: dict[Any, int] = {}  # per key: its lowest ready node id
+
+    def make_ready(nid: int) -> None:
+        k = keys[nid]
+        nodes = ready.get(k)
+        if nodes is None:
+            ready[k] = [nid]
+            total[k] = ahead[nid]
+            oldest[k] = nid
+        else:
+            nodes.append(nid)
+            total[k] += ahead[nid]
+            if nid < oldest[k]:
+                oldest[k] = nid
+
     for nid in range(n):
         if waiting[nid] == 0:
-            k = keys[nid]
-            ready.setdefault(k, []).append(nid)
-            total[k] = total.get(k, 0) + ahead[nid]
+            make_ready(nid)
     steps: list[Step] = []
     while ready:
-        key = _choose(ready, remaining, total)
+        key = min(
+            ready,
+            key=lambda k: (len(ready[k]) != remaining[k], -total[k] / len(ready[k]), oldest[k]),
+        )
         nodes = sorted(ready.pop(key))
-        del total[key]
+        del total[key], oldest[key]
         remaining[key] -= len(nodes)
         steps.append(Step([Group(key, nodes)]))
         for nid in nodes:
             for c in adj[first[nid] : first[nid + 1]]:
                 waiting[c] -= 1
                 if waiting[c] == 0:
-                    k = keys[c]
-                    ready.setdefault(k, []).append(c)
-                    total[k] = total.get(k, 0) + ahead[c]
+                    make_ready(c)
     return Plan(steps)
 
 
-def _choose(ready: dict[Any, list[int]], remaining: dict[Any, int], total: dict[Any, int]) -> Any:
-    best, best_score = None, None
-    for key, nodes in ready.items():
-        score = (len(nodes) != remaining[key], -total[key] / len(nodes))
-        if best_score is None or score < best_score:
-            best, best_score = key, score
-    return best
+def _agenda_arrays(graph: Graph, a: Any) -> Plan:
+    """The agenda with array operations per launch (``a``: the graph's ``arrays()``)."""
+    n = a.n
+    keys = group_keys(graph)
+    if keys is graph.sig:  # no nobatch node: the keys are the signature ids
+        key_of, key_objs = a.sig, list(range(len(a.count)))
+    else:
+        ids: dict[Any, int] = {}
+        key_of = np.array([ids.setdefault(k, len(ids)) for k in keys], np.int64)
+        key_objs = list(ids)
+    nkeys = len(key_objs)
+
+    # Edges (argument node -> consumer), one per distinct argument node of a consumer.
+    by_sig = np.argsort(a.sig, kind="stable")  # each signature's nodes, in id order
+    ends = np.cumsum(a.count).tolist()
+    srcs, dsts = [], []
+    for sid, end in enumerate(ends):
+        _cols, node_js, _hmat, decoded = a.columns(sid)
+        if not node_js:
+            continue
+        src = decoded[0]  # count x node positions
+        dst = np.broadcast_to(by_sig[end - len(src) : end, None], src.shape)
+        if src.shape[1] > 1:  # a node read at two positions is one edge
+            src = np.sort(src, axis=1)
+            keep = np.ones(src.shape, bool)
+            keep[:, 1:] = src[:, 1:] != src[:, :-1]
+            src, dst = src[keep], dst[keep]
+        srcs.append(src.ravel())
+        dsts.append(dst.ravel())
+    src = np.concatenate(srcs) if srcs else np.zeros(0, np.int64)
+    dst = np.concatenate(dsts) if dsts else np.zeros(0, np.int64)
+    waiting = np.bincount(dst, minlength=n)
+    order = np.argsort(src, kind="stable")
+    adj = dst[order]  # consumers of node i: adj[first[i]:first[i + 1]]
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=first[1:])
+
+    # ahead: the longest path to a node nothing consumes, one depth level at a time from the
+    # deepest (a consumer is deeper than its arguments, so its path is final when read).
+    ahead = np.zeros(n, np.int64)
+    if len(dst):
+        level = a.depth[dst]
+        by_level = np.argsort(-level, kind="stable")
+        lv = level[by_level]
+        cuts = (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, len(lv)]):
+            e = by_level[lo:hi]
+            np.maximum.at(ahead, src[e], ahead[dst[e]] + 1)
+
+    # Per key, as plain ints (there are few keys): its nodes not yet launched, and of its
+    # ready nodes their arrays, count, sum of `ahead` and lowest id.
+    remaining = np.bincount(key_of, minlength=nkeys).tolist()
+    ready: dict[int, list[np.ndarray]] = {}
+    count: dict[int, int] = {}
+    total: dict[int, int] = {}
+    oldest: dict[int, int] = {}
+
+    def make_ready(nodes: np.ndarray) -> None:  # distinct, in increasing id order
+        k = key_of[nodes]
+        k0 = int(k[0])
+        if k0 == int(k[-1]) and (k == k0).all():
+            parts: Any = ((k0, nodes),)
+        else:
+            parts = [(key, nodes[k == key]) for key in np.unique(k).tolist()]
+        for key, part in parts:
+            s = int(ahead[part].sum())
+            if key in ready:
+                ready[key].append(part)
+                count[key] += len(part)
+                total[key] += s
+                oldest[key] = min(oldest[key], int(part[0]))
+            else:
+                ready[key] = [part]
+                count[key] = len(part)
+                total[key] = s
+                oldest[key] = int(part[0])
+
+    # A consumer reads two nodes of one launch only where some node has two node arguments.
+    repeats = bool(len(waiting)) and int(waiting.max()) > 1
+    make_ready(np.flatnonzero(waiting == 0))
+    steps: list[Step] = []
+    while ready:
+        key = min(ready, key=lambda k: (count[k] != remaining[k], -total[k] / count[k], oldest[k]))
+        parts = ready.pop(key)
+        nodes = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+        del count[key], total[key], oldest[key]
+        remaining[key] -= len(nodes)
+        steps.append(Step([Group(key_objs[key], nodes)]))
+        # The consumers of every launched node: adj[first[i]:first[i + 1]] of each.
+        if len(nodes) == 1:
+            i = int(nodes[0])
+            consumers = adj[first[i] : first[i + 1]]
+        else:
+            lo = first[nodes]
+            sizes = first[nodes + 1] - lo
+            ends = np.cumsum(sizes)
+            if not len(ends) or not ends[-1]:
+                continue
+            consumers = adj[np.repeat(lo - ends + sizes, sizes) + np.arange(int(ends[-1]))]
+        if not len(consumers):
+            continue
+        np.subtract.at(waiting, consumers, 1)
+        done = consumers[waiting[consumers] == 0]
+        if len(done):
+            done = np.sort(done)
+            if repeats and len(done) > 1:
+                done = done[np.concatenate(([True], done[1:] != done[:-1]))]
+            make_ready(done)
+    return Plan(steps)
