@@ -43,12 +43,13 @@ class SeqClassifier(nn.Module):
 
 def record(strategy: str, seqs: list[list[int]]) -> tuple[fold.Fold, list[fold.Node]]:
     f = fold.Fold(strategy)
+    start, step, head = f.op("start"), f.op("step"), f.op("head")  # recorders for a hot loop
     outs = []
     for seq in seqs:
-        h = f.add("start", seq[0])
+        h = start(seq[0])
         for w in seq[1:]:
-            h = f.add("step", h, w)
-        outs.append(f.add("head", h))
+            h = step(h, w)
+        outs.append(head(h))
     return f, outs
 
 

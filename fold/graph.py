@@ -86,6 +86,13 @@ def _depth_of(args: tuple[Any, ...], where: Any) -> int:
 
 
 _MISSING = object()
+
+
+def _no_recorder() -> None:
+    """What a recorder's weak reference to its specialised version returns before one exists."""
+    return None
+
+
 # (op name, *argument types) -> (tensor positions, kinds of the others) for adds of literal
 # tensors and numbers, shared by all Folds.
 _TENSOR_TEMPLATES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[Any, ...]]] = {}
@@ -124,6 +131,8 @@ def _specialised_recorder(
     elif where is True:
         deepest = "a0" if k == 1 else "max(args)"
         depth = f"((({deepest}) >> {DEPTH_SHIFT}) + 1) << {DEPTH_SHIFT}"
+    elif type(where) is int:  # one node argument among numbers
+        depth = f"(((a{where}) >> {DEPTH_SHIFT}) + 1) << {DEPTH_SHIFT}"
     else:
         depth = "_depth_of(args, where)"
     if n == 2:
@@ -468,7 +477,17 @@ class Fold:
         code = 0 if outputs is None else SPLIT | outputs << NSPLIT_SHIFT
         n = outputs or 0
 
+        # Once the recorder has seen its argument types, a specialised recorder does the work
+        # (see _specialised_recorder); `box` holds a weak reference to it, so that the
+        # recorder a caller keeps reaches it too, and the specialised one (which the Fold
+        # keeps, and whose fallback is `slow`) forms no reference cycle with `slow`.
+        box: list[Callable[[], Any]] = [_no_recorder]
+
         def record(*args: Any) -> Any:
+            s = box[0]()
+            return slow(*args) if s is None else s(*args)
+
+        def slow(*args: Any) -> Any:
             types = tuple(map(type, args))
             entry = fast.get(types)
             if entry is None:
@@ -483,15 +502,15 @@ class Fold:
                 if e is not None and e[0] is not None and e[2] is None:
                     fast[types] = (e[0], e[1])  # node and number arguments: cache the memo
                     key = (op, outputs)
-                    generic = f._recorders.get(key)  # not `record` itself: no closure cycle
+                    current = f._recorders.get(key)
                     if (
-                        generic is not None
-                        and not hasattr(generic, "generic")
+                        current is not None
+                        and not hasattr(current, "generic")
                         and 0 < len(types) <= 8
                     ):
-                        f._recorders[key] = _specialised_recorder(
-                            generic, types, e[0], e[1], ids, T, code, n
-                        )
+                        spec = _specialised_recorder(slow, types, e[0], e[1], ids, T, code, n)
+                        f._recorders[key] = spec
+                        box[0] = weakref.ref(spec)
                 elif e is not None and e[0] is None:
                     fast[types] = (None, e[2])  # literal tensors: cache the tensor path
             elif entry[0] is None:
@@ -513,7 +532,8 @@ class Fold:
             b = h | code
             return tuple([T(b | k) for k in range(n)])
 
-        record.__name__ = record.__qualname__ = f"record_{op_name(op)}"
+        slow.__name__ = slow.__qualname__ = f"record_{op_name(op)}"
+        record.__name__ = record.__qualname__ = slow.__name__
         self._recorders[(op, outputs)] = record
         return record
 

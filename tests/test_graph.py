@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -248,6 +250,36 @@ def test_the_graph_keeps_plain_ints_not_node_objects() -> None:
     kept += [k for targs in f._targs if targs for args in targs for k in args]
     assert roots and kept
     assert not [k for k in kept if isinstance(k, fold.Node)]
+
+
+def test_a_recorder_kept_by_the_caller_reaches_its_specialised_version(monkeypatch) -> None:
+    """``step = f.op("step")`` once, then a loop: after the first call, the recorder the
+    caller holds runs the unrolled code (which never builds a key with ``_plain_key``), and
+    no reference cycle keeps the Fold or its recorders alive once the caller drops it."""
+    from fold import graph
+
+    gc.collect()
+    gc.disable()
+    try:
+        f = fold.Fold()
+        mix = f.op("mix")
+        a, b = f.op("two", outputs=2)(1)
+        first = mix(a, b)  # classifies and unrolls
+
+        def general_path(args):
+            raise AssertionError("the general recorder ran")
+
+        monkeypatch.setattr(graph, "_plain_key", general_path)
+        second = mix(b, a)  # a new node of the same types
+        monkeypatch.undo()
+        assert second == f.add("mix", b, a) and first == f.add("mix", a, b)
+        alive, unrolled = weakref.ref(f), weakref.ref(f.op("mix"))
+        del f
+        assert alive() is None and unrolled() is None  # freed by reference counts alone
+        with pytest.raises(fold.FoldError, match="its Fold no longer exists"):
+            mix(a, 3)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("outputs", [None, 1, 3])
