@@ -158,7 +158,22 @@ class GraphArrays:
                     len(rows), len(kinds)
                 )
                 entry = ([None] * len(kinds), node_js, hmat, decode(hmat))
-            else:
+            elif node_js and all(k == INT for k in kinds if k != NODE):
+                # Nodes and ints (an RNN step(h, word)): one int64 conversion for all of them.
+                try:
+                    flat = np.frombuffer(
+                        array.array("q", itertools.chain.from_iterable(rows)), dtype=np.int64
+                    ).reshape(len(rows), len(kinds))
+                except OverflowError:  # an int beyond int64: the per-column path names it
+                    flat = None
+                if flat is not None:
+                    cols = [
+                        None if k == NODE else np.ascontiguousarray(flat[:, j])
+                        for j, k in enumerate(kinds)
+                    ]
+                    hmat = np.ascontiguousarray(flat[:, node_js])
+                    entry = (cols, node_js, hmat, decode(hmat))
+            if entry is None:
                 raw = list(zip(*rows)) if kinds else []
                 cols: list[Any] = []
                 for j, k in enumerate(kinds):

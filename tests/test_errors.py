@@ -246,3 +246,20 @@ def test_numpy_and_other_number_types_are_normalised() -> None:
     assert a == f.add("one", 3)  # the same int argument, memoised
     (out,) = f.apply(Obj(), [[a, f.add("one", np.float32(0.5))]])
     assert out.tolist() == [3.0, 0.5]
+
+
+@pytest.mark.parametrize("with_node", [False, True])
+def test_an_int_beyond_int64_names_the_op_and_argument(with_node: bool) -> None:
+    class Steps:
+        def start(self, w):
+            return w.double().unsqueeze(1)
+
+        def step(self, h, w):
+            return h + w.double().unsqueeze(1)
+
+    f = fold.Fold()
+    h = f.add("start", 1)
+    out = f.add("step", h, 2**70) if with_node else f.add("start", 2**70)
+    where = "op 'step', argument 1" if with_node else "op 'start', argument 0"
+    with pytest.raises(fold.FoldError, match=f"{where}: an int does not fit in torch.long"):
+        f.apply(Steps(), [[out]])
