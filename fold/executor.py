@@ -157,16 +157,17 @@ class Executor:
                 self._rows_left -= len(nodes)
 
     # ------------------------------------------------------------------ gathers
-    def _rows(self, handles: np.ndarray, decoded: Any = None) -> np.ndarray:
+    def _rows(self, handles: Any, decoded: Any = None) -> np.ndarray:
         """The virtual row of every handle (an int64 array of handles).
 
         Each handle is checked against its node's op: a whole handle needs one output, a
         handle of ``split(n)`` needs ``n``.  ``decoded`` is ``decode(handles)`` where the
-        caller has it already.
+        caller has it already; then ``handles`` may be a function returning them (only an
+        error reads them).
         """
         nid, out, want = decode(handles) if decoded is None else decoded
         if (want != self.nout[nid]).any():
-            self._bad_handle(handles, want, nid)
+            self._bad_handle(handles() if callable(handles) else handles, want, nid)
         if self.vrow.shape[0] == 1:
             return self.vrow[0][nid]  # a row, then 1-D indexing: numpy's fast path
         return self.vrow[out, nid]
@@ -195,15 +196,10 @@ class Executor:
 
         A handful of array operations serve all the columns of a group at once.
         """
-        n, k = rows.shape
-        # A column in order, one row after another (a group's own nodes) is a narrow.
-        runs = [True] * k if n == 1 else ((rows[1:] - rows[:-1]) == 1).all(axis=0).tolist()
-        if all(runs):
-            los, his = rows[0].tolist(), rows[-1].tolist()
-        else:
-            los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
+        n = rows.shape[0]
+        los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
         recipes: list[_Recipe | None] = []
-        for col, (run, lo, hi) in enumerate(zip(runs, los, his)):
+        for col, (lo, hi) in enumerate(zip(los, his)):
             c = lo >> _CLASS_SHIFT
             if hi >> _CLASS_SHIFT != c:
                 column = rows[:, col]
@@ -219,7 +215,8 @@ class Executor:
             start = starts[j]
             src = self._class_srcs[c][j]
             if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-                if run:
+                # A column in order, one row after another (a group's own nodes): a narrow.
+                if hi - lo == n - 1 and (n == 1 or (np.diff(rows[:, col]) == 1).all()):
                     recipes.append((src, lo - start, n, -1))
                     continue
                 idx.append(rows[:, col] - start)
@@ -349,12 +346,12 @@ class Executor:
                 i = bisect.bisect_right(starts, row) - 1
                 plans[j] = ("gather", (self._class_srcs[c][i], row - starts[i], 1, -1))
         elif node_js:
-            handles = hmat if whole_sig else hmat[pos]
+            handles: Any = hmat if whole_sig else lambda: hmat[pos]  # read by errors only
             if not whole_sig:
-                nid, out, want = decoded
-                decoded = (nid[pos], out[pos], want[pos])
+                decoded = decoded[:, pos]
             gathered = node_js
             if nobatch:  # columns reading a nobatch node take its value whole
+                handles = hmat if whole_sig else hmat[pos]
                 keep = []
                 for c, j in enumerate(node_js):
                     h0 = int(handles[0, c])
@@ -365,7 +362,7 @@ class Executor:
                 gathered = [node_js[c] for c in keep]
                 if len(keep) < len(node_js):
                     handles = handles[:, keep]
-                    decoded = tuple(x[:, keep] for x in decoded)
+                    decoded = decoded[:, :, keep]
             if gathered:
                 rows = self._rows(handles, decoded)
                 recipes = self._recipes(rows, idx)

@@ -145,7 +145,8 @@ class GraphArrays:
         """The arguments of signature ``sid``'s nodes, in node order: per argument position a
         numpy array (numbers) or a list (literal tensors), None at node positions; the node
         positions; the node arguments' handles as one int64 array (nodes x positions); and
-        those handles decoded (``fold.executor.decode``), once for all the groups."""
+        those handles decoded (``decode``), stacked in one (3, nodes, positions) array so that
+        a group takes its rows of all three with one index, once for all the groups."""
         entry = self._columns[sid]
         if entry is None:
             op, kinds = self._signatures[sid]
@@ -157,7 +158,7 @@ class GraphArrays:
                 hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(
                     len(rows), len(kinds)
                 )
-                entry = ([None] * len(kinds), node_js, hmat, decode(hmat))
+                entry = ([None] * len(kinds), node_js, hmat, np.stack(decode(hmat)))
             elif node_js and all(k == INT for k in kinds if k != NODE):
                 # Nodes and ints (an RNN step(h, word)): one int64 conversion for all of them.
                 try:
@@ -172,7 +173,7 @@ class GraphArrays:
                         for j, k in enumerate(kinds)
                     ]
                     hmat = np.ascontiguousarray(flat[:, node_js])
-                    entry = (cols, node_js, hmat, decode(hmat))
+                    entry = (cols, node_js, hmat, np.stack(decode(hmat)))
             if entry is None:
                 raw = list(zip(*rows)) if kinds else []
                 cols: list[Any] = []
@@ -186,6 +187,6 @@ class GraphArrays:
                 hmat = (
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )
-                entry = (cols, node_js, hmat, None if hmat is None else decode(hmat))
+                entry = (cols, node_js, hmat, None if hmat is None else np.stack(decode(hmat)))
             self._columns[sid] = entry
         return entry
