@@ -390,6 +390,7 @@ class Fold:
         self._recorders: dict[tuple[Any, int | None], Callable[..., Any]] = {}
         self._flat_cache: tuple[int, list[Any], list[int], list[int]] | None = None
         self._arrays_cache: Any = None
+        self._plan_cache: Any = None  # ((nodes, strategy, nobatch nodes), plan)
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -752,8 +753,16 @@ class Fold:
 
     # ------------------------------------------------------------------ execution
     def plan(self) -> Any:
-        """The schedule of this graph (a :class:`fold.scheduler.Plan`), as ``apply`` runs it."""
-        return SCHEDULERS[self.strategy](self)
+        """The schedule of this graph (a :class:`fold.scheduler.Plan`), as ``apply`` runs it.
+
+        Kept until the graph changes (a node recorded or marked nobatch, or another
+        strategy), so applying one graph again (evaluation, a model at a time) plans once.
+        """
+        key = (len(self), self.strategy, len(self.nobatch_ids))
+        cached = self._plan_cache
+        if cached is None or cached[0] != key:
+            cached = self._plan_cache = (key, SCHEDULERS[self.strategy](self))
+        return cached[1]
 
     def apply(
         self,

@@ -304,3 +304,26 @@ def test_unrolled_recorders_return_what_add_and_split_return(outputs) -> None:
     lists = [[v] for v in (first if outputs else [first])] if outputs != 3 else [[first[2]]]
     out = f.apply(Three(), lists)
     assert out[0].shape == (1,)
+
+
+def test_the_plan_is_kept_until_the_graph_changes() -> None:
+    f = fold.Fold()
+    a = f.add("two", 1)
+    x, y = a.split(2)
+    b = f.add("mix", x, y)
+    first = f.plan()
+    assert f.plan() is first  # applying the same graph again plans once
+    c = f.add("mix", b, y)  # a new node: a new plan that holds it
+    grown = f.plan()
+    assert grown is not first and c.id in {
+        int(n) for s in grown.steps for g in s.groups for n in g.nodes
+    }
+    f.add("mix", b, y)  # a memo hit adds nothing: the plan stays
+    assert f.plan() is grown
+    b.nobatch()  # other group keys
+    marked = f.plan()
+    assert marked is not grown and any(
+        g.key == ("nobatch", b.id) for s in marked.steps for g in s.groups
+    )
+    f.strategy = "agenda"
+    assert f.plan() is not marked and f.plan().num_groups == len(f)
