@@ -130,10 +130,10 @@ def _agenda_nodes(graph: Graph) -> Plan:
 def _agenda_arrays(graph: Graph, a: Any) -> Plan:
     """The agenda with array operations per launch (``a``: the graph's ``arrays()``)."""
     n = a.n
-    keys = group_keys(graph)
-    if keys is graph.sig:  # no nobatch node: the keys are the signature ids
+    if not graph.nobatch_ids:  # the keys are the signature ids (no per-node Python lists)
         key_of, key_objs = a.sig, list(range(len(a.count)))
     else:
+        keys = group_keys(graph)
         ids: dict[Any, int] = {}
         key_of = np.array([ids.setdefault(k, len(ids)) for k in keys], np.int64)
         key_objs = list(ids)
