@@ -381,14 +381,8 @@ class Executor:
                 values.append(self._gather(p, itensors))
             elif what == "whole":
                 values.append(self.sources[p])
-            else:
-                if what == "tensors":  # batch-of-one tensors, concatenated
-                    t = torch.cat(p, 0) if n > 1 else p[0]
-                else:
-                    t = torch.from_numpy(p)
-                    if k == FLOAT:
-                        t = t.to(torch.get_default_dtype())
-                t = t if t.device == self.device else t.to(self.device, non_blocking=True)
+            else:  # literal tensors or numbers
+                t = literal_value(k, p, self.device)
                 values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
 
         # Phase 3: the batched call (in chunks of rows where a memory limit asks for it).
@@ -622,6 +616,19 @@ def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple
     return outs
 
 
+def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
+    """One argument column of literals as a tensor on ``device``: batch-of-one tensors (kind a
+    (shape, dtype) tuple) concatenated, or numbers (a numpy array; floats in the default
+    dtype)."""
+    if type(kind) is tuple:
+        t = torch.cat(column, 0) if len(column) > 1 else column[0]
+    else:
+        t = torch.from_numpy(column)
+        if kind == FLOAT:
+            t = t.to(torch.get_default_dtype())
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
 def literal_output(kind: str, items: list[Any], i: int, device: torch.device) -> torch.Tensor:
     """The value of a list of numbers (a 1-D tensor) or of batch-of-one tensors (their cat)."""
     if kind == "numbers":
@@ -748,13 +755,8 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
             if head is not None:
                 values.append(_source_output(graph, outs, handles, head))
                 continue
-            if type(k) is tuple:  # batch-of-one tensors
-                t = torch.cat(col, 0) if n > 1 else col[0]
-            else:
-                t = torch.from_numpy(number_column(op, j, k, col))
-                if k == FLOAT:
-                    t = t.to(torch.get_default_dtype())
-            values.append(t if t.device == device else t.to(device, non_blocking=True))
+            literals = col if type(k) is tuple else number_column(op, j, k, col)
+            values.append(literal_value(k, literals, device))
         try:
             out = fn(*values)
         except Exception as err:
@@ -763,14 +765,12 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
         report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
     # The executor reports groups by step; signatures of one step keep recording order.
     graph.last_run = sorted(report, key=lambda r: r[0])
-    results = []
-    for items, w in zip(lists, wanted):
-        if w is None:
-            t = numbers_tensor(items)
-            results.append(t if device.type == "cpu" else t.to(device, non_blocking=True))
-        else:
-            results.append(_source_output(graph, outs, handles, w))
-    return results
+    return [
+        literal_output("numbers", items, i, device)
+        if w is None
+        else _source_output(graph, outs, handles, w)
+        for i, (items, w) in enumerate(zip(lists, wanted))
+    ]
 
 
 def _source_output(
