@@ -13,6 +13,9 @@ call::
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
@@ -21,3 +24,29 @@ from fold.graph import Unfold as Unfold
 
 __all__ = ["Fold", "FoldError", "FoldModule", "Node", "Unfold"]
 __version__ = "0.1.0"
+
+# Submodules reachable as attributes after a plain ``import fold`` (``fold.optim.Adam``),
+# imported on first use so that ``import fold`` stays light.
+_SUBMODULES = frozenset(
+    {
+        "batched_ops",
+        "diagnostics",
+        "distributed",
+        "models",
+        "optim",
+        "scheduler",
+        "testing",
+        "train",
+        "treebank",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fold.{name}")
+    raise AttributeError(f"module 'fold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})

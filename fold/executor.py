@@ -12,6 +12,7 @@ back through the gathers unchanged.
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Callable, Mapping
 from itertools import repeat
 from typing import Any
@@ -542,11 +543,15 @@ class Executor:
         idx: list[np.ndarray] = []
         (recipe,) = self._recipes(rows, idx)
         if recipe is None:
-            metas = {tuple(self._value(h).shape[1:]) for h in items}
+            metas = {
+                f"{tuple(v.shape[1:])} {str(v.dtype).replace('torch.', '')}"
+                for v in map(self._value, items)
+            }
             raise FoldError(
                 f"apply: lists[{i}] holds output nodes of different shapes or dtypes "
-                f"({', '.join(map(str, sorted(metas)))}); they cannot be concatenated along "
-                "dim 0. Fix: put nodes of each shape in their own list."
+                f"({', '.join(sorted(metas))} per row); they cannot be concatenated along "
+                "dim 0. Fix: put nodes of each shape and dtype in their own list, or convert "
+                "the values to one dtype in the ops."
             )
         out = self._gather(recipe, self._index_tensors(idx))
         if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
@@ -571,6 +576,18 @@ def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
     if isinstance(op, str) and model_dim:
         return obj.merged(op)  # the model's own method, on (node, model) rows
     if isinstance(op, str):
+        if (
+            op != "forward"
+            and type(obj).__name__ == "OptimizedModule"
+            and hasattr(obj, "_orig_mod")
+        ):
+            warnings.warn(
+                f"apply: {type(obj._orig_mod).__name__} was given to apply as torch.compile's "
+                f"wrapper, which compiles forward only: op {op!r} runs uncompiled. Fix: compile "
+                f"the op itself (model.{op} = torch.compile(model.{op})) and pass the module, "
+                "or pass the uncompiled module to silence this.",
+                stacklevel=4,
+            )
         fn = getattr(obj, op, None)
         if fn is None or not callable(fn):
             raise FoldError(
@@ -620,26 +637,36 @@ def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
     """One argument column of literals as a tensor on ``device``: batch-of-one tensors (kind a
     (shape, dtype) tuple) concatenated, or numbers (a numpy array; floats in the default
     dtype)."""
+    # Always a fresh tensor: the graph keeps its literals for the next apply (and for the
+    # next chunk of a BatchModule's models), so an op that changes an argument in place, or
+    # a caller that changes a result that is an argument, must not reach them.
     if type(kind) is tuple:
-        t = torch.cat(column, 0) if len(column) > 1 else column[0]
+        if len(column) > 1:
+            t = torch.cat(column, 0)
+        else:
+            return column[0].to(device, non_blocking=True, copy=True)
     else:
-        t = torch.from_numpy(column)
-        if kind == FLOAT:
-            t = t.to(torch.get_default_dtype())
+        dtype = torch.get_default_dtype() if kind == FLOAT else None
+        t = torch.tensor(column, dtype=dtype)
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
-def literal_output(kind: str, items: list[Any], i: int, device: torch.device) -> torch.Tensor:
-    """The value of a list of numbers (a 1-D tensor) or of batch-of-one tensors (their cat)."""
+def literal_output(kind: str, items: Any, i: int, device: torch.device) -> torch.Tensor:
+    """The value of a list of numbers (a 1-D tensor), of batch-of-one tensors (their cat), or
+    of a 1-D tensor given as the list (itself, on ``device``); ``items`` checked by
+    ``_classify_lists``."""
     if kind == "numbers":
-        t = numbers_tensor(items)
+        try:
+            t = numbers_tensor(items)
+        except (OverflowError, RuntimeError, TypeError, ValueError) as err:
+            raise FoldError(
+                f"apply: lists[{i}] holds numbers torch cannot put in one tensor "
+                f"({type(err).__name__}: {err}); ints must fit in torch.long (int64). Fix: "
+                "pass smaller ints, or floats."
+            ) from None
         return t if device.type == "cpu" else t.to(device, non_blocking=True)
-    shapes = {(t.shape[1:], t.dtype) for t in items}
-    if len(shapes) > 1:
-        raise FoldError(
-            f"apply: lists[{i}] holds tensors of different shapes or dtypes "
-            f"({sorted(map(str, shapes))}); they cannot be concatenated along dim 0."
-        )
+    if kind == "column":
+        return items.to(device, non_blocking=True)
     return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
 
 
@@ -718,6 +745,9 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
     node_type = graph._node_type
     wanted: list[Any] = []
     for items in lists:
+        if type(items) is torch.Tensor and items.dim() == 1:  # labels as a tensor
+            wanted.append(_COLUMN)
+            continue
         if type(items) is not list or not items or len(set(map(type, items))) != 1:
             return None
         kind = type(items[0])
@@ -740,7 +770,7 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
                 return None
         columns.append(cols)
     for items, w in zip(lists, wanted):
-        if w is not None and not _in_order(items, *w, handles):
+        if type(w) is tuple and not _in_order(items, *w, handles):
             return None
 
     device = device_of(obj)
@@ -766,8 +796,8 @@ def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
     # The executor reports groups by step; signatures of one step keep recording order.
     graph.last_run = sorted(report, key=lambda r: r[0])
     return [
-        literal_output("numbers", items, i, device)
-        if w is None
+        literal_output("numbers" if w is None else w, items, i, device)
+        if type(w) is not tuple
         else _source_output(graph, outs, handles, w)
         for i, (items, w) in enumerate(zip(lists, wanted))
     ]
@@ -784,6 +814,9 @@ def _source_output(
     if m != (nsplit or 1):
         raise bad_split(graph, node_id(handles[t][0]), nsplit, m)
     return outs[t][k]
+
+
+_COLUMN = "column"  # a 1-D tensor given as a list of numbers (see graph._classify_lists)
 
 
 def _is_batch_module(obj: Any) -> bool:

@@ -11,6 +11,7 @@ into that signature's memo dict, which is also its node list, and returns an int
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import operator
 import sys
@@ -18,6 +19,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fold.errors import FoldError
@@ -86,6 +88,37 @@ def _depth_of(args: tuple[Any, ...], where: Any) -> int:
 
 
 _MISSING = object()
+
+
+class _NegZero(float):
+    """``-0.0`` as a memo key: equal to ``0.0`` as a float, yet a different value (``1 / x``
+    is ``-inf``), so it must not share ``0.0``'s node.  Only equal to itself; converts to
+    ``-0.0`` wherever a float is read (numpy, ``array``, torch)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _NegZero
+
+    def __ne__(self, other: object) -> bool:
+        return type(other) is not _NegZero
+
+    def __hash__(self) -> int:
+        return 0x2D30  # not hash(0.0) == 0
+
+    def __repr__(self) -> str:
+        return "-0.0"
+
+
+_NEG_ZERO = _NegZero(-0.0)
+
+
+def _float_key(x: Any) -> float:
+    """A float argument as the memo keeps it: itself, except ``-0.0`` (see ``_NegZero``).
+
+    NaNs need nothing: a NaN equals no other float, so each NaN object is its own node."""
+    x = float(x)
+    return _NEG_ZERO if x == 0.0 and math.copysign(1.0, x) < 0 else x
 
 
 def _no_recorder() -> None:
@@ -318,12 +351,12 @@ def _arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
             f"({a!r}). Nodes can only be combined within the Fold that recorded them. Fix: "
             "record the whole computation in one Fold."
         )
-    if isinstance(a, bool) or type(a).__name__ == "bool_":  # numpy.bool_ is no numbers.Integral
+    if isinstance(a, (bool, np.bool_)):  # numpy's bool is no numbers.Integral
         return BOOL, bool(a)
     if isinstance(a, numbers.Integral):
         return INT, int(a)
     if isinstance(a, numbers.Real):
-        return FLOAT, float(a)
+        return FLOAT, _float_key(a)
     shown = repr(a)
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -563,6 +596,8 @@ class Fold:
                 kinds.append(NODE)
             elif t in _SCALAR_KINDS:
                 kinds.append(_SCALAR_KINDS[t])
+                if t is float and a == 0.0:  # -0.0 keeps its own node (see _NegZero)
+                    args = args[:pos] + (_float_key(a),) + args[pos + 1 :]
             elif t is torch.Tensor and a.ndim and a.shape[0] == 1:
                 kinds.append((a.shape[1:], a.dtype))
             else:
@@ -613,10 +648,11 @@ class Fold:
         else:
             where = operator.itemgetter(*where)
         plain: Any = None
-        if not all(t is self._node_type or t in _SCALAR_KINDS for t in types):
-            # e.g. numpy integers: normalised to the Python number of their kind
+        if FLOAT in ktuple or not all(t is self._node_type or t in _SCALAR_KINDS for t in types):
+            # e.g. numpy integers: normalised to the Python number of their kind; floats
+            # through _float_key, so that -0.0 is not 0.0's node
             plain = tuple(
-                int if k in (NODE, INT) else float if k == FLOAT else bool for k in ktuple
+                int if k in (NODE, INT) else _float_key if k == FLOAT else bool for k in ktuple
             )
         self._fast[(op, *types)] = (memo, where, plain)
         h = memo.get(args)
@@ -669,6 +705,8 @@ class Fold:
         # Tensors compare elementwise; memoise literal tensors by identity instead (the graph
         # holds them, so their ids stay unique).
         memo, targs = entry
+        if FLOAT in kinds:  # -0.0 keeps its own node (see _NegZero)
+            args = tuple([_float_key(a) if k == FLOAT else a for a, k in zip(args, kinds)])
         key = tuple([id(a) if type(k) is tuple else a for a, k in zip(args, kinds)])
         h = memo.get(key)
         if h is None:
@@ -788,6 +826,8 @@ class Fold:
         """
         if max_rows is not None or max_bytes is not None or offload is not None:
             _check_limits(max_rows, max_bytes, offload)
+            if isinstance(max_rows, Mapping):
+                self._check_limit_ops(obj, max_rows)
             if offload == "cpu":
                 with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                     return self.apply(obj, lists, max_rows=max_rows, max_bytes=max_bytes)
@@ -810,6 +850,22 @@ class Fold:
             torch.cat([p[i] for p in parts], 0) if kind == _NODES else parts[0][i]
             for i, (kind, _) in enumerate(specs)
         ]
+
+    def _check_limit_ops(self, obj: Any, max_rows: Mapping[Any, int]) -> None:
+        """Every key of a ``max_rows`` dict names an op: of ``obj``, or recorded here."""
+        ops = {op for op, _ in self.signatures}
+        ops |= {op_name(op) for op in ops}
+        model = getattr(obj, "template", obj)  # a BatchModule: the model's own methods
+        for key in max_rows:
+            if key in ops or (type(key) is str and callable(getattr(model, key, None))):
+                continue
+            known = sorted({op_name(op) for op, _ in self.signatures})
+            raise FoldError(
+                f"apply: max_rows has a limit for {op_name(key)!r}, which is not an op of the "
+                f"{type(obj).__name__} given to apply nor of this graph (its ops: {known}); "
+                "a misspelt key would leave its op without a limit. Fix: key max_rows by op "
+                "name, e.g. max_rows={'node': 64}."
+            )
 
     def _run(
         self,
@@ -898,11 +954,12 @@ class Fold:
 
         Needs matplotlib (``pip install torch-fold[draw]``).
         """
+        # A Figure with its own Agg canvas, not pyplot: the caller's global backend (an
+        # interactive one in a notebook) is left as it is.
         try:
             import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
         except ImportError as err:
             raise FoldError(
                 "Fold.draw needs matplotlib. Fix: pip install 'torch-fold[draw]'."
@@ -912,14 +969,16 @@ class Fold:
         g = self.to_networkx()
         steps = max(self.depth, default=0) + 1
         pos = nx.multipartite_layout(g, subset_key="depth") if len(g) else {}
-        fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * steps), max(3.0, 0.15 * len(g) + 2)))
+        fig = Figure(figsize=(max(4.0, 1.2 * steps), max(3.0, 0.15 * len(g) + 2)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
         colors = [g.nodes[n]["depth"] for n in g.nodes]
         nx.draw_networkx(
             g,
             pos,
             ax=ax,
             node_color=colors,
-            cmap=plt.get_cmap("viridis"),
+            cmap=matplotlib.colormaps["viridis"],
             labels={n: g.nodes[n]["op"] for n in g.nodes},
             font_size=7,
             node_size=300,
@@ -929,7 +988,6 @@ class Fold:
         ax.axis("off")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
 
 
 def _check_limits(max_rows: Any, max_bytes: Any, offload: Any) -> None:
@@ -960,22 +1018,27 @@ def _kind_str(k: Any) -> str:
     return KIND_NAMES[k]
 
 
-_NODES, _NUMBERS, _TENSORS = "nodes", "numbers", "tensors"
+_NODES, _NUMBERS, _TENSORS, _COLUMN = "nodes", "numbers", "tensors", "column"
 
 
-def _classify_lists(lists: Any) -> list[tuple[str, list[Any]]]:
-    """Check the ``lists`` argument of apply: each a list of nodes, numbers or tensors."""
+def _classify_lists(lists: Any) -> list[tuple[str, Any]]:
+    """Check the ``lists`` argument of apply: each a list of nodes, numbers or batch-of-one
+    tensors, or a 1-D tensor (one number per example, as a list of numbers)."""
     if isinstance(lists, (Node, torch.Tensor)) or not isinstance(lists, (list, tuple)):
         raise FoldError(
             f"apply(obj, lists): lists is a {type(lists).__name__}; expected a list of lists, "
             "e.g. apply(model, [roots, labels])."
         )
-    specs = []
+    specs: list[tuple[str, Any]] = []
     for i, items in enumerate(lists):
-        if isinstance(items, (Node, torch.Tensor)) or not isinstance(items, (list, tuple)):
+        if isinstance(items, torch.Tensor):
+            specs.append((_COLUMN, _check_column(items, i)))
+            continue
+        if isinstance(items, Node) or not isinstance(items, (list, tuple)):
             raise FoldError(
                 f"apply(obj, lists): lists[{i}] is a {type(items).__name__}; each entry must be "
-                f"a list of nodes, numbers or tensors. Fix: wrap it, e.g. [[node]]."
+                "a list of nodes, numbers or batch-of-one tensors, or a 1-D tensor. Fix: wrap "
+                "a single node in a list, e.g. apply(model, [[root]])."
             )
         if not items:
             raise FoldError(
@@ -997,7 +1060,7 @@ def _classify_lists(lists: Any) -> list[tuple[str, list[Any]]]:
                 kinds.add(_NODES)
             elif isinstance(x, torch.Tensor):
                 kinds.add(_TENSORS)
-            elif isinstance(x, (numbers.Real, bool)):
+            elif isinstance(x, (numbers.Real, bool, np.bool_)):
                 kinds.add(_NUMBERS)
             else:
                 raise FoldError(
@@ -1009,8 +1072,48 @@ def _classify_lists(lists: Any) -> list[tuple[str, list[Any]]]:
                 f"apply(obj, lists): lists[{i}] mixes {' and '.join(sorted(kinds))}; each list "
                 "must hold one kind. Fix: split it into one list per kind."
             )
-        specs.append((kinds.pop(), list(items)))
+        kind = kinds.pop()
+        if kind == _TENSORS:
+            _check_tensor_list(items, i)
+            items = list(items)
+        elif kind == _NUMBERS:  # numpy numbers as the Python numbers of their kind
+            items = [bool(x) if isinstance(x, np.bool_) else x for x in items]
+        specs.append((kind, list(items)))
     return specs
+
+
+def _check_column(t: torch.Tensor, i: int) -> torch.Tensor:
+    if t.dim() != 1:
+        fix = (
+            "t.view(1) for one number, or [t] for one batch-of-one value"
+            if t.dim() == 0
+            else "t.view(-1) for one number per example, or list(t.split(1)) for one "
+            "batch-of-one value per example"
+        )
+        raise FoldError(
+            f"apply(obj, lists): lists[{i}] is a tensor of shape {tuple(t.shape)}; a tensor "
+            f"entry must be 1-D, one number per example (like a list of numbers). Fix: {fix}."
+        )
+    return t
+
+
+def _check_tensor_list(items: Sequence[torch.Tensor], i: int) -> None:
+    for j, t in enumerate(items):
+        if t.dim() == 0 or t.shape[0] != 1:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}][{j}] is a tensor of shape {tuple(t.shape)}; "
+                "tensors in a list are batch-of-one values of shape (1, ...), concatenated "
+                "along dim 0. Fix: t.unsqueeze(0) for one value, a Python number for a "
+                "scalar, or pass a 1-D tensor of numbers as the entry itself."
+            )
+    metas = {(tuple(t.shape[1:]), t.dtype) for t in items}
+    if len(metas) > 1:
+        shown = ", ".join(sorted(f"{s} {str(d).replace('torch.', '')}" for s, d in metas))
+        raise FoldError(
+            f"apply(obj, lists): lists[{i}] holds tensors of different shapes or dtypes "
+            f"({shown}); they cannot be concatenated along dim 0. Fix: convert them to one "
+            "dtype, or put each shape in its own list."
+        )
 
 
 class Unfold:
@@ -1105,13 +1208,11 @@ class Unfold:
                 "its ops already ran. Fix: pass the same object, or build a new Unfold(obj)."
             )
         res = []
-        for kind, items in _classify_lists(lists):
-            if kind == _NUMBERS:
-                res.append(torch.tensor(items, device=self.device))
-            elif kind == _TENSORS:
-                res.append(torch.cat([t.to(self.device) for t in items], 0))
-            else:
+        for i, (kind, items) in enumerate(_classify_lists(lists)):
+            if kind == _NODES:
                 res.append(torch.cat([n.get() for n in items], 0))
+            else:
+                res.append(_executor.literal_output(kind, items, i, self.device))
         return res
 
 

@@ -263,3 +263,72 @@ def test_an_int_beyond_int64_names_the_op_and_argument(with_node: bool) -> None:
     where = "op 'step', argument 1" if with_node else "op 'start', argument 0"
     with pytest.raises(fold.FoldError, match=f"{where}: an int does not fit in torch.long"):
         f.apply(Steps(), [[out]])
+
+
+@pytest.mark.parametrize("runner", ["fold", "unfold"])
+def test_bad_entries_of_output_lists(runner: str) -> None:
+    obj = Obj()
+    f = fold.Fold() if runner == "fold" else fold.Unfold(obj)
+    n = f.add("one", 1)
+    cases = [
+        ([n], [torch.tensor(3.0)], r"lists\[1\]\[0\] is a tensor of shape \(\).*unsqueeze"),
+        (
+            [n],
+            [torch.ones(1, 2), torch.ones(3, 2)],
+            r"lists\[1\]\[1\] is a tensor of shape \(3, 2\)",
+        ),
+        (
+            [n],
+            [torch.ones(1, 2), torch.ones(1, 2, dtype=torch.float64)],
+            r"\(2,\) float32, \(2,\) float64",
+        ),
+        ([n], [1, 2**70], r"lists\[1\] holds numbers .*int64"),
+        ([n], torch.ones(2, 3), r"lists\[1\] is a tensor of shape \(2, 3\); .* 1-D.*t.view\(-1\)"),
+        ([n], torch.tensor(4), r"lists\[1\] is a tensor of shape \(\);.*t.view\(1\)"),
+    ]
+    for first, second, match in cases:
+        with pytest.raises(FoldError, match=match):
+            f.apply(obj, [first, second])
+
+
+def test_output_nodes_of_different_dtypes_name_the_dtypes() -> None:
+    class Two:
+        def f32(self, x):
+            return x.float().unsqueeze(1)
+
+        def f64(self, x):
+            return x.double().unsqueeze(1)
+
+    f = fold.Fold()
+    a, b = f.add("f32", 1), f.add("f64", 2)
+    with pytest.raises(
+        FoldError,
+        match=r"\(1,\) float32 per row, \(1,\) float64 per row|\(1,\) float32, \(1,\) float64 per row",
+    ):
+        f.apply(Two(), [[a, b]])
+
+
+def test_numpy_bools_are_bool_arguments_and_list_entries() -> None:
+    np = pytest.importorskip("numpy")
+
+    class Flags:
+        def flag(self, b):
+            assert b.dtype == torch.bool
+            return b.float().unsqueeze(1)
+
+    f = fold.Fold()
+    a, b = f.add("flag", np.True_), f.add("flag", np.False_)
+    assert a == f.add("flag", True)  # the same bool argument, memoised
+    out, flags = f.apply(Flags(), [[a, b], [np.True_, False]])
+    assert out.view(-1).tolist() == [1.0, 0.0]
+    assert flags.dtype == torch.bool and flags.tolist() == [True, False]
+
+
+def test_max_rows_keyed_by_an_unknown_op() -> None:
+    f = fold.Fold()
+    n = f.add("one", 1)
+    with pytest.raises(FoldError, match=r"max_rows has a limit for 'onee'.*its ops: \['one'\]"):
+        f.apply(Obj(), [[n]], max_rows={"onee": 1})
+    # An op of the object that this graph does not use is fine (a dict shared by graphs).
+    (out,) = f.apply(Obj(), [[n]], max_rows={"one": 1, "two": 4})
+    assert out.tolist() == [1.0]

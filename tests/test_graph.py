@@ -327,3 +327,171 @@ def test_the_plan_is_kept_until_the_graph_changes() -> None:
     )
     f.strategy = "agenda"
     assert f.plan() is not marked and f.plan().num_groups == len(f)
+
+
+class InPlace(torch.nn.Module):
+    """Ops that change their arguments in place, and one that returns its argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def dec(self, w):
+        w -= 1  # an int column, changed in place
+        return w.to(self.scale.dtype).unsqueeze(1) * self.scale
+
+    def img(self, x):
+        x.mul_(0)
+        return x * self.scale
+
+    def same(self, w):
+        return w
+
+    def join(self, a, b):
+        return a + b
+
+
+def test_ops_changing_arguments_in_place_do_not_change_the_graph() -> None:
+    model = InPlace()
+    f = fold.Fold()
+    leaves = [f.add("dec", i) for i in range(4)]
+    images = [f.add("img", torch.full((1, 2), 3.0))]
+    roots = [f.add("join", leaves[0], leaves[1]), f.add("join", leaves[2], leaves[3])]
+    first = f.apply(model, [leaves, roots, images])
+    second = f.apply(model, [leaves, roots, images])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+    assert first[0].view(-1).tolist() == [-2.0, 0.0, 2.0, 4.0]  # (i - 1) * 2, every time
+    # The Fold's literal tensor is the user's: untouched.
+    assert f.args[4][0].tolist() == [[3.0, 3.0]]
+
+
+def test_results_do_not_alias_what_the_graph_keeps() -> None:
+    model = InPlace()
+    f = fold.Fold()
+    nodes = [f.add("same", i) for i in range(3)]
+    tail = f.add("join", nodes[0], nodes[1])  # a second signature: the general executor
+    for entries in ([nodes], [nodes, [tail]]):
+        (r, *_) = f.apply(model, entries)
+        r += 100
+        (again, *_) = f.apply(model, entries)
+        assert again.tolist() == [0, 1, 2]
+
+
+def test_ops_changing_arguments_in_place_under_a_batch_module() -> None:
+    from fold.batched_ops import BatchModule
+
+    class Dec(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1)
+
+        def dec(self, w):
+            w -= 1
+            return self.lin(w.float().unsqueeze(1))
+
+    models = [Dec() for _ in range(3)]
+    bm = BatchModule.from_modules(models)
+    f = fold.Fold()
+    nodes = [f.add("dec", i) for i in range(4)]
+    (out,) = f.apply(bm, [nodes])  # on a CPU: one model at a time, one graph
+    for i, m in enumerate(models):
+        want = m.lin(torch.arange(4.0).unsqueeze(1) - 1)
+        torch.testing.assert_close(out[i], want)
+
+
+def test_negative_zero_is_not_memoised_as_zero() -> None:
+    np = pytest.importorskip("numpy")
+
+    class Recip:
+        def recip(self, x):
+            return 1 / x
+
+        def pair(self, x, y):
+            return y / x
+
+    f = fold.Fold()
+    a, b, c = f.add("recip", 0.0), f.add("recip", -0.0), f.add("recip", np.float64(-0.0))
+    assert a != b and b == c
+    rec = f.op("pair")
+    p, q = rec(-0.0, 1.0), rec(0.0, 1.0)
+    assert p != q
+    nan = float("nan")
+    obj = Recip()
+    got = f.apply(obj, [[a, b, f.add("recip", nan)], [p, q]])
+    u = fold.Unfold(obj)
+    want = u.apply(
+        obj,
+        [
+            [u.add("recip", 0.0), u.add("recip", -0.0), u.add("recip", nan)],
+            [u.add("pair", -0.0, 1.0), u.add("pair", 0.0, 1.0)],
+        ],
+    )
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, equal_nan=True)
+    assert got[0][:2].tolist() == [float("inf"), float("-inf")]
+    # A -0.0 among literal tensors takes its own node too.
+    t = torch.ones(1, 2)
+    assert f.add("pair", -0.0, t) != f.add("pair", 0.0, t)
+
+
+def test_one_d_tensor_as_a_list_of_numbers() -> None:
+    model = InPlace()
+    labels = torch.tensor([3, 1, 2])
+    for chain in (True, False):
+        f = fold.Fold()
+        nodes = [f.add("dec", i) for i in range(3)]
+        if not chain:
+            f.add("join", nodes[0], nodes[1])
+        out, y = f.apply(model, [nodes, labels])
+        assert y.tolist() == [3, 1, 2] and y.dtype == torch.long
+        assert out.shape == (3, 1)
+    u = fold.Unfold(model)
+    assert u.apply(model, [[u.add("dec", 1)], labels])[1].tolist() == [3, 1, 2]
+
+
+def test_submodules_load_on_first_use() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import fold; fold.optim.SGD; fold.batched_ops.BatchModule; fold.train.Trainer; "
+        "fold.diagnostics.Aggregator\n"
+        "try:\n    fold.nope\nexcept AttributeError:\n    print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_draw_leaves_the_matplotlib_backend_alone(tmp_path) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        f = fold.Fold()
+        f.add("join", f.add("same", 1), f.add("same", 2))
+        f.draw(str(tmp_path / "g.png"))
+        assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, on importing dynamo
+def test_apply_on_a_compiled_module_warns_that_ops_run_uncompiled() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def leaf(self, x):
+            return self.lin(x)
+
+    m = M()
+    compiled = torch.compile(m)  # compiles lazily: nothing runs until forward is called
+    f = fold.Fold()
+    n = f.add("leaf", torch.ones(1, 2))
+    with pytest.warns(UserWarning, match=r"op 'leaf' runs uncompiled.*torch.compile\(model.leaf\)"):
+        (out,) = f.apply(compiled, [[n]])
+    torch.testing.assert_close(out, m.leaf(torch.ones(1, 2)))
