@@ -382,9 +382,220 @@ def test_bad_input_is_a_fold_error() -> None:
         FoldError, match=r"state dict 1 has missing keys \['bias'\] and unexpected keys \['extra'\]"
     ):
         bm.load_state_dicts(sds)
-    with pytest.raises(FoldError, match=r"unbatch\(4\): there are 4 models"):
+    with pytest.raises(FoldError, match=r"unbatch\(4\): .* from 0 to 3 \(there are 4 models\)"):
         bm.unbatch(4)
-    with pytest.raises(FoldError, match="differ in type"):
+    with pytest.raises(
+        FoldError, match="module \\(root\\) is Conv1d in model 1, Linear in model 0"
+    ):
         BatchModule.from_modules([nn.Linear(2, 2), nn.Conv1d(2, 2, 1)])
     with pytest.raises(FoldError, match="batch must be a positive int"):
         BatchModule(nn.Linear(2, 2), batch=0)
+
+
+# ---------------------------------------------------------------------- hardening
+
+
+def _mlp(hidden: int = 4, depth: int = 1, bias: bool = True) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(3, hidden, bias=bias)]
+    for _ in range(depth - 1):
+        layers += [nn.Tanh(), nn.Linear(hidden, hidden, bias=bias)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (_mlp(depth=2), r"model 1 has module 1 \(Tanh\), which model 0 lacks"),
+        (
+            _mlp(hidden=5),
+            r"parameter 0.weight is shape \(5, 3\), float32 on cpu in model 1, shape \(4, 3\)",
+        ),
+        (_mlp(bias=False), r"model 0 has parameter 0.bias \(shape \(4,\).*\), which model 1 lacks"),
+        (_mlp().double(), r"float64 .* in model 1, .*float32.*Fix: convert them to one dtype"),
+        ("not a module", r"item 1 is a str, not an nn.Module"),
+        (
+            nn.Sequential(nn.Linear(3, 4), nn.Tanh()),
+            r"model 1 has module 1 \(Tanh\), which model 0 lacks",
+        ),
+    ],
+)
+def test_from_modules_names_the_first_architecture_difference(other, match) -> None:
+    with pytest.raises(FoldError, match=match):
+        BatchModule.from_modules([_mlp(), other])
+    with pytest.raises(FoldError, match="from_modules"):  # and in the other order
+        BatchModule.from_modules([other, _mlp()])
+
+
+def test_load_state_dicts_changes_nothing_unless_all_are_valid() -> None:
+    bm = BatchModule.from_modules([nn.Linear(3, 2) for _ in range(N)])
+    before = bm.state_dicts()
+    for bad, match in [
+        (
+            {"weight": torch.zeros(2, 4), "bias": torch.zeros(2)},
+            r"'weight' is \(2, 4\); .*\(2, 3\)",
+        ),
+        (
+            {"weight": torch.zeros(1), "bias": torch.zeros(2)},
+            r"'weight' is \(1,\).*never broadcast",
+        ),
+        ({"weight": torch.zeros(2, 3), "bias": [0.0, 0.0]}, r"'bias' is list"),
+        (
+            {"weight": torch.zeros(2, 3, dtype=torch.long), "bias": torch.zeros(2)},
+            r"'weight' is torch.int64",
+        ),
+    ]:
+        states = [{k: torch.ones_like(v) for k, v in sd.items()} for sd in before]
+        states[2] = bad  # models 0 and 1 are valid: they must not load either
+        with pytest.raises(FoldError, match=rf"state dict 2, {match}"):
+            bm.load_state_dicts(states)
+        for got, want in zip(bm.state_dicts(), before):
+            for k in want:
+                assert torch.equal(got[k], want[k])
+    with pytest.raises(FoldError, match="item 1 is a list"):
+        bm.load_state_dicts([before[0], [], before[2]])
+
+
+class RawAndFrozen(nn.Module):
+    """Raw parameters (the vmap fallback), one of them frozen, and a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+        self.offset = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.sub = nn.Module()
+        self.sub.gain = nn.Parameter(torch.randn(3))
+        self.register_buffer("count", torch.ones(3))
+
+    def forward(self, x):
+        return x * self.scale * self.sub.gain + self.offset + self.count
+
+
+def test_fallback_parameters_are_the_models_own() -> None:
+    import fold
+
+    models = [RawAndFrozen() for _ in range(N)]
+    with pytest.warns(UserWarning, match="uses its own parameters"):
+        bm = BatchModule.from_modules(models)
+    names = {k: (tuple(p.shape), p.requires_grad) for k, p in bm.named_parameters()}
+    assert names == {
+        "model.scale": ((N, 3), True),
+        "model.offset": ((N, 3), False),
+        "model.sub.gain": ((N, 3), True),
+    }
+    assert [k for k, _ in bm.named_buffers()] == ["model.count"]
+    x = torch.randn(N, 5, 3)
+    bm(x).sum().backward()
+    for i, m in enumerate(models):
+        m(x[i]).sum().backward()
+        grads = bm.grads_of(i)
+        torch.testing.assert_close(grads["scale"], m.scale.grad)
+        torch.testing.assert_close(grads["sub.gain"], m.sub.gain.grad)
+        assert grads["offset"] is None
+    opt = fold.optim.SGD(bm.parameters(), lr=0.1)  # every parameter has the model dim
+    opt.step()
+    torch.testing.assert_close(bm.unbatch(1).offset, models[1].offset)  # frozen: unchanged
+
+
+class Tied(nn.Module):
+    """A language-model head tied to its embedding, and one block registered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.block = nn.Linear(4, 4)
+        self.again = self.block
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.again(torch.tanh(self.block(self.emb(ids))))))
+
+
+def test_tied_weights_stay_tied_per_model() -> None:
+    models = [Tied().double() for _ in range(N)]
+    bm = BatchModule.from_modules(models)
+    assert bm.model.out.weight is bm.model.emb.weight
+    assert bm.model.again is bm.model.block
+    assert len(list(bm.parameters())) == 3  # emb/out weight, block weight and bias
+    ids = torch.randint(0, 7, (N, 6))
+    out = bm(ids)
+    out.pow(2).sum().backward()
+    for i, m in enumerate(models):
+        want = m(ids[i])
+        want.pow(2).sum().backward()
+        torch.testing.assert_close(out[i], want)
+        grads = bm.grads_of(i)
+        torch.testing.assert_close(grads["emb.weight"], m.emb.weight.grad)
+        torch.testing.assert_close(grads["block.weight"], m.block.weight.grad)
+    sd = bm.state_dicts()[1]
+    assert sd["out.weight"] is sd["emb.weight"]
+    plain = bm.unbatch(1)
+    assert plain.out.weight is plain.emb.weight and plain.again is plain.block
+    torch.testing.assert_close(plain(ids[1]), models[1](ids[1]))
+    with pytest.raises(FoldError, match="tied differently"):
+        BatchModule.from_modules([Tied(), _untied()])
+
+
+def _untied() -> nn.Module:
+    m = Tied()
+    m.out.weight = nn.Parameter(m.emb.weight.detach().clone())
+    return m
+
+
+def test_unbatch_keeps_dtype_device_and_mode() -> None:
+    bm = BatchModule.from_modules([nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.5))] * 2)
+    bm.double().eval()
+    plain = bm.unbatch(1)
+    assert {p.dtype for p in plain.parameters()} == {torch.float64}
+    assert not plain.training and not plain[1].training
+    bm.train()
+    assert bm.unbatch(0).training
+
+
+@pytest.mark.parametrize("bad", [2, -1, 1.0, True, "0"])
+def test_model_indices_are_checked(bad) -> None:
+    import fold
+
+    bm = BatchModule(nn.Linear(3, 2), batch=2)
+    opt = fold.optim.SGD(bm.parameters(), lr=0.1)
+    with pytest.raises(
+        FoldError, match=r"unbatch\(.*\): expected the index of a model, an int from 0 to 1"
+    ):
+        bm.unbatch(bad)
+    with pytest.raises(FoldError, match=r"freeze\(.*\): expected the index of a model"):
+        opt.freeze(bad)
+    with pytest.raises(FoldError, match=r"unfreeze\(.*\): expected the index of a model"):
+        opt.unfreeze(bad)
+    np = pytest.importorskip("numpy")
+    assert isinstance(bm.unbatch(np.int64(1)), nn.Linear)
+
+
+def test_one_batch_module_applied_from_several_threads() -> None:
+    import threading
+
+    import fold
+
+    models = [nn.Linear(8, 8).double() for _ in range(4)]
+    bm = BatchModule.from_modules(models)
+    bm.chunk_size = 1  # chunks of one model: the chunk state changes on every pass
+
+    def run(x, results, k):
+        for _ in range(30):
+            f = fold.Fold()
+            nodes = [f.add("forward", x[i : i + 1]) for i in range(len(x))]
+            (out,) = f.apply(bm, [nodes])
+            results[k].append(out.detach())
+            results[k].append(bm(x.expand(4, -1, -1)).detach())
+
+    xs = [torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)]
+    results: list[list[torch.Tensor]] = [[], []]
+    threads = [threading.Thread(target=run, args=(xs[k], results, k)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, x in enumerate(xs):
+        want = torch.stack([m(x) for m in models])
+        assert len(results[k]) == 60
+        for got in results[k]:
+            torch.testing.assert_close(got, want)

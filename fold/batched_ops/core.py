@@ -10,6 +10,8 @@ the same memory as ``(b, N*C, H, W)``: one grouped convolution runs all N models
 
 from __future__ import annotations
 
+import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -18,9 +20,18 @@ from torch import nn
 
 from fold.errors import FoldError
 
-__all__ = ["AbstractBatchModule", "from_merged", "register_batch_module", "registry", "to_merged"]
+__all__ = [
+    "AbstractBatchModule",
+    "from_merged",
+    "model_index",
+    "register_batch_module",
+    "registry",
+    "to_merged",
+]
 
 registry: dict[type[nn.Module], type[AbstractBatchModule]] = {}
+
+_THREAD = threading.local()  # per thread: {id(layer): (chunk, parameter splits)}
 
 T = TypeVar("T", bound="type[AbstractBatchModule]")
 
@@ -64,21 +75,40 @@ class AbstractBatchModule(nn.Module):
     def __init__(self, batch: int) -> None:
         super().__init__()
         self.batch = batch
-        # Set by BatchModule to run one chunk of the models: (chunk size, chunk index).
-        self.chunk: tuple[int, int] | None = None
-        self._parts: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    # The chunk a call runs, and the parameter splits of that pass, live in thread-local
+    # state, not on the module: one BatchModule applied from several threads at once runs
+    # each thread's chunks with that thread's own views of the weights.
+    def _chunk_state(self) -> tuple[tuple[int, int], dict[str, tuple[torch.Tensor, ...]]] | None:
+        table = getattr(_THREAD, "chunks", None)
+        return None if table is None else table.get(id(self))
 
     def set_chunk(self, chunk: tuple[int, int] | None) -> None:
-        if chunk is None or chunk[1] == 0:
-            self._parts = {}  # a new pass: split the parameters afresh
-        self.chunk = chunk
+        """Run the models of chunk ``(size, index)`` from now on in this thread (None: all)."""
+        table = getattr(_THREAD, "chunks", None)
+        if table is None:
+            table = _THREAD.chunks = {}
+        if chunk is None:
+            table.pop(id(self), None)
+            return
+        state = table.get(id(self))
+        # A new pass (chunk 0) splits the parameters afresh.
+        parts = {} if state is None or chunk[1] == 0 else state[1]
+        table[id(self)] = (chunk, parts)
+
+    @property
+    def chunk(self) -> tuple[int, int] | None:
+        """(chunk size, chunk index) of the models this thread's calls run; None for all."""
+        state = self._chunk_state()
+        return None if state is None else state[0]
 
     @property
     def n(self) -> int:
         """The number of models this call runs (all N, or the current chunk's)."""
-        if self.chunk is None:
+        state = self._chunk_state()
+        if state is None:
             return self.batch
-        size, index = self.chunk
+        size, index = state[0]
         return min(size, self.batch - size * index)
 
     def p(self, name: str) -> Any:
@@ -88,12 +118,14 @@ class AbstractBatchModule(nn.Module):
         gradients once instead of scattering each chunk's into a zero tensor of full size.
         """
         t = getattr(self, name)
-        if t is None or self.chunk is None:
+        state = self._chunk_state()
+        if t is None or state is None:
             return t
-        parts = self._parts.get(name)
+        (size, index), cache = state
+        parts = cache.get(name)
         if parts is None:
-            parts = self._parts[name] = t.split(self.chunk[0], 0)
-        return parts[self.chunk[1]]
+            parts = cache[name] = t.split(size, 0)
+        return parts[index]
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module]) -> AbstractBatchModule:
@@ -127,6 +159,21 @@ class AbstractBatchModule(nn.Module):
         with torch.no_grad():
             for k, v in self.state_dict(keep_vars=True).items():
                 v[i].copy_(state[k])
+
+
+def model_index(i: Any, n: int, where: str) -> int:
+    """``i`` as the index of one of ``n`` models, or a FoldError: an int (numpy ints too, not
+    bools) in ``[0, n)``; negative indices are refused, not counted from the end."""
+    try:
+        k = operator.index(i)
+    except TypeError:
+        k = None
+    if k is None or isinstance(i, bool) or not 0 <= k < n:
+        raise FoldError(
+            f"{where}({i!r}): expected the index of a model, an int from 0 to {n - 1} "
+            f"(there are {n} models)."
+        )
+    return k
 
 
 def to_merged(x: torch.Tensor, batch: int, where: str) -> torch.Tensor:

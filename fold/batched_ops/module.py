@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from fold.batched_ops.core import (
     AbstractBatchModule,
     from_merged,
     map_tensors,
+    model_index,
     registry,
     to_merged,
 )
@@ -77,40 +78,73 @@ class VmapFallback(AbstractBatchModule):
     """Any module without a batched layer: ``functional_call`` under ``torch.vmap``.
 
     Slower than a batched layer (every op is vmapped), but any architecture batches.  Also
-    used for a module whose methods use raw parameters directly (``x * self.scale``).
+    used for a module whose methods use raw parameters directly (``x * self.scale``).  Its
+    parameters and buffers are exactly the model's, stacked along a leading model dim and
+    registered under the model's own names (``scale``, ``sub.weight``), with the model's
+    ``requires_grad``; the template that ``functional_call`` runs is kept out of the module
+    tree, so none of its tensors is a parameter.
     """
 
     def __init__(self, modules: Sequence[nn.Module], path: str = "") -> None:
         super().__init__(len(modules))
-        self.path = path or "the root"
-        self.template = copy.deepcopy(modules[0])
-        names = [k for k, _ in modules[0].named_parameters()]
-        bnames = [k for k, _ in modules[0].named_buffers()]
-        self.names, self.bnames = names, bnames
-        self.params = nn.ParameterList(
-            [
-                nn.Parameter(
-                    torch.stack([dict(m.named_parameters())[k].detach() for m in modules]).clone()
-                )
-                for k in names
-            ]
-        )
-        for j, k in enumerate(bnames):
-            self.register_buffer(
-                f"buffer{j}", torch.stack([dict(m.named_buffers())[k] for m in modules]).clone()
+        self._fb_path = path or "the root"
+        # Out of the module tree: functional_call replaces every tensor of it on each call.
+        self.__dict__["template"] = copy.deepcopy(modules[0])
+        per_model = [
+            (dict(m.named_parameters()), {k: b for k, b in m.named_buffers() if b is not None})
+            for m in modules
+        ]
+        self._fb_names = list(per_model[0][0])
+        self._fb_bnames = list(per_model[0][1])
+        for k in self._fb_names:
+            first = per_model[0][0][k]
+            stacked = torch.stack([p[k].detach() for p, _ in per_model]).clone()
+            self._register(k, nn.Parameter(stacked, requires_grad=first.requires_grad))
+        for k in self._fb_bnames:
+            self._register(k, torch.stack([b[k] for _, b in per_model]).clone())
+
+    def _register(self, name: str, value: torch.Tensor) -> None:
+        """Register ``value`` at dotted ``name``, making empty container modules on the way."""
+        *parents, leaf = name.split(".")
+        owner: nn.Module = self
+        for part in parents:
+            child = owner._modules.get(part)
+            if child is None:
+                if hasattr(owner, part):
+                    raise FoldError(
+                        f"BatchModule: {self._fb_path} has a submodule named {part!r}, which the "
+                        "vmap fallback uses itself. Fix: rename it, or register a batched layer."
+                    )
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if leaf in owner.__dict__ or (owner is self and hasattr(owner, leaf)):
+            raise FoldError(
+                f"BatchModule: {self._fb_path} has a tensor named {name!r}, which the vmap "
+                "fallback uses itself. Fix: rename it, or register a batched layer."
             )
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """The stacked parameters, then buffers, in ``_fb_names`` / ``_fb_bnames`` order; read
+        on every call, so a parameter tied to another layer's after construction is used."""
+        return [self.get_parameter(k) for k in self._fb_names] + [
+            self.get_buffer(k) for k in self._fb_bnames
+        ]
 
     def call(self, method: str, *args: Any) -> Any:
         """Run ``method`` of the template on merged ``(b*N, ...)`` arguments."""
         n = self.n
         target = _Call(self.template, method)
-        tensors = [self.params[j] for j in range(len(self.names))] + [
-            getattr(self, f"buffer{j}") for j in range(len(self.bnames))
-        ]
-        if self.chunk is not None:
-            size, index = self.chunk
+        tensors = self._tensors()
+        chunk = self.chunk
+        if chunk is not None:
+            size, index = chunk
             tensors = [t.split(size, 0)[index] for t in tensors]
-        keys = [f"module.{k}" for k in self.names + self.bnames]
+        keys = [f"module.{k}" for k in self._fb_names + self._fb_bnames]
 
         def one(flat: list[torch.Tensor], *xs: Any) -> Any:
             return functional_call(target, dict(zip(keys, flat)), xs)
@@ -121,9 +155,9 @@ class VmapFallback(AbstractBatchModule):
             out = vmap(one, in_dims=(0, *dims), out_dims=1)(tensors, *split)
         except Exception as err:
             raise FoldError(
-                f"BatchModule: {self.path} ({type(self.template).__name__}.{method}) has no batched "
-                f"layer and does not run under torch.vmap: {type(err).__name__}: {err}. Fix: "
-                "register a batched layer for it with register_batch_module, or avoid "
+                f"BatchModule: {self._fb_path} ({type(self.template).__name__}.{method}) has no "
+                f"batched layer and does not run under torch.vmap: {type(err).__name__}: {err}. "
+                "Fix: register a batched layer for it with register_batch_module, or avoid "
                 "data-dependent Python control flow (.item(), if on tensor values) in it."
             ) from err
         return map_tensors(lambda t: t.reshape(-1, *t.shape[2:]), out)
@@ -132,19 +166,20 @@ class VmapFallback(AbstractBatchModule):
         return self.call("forward", *args)
 
     def state_of(self, i: int) -> dict[str, torch.Tensor]:
-        out = {k: self.params[j][i] for j, k in enumerate(self.names)}
-        out.update({k: getattr(self, f"buffer{j}")[i] for j, k in enumerate(self.bnames)})
-        return out
+        names = self._fb_names + self._fb_bnames
+        return {k: t[i] for k, t in zip(names, self._tensors())}
 
     def grads_of(self, i: int) -> dict[str, torch.Tensor | None]:
-        return {k: None if p.grad is None else p.grad[i] for k, p in zip(self.names, self.params)}
+        return {
+            k: None if p.grad is None else p.grad[i]
+            for k, p in zip(self._fb_names, self._tensors())
+        }
 
     def load_state_of(self, i: int, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for j, k in enumerate(self.names):
-                self.params[j][i].copy_(state[k])
-            for j, k in enumerate(self.bnames):
-                getattr(self, f"buffer{j}")[i].copy_(state[k])
+            for k, t in zip(self._fb_names + self._fb_bnames, self._tensors()):
+                if k in state:
+                    t[i].copy_(state[k])
 
 
 def _definer(klass: type, name: str) -> type | None:
@@ -176,8 +211,115 @@ def _has_own_state(module: nn.Module) -> bool:
     return bool(module._parameters) or any(b is not None for b in module._buffers.values())
 
 
-def _convert(modules: list[nn.Module], path: str, fallbacks: list[str]) -> nn.Module:
-    """The batched counterpart of ``modules`` (N modules of one architecture at ``path``)."""
+def _structure(m: nn.Module) -> list[list[tuple[str, Any, str]]]:
+    """What N models of one architecture share, in three sections: every submodule (path,
+    class), every parameter and every buffer (name, (shape, dtype, device, requires_grad));
+    each entry with the first name of the same object (ties)."""
+    modules: list[tuple[str, Any, str]] = []
+    first: dict[int, str] = {}
+    for path, sub in m.named_modules(remove_duplicate=False):
+        name = f"module {path or '(root)'}"
+        modules.append((name, type(sub).__name__, first.setdefault(id(sub), name)))
+    sections = [modules]
+    for kind, items in (
+        ("parameter", m.named_parameters(remove_duplicate=False)),
+        ("buffer", m.named_buffers(remove_duplicate=False)),
+    ):
+        first = {}
+        entries = []
+        for name, t in items:
+            meta = (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+            entries.append((f"{kind} {name}", meta, first.setdefault(id(t), f"{kind} {name}")))
+        sections.append(entries)
+    return sections
+
+
+def _describe_part(value: Any) -> str:
+    if isinstance(value, str):  # a module's class name
+        return value
+    shape, dtype, device, grad = value
+    text = f"shape {shape}, {str(dtype).replace('torch.', '')} on {device}"
+    return text + ("" if grad else ", requires_grad=False")
+
+
+def _first_difference(want: list[Any], got: list[Any], i: int) -> str | None:
+    for a_sec, b_sec in zip(want, got):
+        for k in range(max(len(a_sec), len(b_sec))):
+            a = a_sec[k] if k < len(a_sec) else None
+            b = b_sec[k] if k < len(b_sec) else None
+            if a == b:
+                continue
+            if a is None or (b is not None and b[0] not in {e[0] for e in a_sec}):
+                return f"model {i} has {b[0]} ({_describe_part(b[1])}), which model 0 lacks"
+            if b is None or a[0] not in {e[0] for e in b_sec}:
+                return f"model 0 has {a[0]} ({_describe_part(a[1])}), which model {i} lacks"
+            if a[0] != b[0]:
+                return f"model 0 has {a[0]} where model {i} has {b[0]} (another order)"
+            if a[1] != b[1]:
+                return (
+                    f"{a[0]} is {_describe_part(b[1])} in model {i}, "
+                    f"{_describe_part(a[1])} in model 0"
+                )
+            return (
+                f"{a[0]} is the same object as {a[2]} in model 0 but not in model {i} "
+                "(weights tied differently)"
+            )
+    return None
+
+
+def _check_architectures(modules: Sequence[Any]) -> None:
+    """A FoldError naming the first difference between model 0 and any other model."""
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise FoldError(
+                f"BatchModule.from_modules: item {i} is a {type(m).__name__}, not an nn.Module. "
+                "Fix: pass N modules of one architecture."
+            )
+    want = _structure(modules[0])
+    for i, m in enumerate(modules[1:], 1):
+        if m is modules[0]:
+            continue
+        detail = _first_difference(want, _structure(m), i)
+        if detail is None:
+            continue
+        dtypes = {t.dtype for mm in modules for t in mm.parameters()}
+        fix = (
+            "convert them to one dtype first (m.float() or m.double())"
+            if len(dtypes) > 1
+            else "build every model with the same constructor arguments"
+        )
+        raise FoldError(
+            f"BatchModule.from_modules: the models differ in architecture: {detail}. All N "
+            f"models must share one architecture, dtype and device. Fix: {fix}."
+        )
+
+
+def _convert(
+    modules: list[nn.Module],
+    path: str,
+    fallbacks: list[str],
+    seen: dict[tuple[int, ...], nn.Module] | None = None,
+) -> nn.Module:
+    """The batched counterpart of ``modules`` (N modules of one architecture at ``path``).
+
+    ``seen`` maps the N modules (by identity) to their counterpart, so a submodule registered
+    twice in the model is one batched module, registered twice."""
+    if seen is None:
+        seen = {}
+    key = tuple(map(id, modules))
+    done = seen.get(key)
+    if done is not None:
+        return done
+    seen[key] = out = _convert_new(modules, path, fallbacks, seen)
+    return out
+
+
+def _convert_new(
+    modules: list[nn.Module],
+    path: str,
+    fallbacks: list[str],
+    seen: dict[tuple[int, ...], nn.Module],
+) -> nn.Module:
     first = modules[0]
     if any(type(m) is not type(first) for m in modules):
         raise FoldError(
@@ -208,10 +350,56 @@ def _convert(modules: list[nn.Module], path: str, fallbacks: list[str]) -> nn.Mo
         shell.__class__ = type(
             type(first).__name__, (type(first),), {**api, "_fold_restores_module_api": True}
         )
-    for name, _ in first.named_children():
-        kids = [dict(m.named_children())[name] for m in modules]
-        shell._modules[name] = _convert(kids, f"{path}.{name}" if path else name, fallbacks)
+    for name, child in first._modules.items():
+        if child is None:
+            shell._modules[name] = None
+            continue
+        kids = [m._modules[name] for m in modules]
+        sub = f"{path}.{name}" if path else name
+        shell._modules[name] = _convert(kids, sub, fallbacks, seen)  # type: ignore[arg-type]
     return shell
+
+
+def _aliases(m: nn.Module) -> dict[str, str]:
+    """Tied names: every parameter or buffer name that is another name's tensor, mapped to
+    the first name of that tensor (as ``named_parameters`` lists it)."""
+    out: dict[str, str] = {}
+    for items in (
+        m.named_parameters(remove_duplicate=False),
+        m.named_buffers(remove_duplicate=False),
+    ):
+        first: dict[int, str] = {}
+        for name, t in items:
+            canonical = first.setdefault(id(t), name)
+            if canonical != name:
+                out[name] = canonical
+    return out
+
+
+def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
+    """Make every tied name of the batched tree the one stacked tensor of its first name."""
+    for name, canonical in aliases.items():
+        try:
+            shared = root.get_parameter(canonical)
+        except AttributeError:
+            try:
+                shared = root.get_buffer(canonical)
+            except AttributeError:
+                raise FoldError(
+                    f"BatchModule: {name} is tied to {canonical}, but the batched layer of "
+                    f"{canonical} does not keep it under that name, so the tie cannot be kept. "
+                    "Fix: register a batched layer that keeps its base class's names."
+                ) from None
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            owner = root.get_submodule(owner_path)
+        except AttributeError:
+            continue  # inside a vmap fallback that lists each tied tensor once
+        if isinstance(shared, nn.Parameter):
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = shared
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = shared
 
 
 class BatchModule(nn.Module):
@@ -242,9 +430,11 @@ class BatchModule(nn.Module):
         """N distinct models of one architecture (their weights are copied)."""
         if not modules:
             raise FoldError("BatchModule.from_modules: give at least one module.")
+        modules = list(modules)
+        _check_architectures(modules)
         bm = cls.__new__(cls)
         nn.Module.__init__(bm)
-        bm._build(list(modules))
+        bm._build(modules)
         return bm
 
     def _build(self, modules: list[nn.Module]) -> None:
@@ -257,6 +447,9 @@ class BatchModule(nn.Module):
         self.__dict__["template"] = copy.deepcopy(modules[0])
         fallbacks: list[str] = []
         self.model = _convert(modules, "", fallbacks)
+        self._aliases = _aliases(modules[0])
+        _tie(self.model, self._aliases)
+        self._tag_parameters()
         self.train(modules[0].training)
         klass = type(modules[0])
         for name in sorted(_SHADOWED):
@@ -275,6 +468,17 @@ class BatchModule(nn.Module):
                 stacklevel=3,
             )
         self._template_state_keys = list(modules[0].state_dict().keys())
+
+    def _tag_parameters(self) -> None:
+        # Every stacked parameter knows its number of models, so fold.optim infers N from
+        # bm.parameters() as torch.optim needs nothing but the parameters.
+        for p in self.parameters():
+            p._fold_models = self.batch  # type: ignore[attr-defined]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "model" in self._modules:  # a copy (deepcopy, pickle): tag its new parameters
+            self._tag_parameters()
 
     # ------------------------------------------------------------------ calling
     def merged(self, name: str) -> Callable[..., Any]:
@@ -373,38 +577,69 @@ class BatchModule(nn.Module):
         return out
 
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        """N state dicts, each with the keys of the original model's ``state_dict()``."""
+        """N state dicts, each with the keys of the original model's ``state_dict()``; a
+        tied tensor is one tensor under each of its names, as ``state_dict()`` gives it."""
         out = []
         for i in range(self.batch):
             sd: dict[str, torch.Tensor] = {}
             for prefix, layer in self._top_layers():
                 for k, v in layer.state_of(i).items():
                     sd[f"{prefix}.{k}" if prefix else k] = v.detach().clone()
+            for name, canonical in self._aliases.items():
+                if canonical in sd:
+                    sd[name] = sd[canonical]
             out.append({k: sd[k] for k in self._template_state_keys})
         return out
 
     def grads_of(self, i: int) -> dict[str, torch.Tensor | None]:
         """Model ``i``'s parameter gradients, with the original model's parameter names."""
+        i = self._index(i, "grads_of")
         out: dict[str, torch.Tensor | None] = {}
         for prefix, layer in self._top_layers():
             for k, g in layer.grads_of(i).items():
                 out[f"{prefix}.{k}" if prefix else k] = g
         return out
 
-    def load_state_dicts(self, states: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Load N state dicts (the original model's keys) into the N models."""
+    def _index(self, i: Any, where: str) -> int:
+        return model_index(i, self.batch, f"BatchModule.{where}")
+
+    def load_state_dicts(self, states: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Load N state dicts (the original model's keys) into the N models.
+
+        Every state dict is checked first (count, keys, that each value is a tensor of
+        exactly the model's shape); on any problem nothing is loaded."""
+        where = "BatchModule.load_state_dicts"
+        states = list(states)
         if len(states) != self.batch:
-            raise FoldError(
-                f"BatchModule.load_state_dicts: got {len(states)} state dicts for {self.batch} models."
-            )
+            raise FoldError(f"{where}: got {len(states)} state dicts for {self.batch} models.")
+        reference = self.state_dicts()[0]
         want = set(self._template_state_keys)
         for i, sd in enumerate(states):
+            if not isinstance(sd, Mapping):
+                raise FoldError(
+                    f"{where}: item {i} is a {type(sd).__name__}, not a state dict. Fix: pass "
+                    "a list of model.state_dict() of the same architecture."
+                )
             missing, extra = sorted(want - set(sd)), sorted(set(sd) - want)
             if missing or extra:
                 raise FoldError(
-                    f"BatchModule.load_state_dicts: state dict {i} has missing keys {missing} and "
-                    f"unexpected keys {extra}. Fix: pass model.state_dict() of the same architecture."
+                    f"{where}: state dict {i} has missing keys {missing} and unexpected keys "
+                    f"{extra}. Fix: pass model.state_dict() of the same architecture."
                 )
+            for k in self._template_state_keys:
+                v, ref = sd[k], reference[k]
+                if not isinstance(v, torch.Tensor) or v.shape != ref.shape:
+                    got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                    raise FoldError(
+                        f"{where}: state dict {i}, {k!r} is {got}; model {i} needs shape "
+                        f"{tuple(ref.shape)} (values are never broadcast). Nothing was loaded. "
+                        "Fix: pass model.state_dict() of the same architecture."
+                    )
+                if v.is_floating_point() != ref.is_floating_point() and ref.dtype != torch.bool:
+                    raise FoldError(
+                        f"{where}: state dict {i}, {k!r} is {v.dtype}; model {i} keeps "
+                        f"{ref.dtype}. Nothing was loaded."
+                    )
         for i, sd in enumerate(states):
             for prefix, layer in self._top_layers():
                 cut = len(prefix) + 1 if prefix else 0
@@ -414,17 +649,22 @@ class BatchModule(nn.Module):
                 )
 
     def unbatch(self, i: int) -> nn.Module:
-        """A plain module of the original class holding model ``i``'s weights."""
-        if not 0 <= i < self.batch:
-            raise FoldError(
-                f"BatchModule.unbatch({i}): there are {self.batch} models (0..{self.batch - 1})."
-            )
+        """A plain module of the original class holding model ``i``'s weights, with this
+        BatchModule's dtypes, device, ties and train/eval mode."""
+        i = self._index(i, "unbatch")
         m = copy.deepcopy(self.template)
-        m.load_state_dict(self.state_dicts()[i])
-        device = next(iter(self.parameters()), torch.empty(0)).device
-        if device.type != "cpu":
-            for t in [*m.parameters(), *m.buffers()]:
-                t.data = t.data.to(device)
+        state = self.state_dicts()[i]
+        # Each tensor object of the template takes model i's data (and its dtype and
+        # device) in place, so tied weights stay one parameter.
+        with torch.no_grad():
+            for k, t in [*m.named_parameters(), *m.named_buffers()]:
+                if k in state:
+                    t.data = state[k]
+        stack = [m]  # m.train(mode) without calling a model method that may shadow children()
+        while stack:
+            sub = stack.pop()
+            sub.training = self.training
+            stack.extend(c for c in sub._modules.values() if c is not None)
         return m
 
     def extra_repr(self) -> str:
