@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py            # CPU (gloo) or GPUs (NCCL)
     torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py --epochs 4 --data path/to/sst
+    python examples/ddp_tree_lstm.py                                  # one process, world of 1
 
 ``DistributedDataParallel(fold.FoldModule(model))`` runs ``graph.apply(model, lists)`` inside
 DDP's forward, so gradients are averaged across ranks on backward as for any DDP model.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import socket
 from datetime import timedelta
 
 import torch
@@ -22,6 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 import fold
 from fold.models import TreeLSTM, record_tree
 from fold.treebank import Vocab, bundled_treebank, load_treebank
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -36,6 +44,11 @@ def main() -> None:
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:  # not started by torchrun: run as a group of one process
+        print("not started by torchrun: running as 1 process (launch several with")
+        print("  torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py)")
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     # A timeout: if one rank fails, the others stop with an error instead of waiting forever.
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=2))
     rank, world = dist.get_rank(), dist.get_world_size()

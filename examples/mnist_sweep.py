@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mnist_per_sample import load_digits, load_mnist  # noqa: E402
@@ -56,7 +57,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr-min", type=float, default=1e-4)
     ap.add_argument("--lr-max", type=float, default=1e-2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: speed figures that hold on a busy machine)",
+    )
+    ap.add_argument("--save", type=Path, help="write the N models' state dicts here (torch.save)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     xtr, ytr, xte, yte = load_mnist(args.data) if args.data else load_digits()
     xtr, xte = xtr.unsqueeze(1), xte.unsqueeze(1)  # (n, 1, H, W)
@@ -66,18 +75,19 @@ def main() -> None:
     ).tolist()
     models = [LeNet(xtr.shape[-1]) for _ in range(n)]
     bm = BatchModule.from_modules(copy.deepcopy(models))
-    opt = fold.optim.Adam(bm.parameters(), batch=n, lr=lrs)
+    opt = fold.optim.Adam(bm.parameters(), lr=lrs)
     print(
         f"{n} LeNets, lr {lrs[0]:.1e} .. {lrs[-1]:.1e}, {len(xtr)} training images of {tuple(xtr.shape[2:])}"
     )
     summary = None
     for epoch in range(1, args.epochs + 1):
         agg = Aggregator()
-        for idx in torch.randperm(len(xtr)).split(args.batch):
+        bar = tqdm(torch.randperm(len(xtr)).split(args.batch), desc=f"epoch {epoch}", leave=False)
+        for idx in bar:
             x = xtr[idx].expand(n, *xtr[idx].shape)  # every model sees the same batch
             y = ytr[idx].expand(n, -1)
             out = bm(x)
-            losses = batch_loss(out, y, n, F.cross_entropy)
+            losses = batch_loss(out, y, F.cross_entropy)
             opt.zero_grad()
             losses.sum().backward()
             opt.step()
@@ -97,6 +107,9 @@ def main() -> None:
         )
     assert summary is not None
     print(summary.table(names=[f"lr={lr:.1e}" for lr in lrs], digits=3))
+    if args.save:
+        torch.save(bm.state_dicts(), args.save)
+        print(f"saved {n} state dicts to {args.save}")
 
     steps = [idx for idx in torch.randperm(len(xtr)).split(args.batch)][:20]
     t0 = time.perf_counter()
@@ -113,7 +126,7 @@ def main() -> None:
             F.cross_entropy(m(xtr[idx]), ytr[idx]).backward()
     separate = time.perf_counter() - t0
     print(
-        f"forward+backward of {len(steps)} batches: one BatchModule {swept:.2f}s, {n} models one after another {separate:.2f}s ({separate / swept:.2f}x)"
+        f"forward+backward of {len(steps)} batches: one BatchModule {swept:.2f}s, {n} models one after another {separate:.2f}s ({separate / swept:.2f}x, {args.threads} thread{'s' if args.threads > 1 else ''})"
     )
 
 

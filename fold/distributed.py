@@ -58,6 +58,14 @@ def shard(n_models: int, rank: int | None = None, world: int | None = None) -> s
     """The models of a sweep this rank trains: a contiguous share of ``range(n_models)``."""
     rank = dist.get_rank() if rank is None else rank
     world = dist.get_world_size() if world is None else world
+    for name, v in (("n_models", n_models), ("world", world)):
+        if type(v) is not int or v < 1:
+            raise FoldError(f"shard: {name}={v!r}; expected a positive int.")
+    if type(rank) is not int or not 0 <= rank < world:
+        raise FoldError(
+            f"shard: rank={rank!r}; expected an int in [0, world={world}). Fix: pass "
+            "dist.get_rank(), or leave rank and world out inside an initialised process group."
+        )
     if n_models < world:
         raise FoldError(
             f"shard: {n_models} models cannot be shared by {world} ranks; give each rank at least one."

@@ -6,6 +6,7 @@ import os
 import random
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -195,3 +196,21 @@ def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(tmp_path: Path)
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert set(state["model"]) == set(model().state_dict())
     assert not list(tmp_path.glob(".ckpt.pt.*"))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((4, 2, 2), r"rank=2; expected an int in \[0, world=2\)"),
+        ((4, -1, 2), r"rank=-1"),
+        ((4, 0, 0), r"world=0; expected a positive int"),
+        ((0, 0, 1), r"n_models=0"),
+        ((3, 0, 4), r"3 models cannot be shared by 4 ranks"),
+    ],
+)
+def test_shard_checks_its_arguments(args, match) -> None:
+    from fold.distributed import shard
+
+    with pytest.raises(fold.FoldError, match=match):
+        shard(*args)
+    assert shard(5, 1, 2) == slice(2, 5)

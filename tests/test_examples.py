@@ -29,7 +29,7 @@ def test_readme_quickstart_runs() -> None:
     assert namespace["model"].node_gates.weight.grad is not None  # type: ignore[attr-defined]
 
 
-def test_tree_lstm_example_learns() -> None:
+def test_tree_lstm_example_learns(tmp_path: Path) -> None:
     out = run(
         "examples/tree_lstm.py",
         "--epochs",
@@ -40,7 +40,12 @@ def test_tree_lstm_example_learns() -> None:
         "20",
         "--lr",
         "0.01",
+        "--save",
+        str(tmp_path / "tree.pt"),
     )
+    saved = torch.load(tmp_path / "tree.pt", weights_only=True)
+    assert "node_gates.weight" in saved
+    assert "1 thread)" in out  # the speed line says how it was measured
     before = float(re.search(r"before training: ([\d.]+)%", out).group(1))
     last = float(re.findall(r"dev accuracy ([\d.]+)%", out)[-1])
     assert last > before + 20, out
@@ -74,7 +79,10 @@ def test_mnist_example_reads_idx_files(tmp_path: Path) -> None:
         "3",
         "--speed-steps",
         "2",
+        "--save",
+        str(tmp_path / "mlp.pt"),
     )
+    assert (tmp_path / "mlp.pt").exists()
     assert "256 training images of (28, 28)" in out
     acc = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
     assert acc > 50, out
@@ -125,3 +133,9 @@ def test_ddp_example_runs_on_two_cpu_ranks() -> None:
         "1",
     )
     assert re.search(r"epoch 1: mean loss [\d.]+, dev root accuracy [\d.]+% \(2 ranks\)", out), out
+
+
+def test_ddp_example_runs_without_torchrun() -> None:
+    out = run("examples/ddp_tree_lstm.py", "--epochs", "1")
+    assert "not started by torchrun: running as 1 process" in out
+    assert re.search(r"epoch 1: mean loss [\d.]+, dev root accuracy [\d.]+% \(1 ranks\)", out), out
