@@ -475,6 +475,14 @@ class BatchModule(nn.Module):
         for p in self.parameters():
             p._fold_models = self.batch  # type: ignore[attr-defined]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # .to(), .double(), .cuda() may replace parameters (a move to another kind of device
+        # makes new ones): tag what is there afterwards.
+        out = super()._apply(fn, recurse)
+        if "model" in self._modules:
+            self._tag_parameters()
+        return out
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if "model" in self._modules:  # a copy (deepcopy, pickle): tag its new parameters
