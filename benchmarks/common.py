@@ -55,12 +55,33 @@ def parser(doc: str | None, *, device: bool = True) -> argparse.ArgumentParser:
     )
     if device:
         ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument(
+        "--save",
+        action="store_true",
+        help="write the results into the tracked benchmarks/results/ (and docs/ for plots); "
+        "without it they go to runs/benchmarks/, which git ignores",
+    )
     return ap
+
+
+_OUT = {"dir": Path(__file__).resolve().parents[1] / "runs" / "benchmarks", "docs": None}
+
+
+def output_path(name: str, docs: bool = False) -> Path:
+    """Where a result file goes: the tracked benchmarks/results/ (docs/ for plots) with
+    --save, else runs/benchmarks/ (ignored by git), so a run never changes tracked files
+    unless asked to."""
+    base = (_OUT["docs"] if docs else _OUT["dir"]) or _OUT["dir"]
+    base.mkdir(parents=True, exist_ok=True)
+    return base / name
 
 
 def setup(args: argparse.Namespace) -> None:
     """Apply the shared options: threads, and the allocator setting if asked for."""
     torch.set_num_threads(args.threads)
+    if getattr(args, "save", False):
+        _OUT["dir"] = RESULTS
+        _OUT["docs"] = Path(__file__).resolve().parents[1] / "docs"
     if args.steady_malloc and not steady_malloc():
         raise SystemExit("--steady-malloc: this C library has no glibc mallopt")
 
@@ -184,8 +205,7 @@ def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = output_path(f"{name}.json")
     payload = {"machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

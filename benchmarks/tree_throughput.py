@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     interleaved,
     median,
+    output_path,
     parser,
     peak_host_bytes,
     setup,
@@ -107,7 +108,7 @@ def main() -> None:
     ax.set_title(f"TreeLSTM hidden {args.hidden}, {dev}")
     ax.legend()
     fig.tight_layout()
-    out = Path(__file__).resolve().parents[1] / "docs" / f"tree_throughput{suffix}.png"
+    out = output_path(f"tree_throughput{suffix}.png", docs=True)
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
