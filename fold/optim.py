@@ -180,8 +180,6 @@ class _PerModelOptimizer(torch.optim.Optimizer):
                 group[key] = _per_model(k, value, self.batch, where)
         group.setdefault("lr", 1.0)
         group["frozen"] = group.get("frozen", self.defaults["frozen"]).clone()
-        for k in self.hypers:  # present per group: torch's defaults must not add the scalars
-            group.setdefault(k if k != "lr" else "model_lr", None)
         self._check_extra(group, where)
         super().add_param_group(group)
         for p in self.param_groups[-1]["params"]:

@@ -620,7 +620,9 @@ class BatchModule(nn.Module):
         states = list(states)
         if len(states) != self.batch:
             raise FoldError(f"{where}: got {len(states)} state dicts for {self.batch} models.")
-        reference = self.state_dicts()[0]
+        # The model's own state dict gives every key's per-model shape and dtype kind,
+        # without cloning the N models' tensors as state_dicts() would.
+        reference = self.template.state_dict()
         want = set(self._template_state_keys)
         for i, sd in enumerate(states):
             if not isinstance(sd, Mapping):
