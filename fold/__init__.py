@@ -19,8 +19,8 @@ from typing import Any
 from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
-from fold.graph import Node as Node
-from fold.graph import Unfold as Unfold
+from fold.node import Node as Node
+from fold.unfold import Unfold as Unfold
 
 __all__ = ["Fold", "FoldError", "FoldModule", "Node", "Unfold"]
 __version__ = "0.1.0"

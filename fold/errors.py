@@ -1,8 +1,12 @@
-"""The one error class fold raises for bad input and failed ops."""
+"""The one error class fold raises, and the names and shapes its messages show."""
 
 from __future__ import annotations
 
-__all__ = ["FoldError"]
+from typing import Any
+
+import torch
+
+__all__ = ["FoldError", "describe", "op_name"]
 
 
 class FoldError(ValueError):
@@ -12,3 +16,19 @@ class FoldError(ValueError):
     chained to the original exception (``raise FoldError(...) from err``), so the original
     traceback stays available as ``err.__cause__``.
     """
+
+
+def op_name(op: Any) -> str:
+    """A readable name for an op: the method name, or a callable's qualified name."""
+    if isinstance(op, str):
+        return op
+    return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+
+
+def describe(shape: Any, dtype: Any, always_dtype: bool = False) -> str:
+    """A shape for messages and summaries: ``(4, 7)``, with the dtype when it is not the
+    default one (or ``always_dtype``): ``(4,) int64``."""
+    shown = f"{tuple(shape)}"
+    if always_dtype or dtype != torch.get_default_dtype():
+        shown += f" {str(dtype).replace('torch.', '')}"
+    return shown

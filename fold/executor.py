@@ -1,4 +1,4 @@
-"""Execution of a :class:`fold.scheduler.Plan`.
+"""Execution of a :class:`fold.scheduler.Plan` over a graph snapshot (``fold.arrays``).
 
 Each group's outputs stay batched tensors (*sources*); a node's value is the pair (source,
 row).  Gathering an argument column costs nothing when its rows are a whole source in order,
@@ -6,40 +6,69 @@ a ``narrow`` when they are a contiguous run of one source, and otherwise ONE
 ``index_select`` from a *value table*: the sources of one shape, dtype and output index in
 one tensor, filled lazily the first time a column draws from several of them.  So the number
 of tensor ops grows with steps x groups x arguments, never with nodes, and autograd flows
-back through the gathers unchanged.
+back through the gathers unchanged.  A plan whose groups name their inputs (a chain of whole
+outputs, ``Plan.whole``) passes those outputs as they are and indexes no rows at all.
+
+The executor reads the snapshot and the plan only: never the Fold that recorded them.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import warnings
-from collections.abc import Callable, Mapping
-from itertools import repeat
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from fold.errors import FoldError
-from fold.graph import (
-    _SCALAR_KINDS,
-    DEPTH_SHIFT,
+from fold._encoding import (
     FLOAT,
-    ID_MASK,
-    ID_SHIFT,
-    LOW_MASK,
     NODE,
-    NSPLIT_MASK,
-    NSPLIT_SHIFT,
-    OUT_MASK,
-    Fold,
+    decode,
+    is_tensor_kind,
     node_id,
-    op_name,
+    out_index,
+    split_count,
+    wanted_outputs,
 )
-from fold.layout import decode, handles_array, number_column, numbers_tensor
-from fold.scheduler.plan import Plan
+from fold.arrays import GraphArrays, handles_array, number_column, numbers_tensor
+from fold.errors import FoldError, describe, op_name
+from fold.scheduler.chain import whole_output
+from fold.scheduler.plan import Input, Plan
 
-__all__ = ["Executor", "device_of"]
+__all__ = [
+    "Executor",
+    "ModelBatched",
+    "check_outputs",
+    "device_of",
+    "literal_output",
+    "literal_value",
+    "op_failed",
+    "resolve_op",
+]
+
+
+class ModelBatched:
+    """What ``apply`` needs of an object that runs N models at once, one row per model in
+    every node value (:class:`fold.batched_ops.BatchModule` implements it).
+
+    ``batch`` is N.  ``merged(op)`` is the op for rows of (node, model) pairs, model index
+    fastest; ``fold_chunk()`` how many models one executor pass runs; ``chunks(size)``
+    yields a slice of models per pass, each selected while the pass runs.
+    """
+
+    batch: int
+
+    def merged(self, op: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def fold_chunk(self) -> int:
+        raise NotImplementedError
+
+    def chunks(self, size: int) -> Iterator[slice]:
+        raise NotImplementedError
 
 
 def device_of(obj: Any) -> torch.device:
@@ -58,22 +87,42 @@ def device_of(obj: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def describe(shape: Any, dtype: Any) -> str:
-    """``(4, 7)``, with the dtype when it is not the default one: ``(4,) int64``."""
-    dt = "" if dtype == torch.get_default_dtype() else f" {str(dtype).replace('torch.', '')}"
-    return f"{tuple(shape)}{dt}"
-
-
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return describe(t.shape, t.dtype)
     return type(t).__name__
 
 
-# How to gather an argument column: (source or -1 - class table, start row, length, index
-# position).  An index position >= 0 means index_select with that index; otherwise the source
-# whole or a narrow of it.
-_Recipe = tuple[int, int, int, int]
+class How(enum.Enum):
+    """How a recipe reads its rows."""
+
+    SOURCE = 0  # a source whole, or a narrow of it
+    SELECT = 1  # index_select from one source
+    TABLE = 2  # index_select from a class's value table
+    MIXED = 3  # rows of several classes of one shape: one index_select per class
+
+
+class Recipe(NamedTuple):
+    """How to gather one argument column: ``src`` is a source (SOURCE, SELECT) or a class
+    (TABLE); rows ``start`` to ``start + length`` (SOURCE); ``index`` the position of its
+    index array among the group's (SELECT, TABLE) or of its rows in ``_mixed`` (MIXED)."""
+
+    how: How
+    src: int
+    start: int
+    length: int
+    index: int
+
+
+class Arg(enum.Enum):
+    """Where an argument value of a group comes from."""
+
+    GATHER = 0  # rows of node values, by a Recipe
+    WHOLE = 1  # a nobatch node's value, passed whole (a source index)
+    INPUT = 2  # an earlier group's output as it is (a tensor)
+    TENSORS = 3  # literal tensors, concatenated
+    NUMBERS = 4  # literal numbers, as a 1-D tensor
+
 
 # Every source has a virtual offset: its shape class in the high bits, its first row in the
 # class's value table below.  A node output's virtual row is that offset plus its row, kept in
@@ -81,11 +130,10 @@ _Recipe = tuple[int, int, int, int]
 # numpy operations, and their min/max tell whether they share a class or a source.
 _CLASS_SHIFT = 40
 _ROW_MASK = (1 << _CLASS_SHIFT) - 1
-_MIXED = -(1 << 30)  # a recipe "source" for rows of several classes of one shape
 
 
 class Executor:
-    """Runs one ``apply``: executes a plan's groups, then gathers the requested outputs.
+    """Runs one pass of ``apply``: executes a plan's groups, then gathers the outputs.
 
     Value tables: the sources of one class (``shape[1:]``, dtype, output index) share one
     preallocated table, filled lazily (see ``_fill_table``) when a column first needs rows of
@@ -95,31 +143,31 @@ class Executor:
 
     def __init__(
         self,
-        graph: Fold,
+        arrays: GraphArrays,
         obj: Any,
         models: int | None = None,
         max_rows: int | Mapping[Any, int] | None = None,
         max_bytes: int | None = None,
     ) -> None:
-        self.graph = graph
+        self.arrays = arrays
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.obj = obj
         self.device = device_of(obj)
         self.on_cpu = self.device.type == "cpu"
-        # N models of a BatchModule: every node value has N rows, (node, model) order.
-        self.model_dim = _is_batch_module(obj)  # node outputs come back (models, len, ...)
+        # N models: every node value has N rows, (node, model) order.
+        self.model_dim = isinstance(obj, ModelBatched)  # outputs come back (models, len, ...)
         if models is None:
             models = int(obj.batch) if self.model_dim else 1
         self.models = models
-        if self.model_dim and graph.nobatch_ids:
+        self.nobatch = arrays.nobatch
+        if self.model_dim and self.nobatch:
             raise FoldError(
                 "apply: nobatch nodes are not supported with a BatchModule yet. "
                 "Fix: compute the shared value inside the op, or apply each model separately."
             )
         self._expand = torch.arange(self.models, device=self.device) if self.models > 1 else None
-        self.arrays = graph.arrays()
-        n = self.arrays.n
+        n = arrays.n
         # Per (output index, node id): the virtual row of the value (see _CLASS_SHIFT); per
         # node: how many outputs its op returned (0: not run, or nobatch).
         self.vrow = np.zeros((1, n), np.int64)
@@ -133,11 +181,16 @@ class Executor:
         self._tables: list[torch.Tensor | None] = []
         self._in_table: list[int] = []  # per class: how many of its sources the table holds
         self._class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
-        self._mixed: list[list[int]] = []  # rows of mixed-class gathers
+        self._mixed: list[np.ndarray] = []  # rows of mixed-class gathers
         self._outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
         self._rows_left = 0  # nodes of the plan not run yet
+        # A whole plan: per signature its group's outputs, and the groups whose rows are not
+        # registered yet (only an output list that is no whole output needs them).
+        self._by_sig: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._unindexed: list[tuple[tuple[torch.Tensor, ...], np.ndarray]] = []
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
+        self._plan: Plan | None = None
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -147,6 +200,7 @@ class Executor:
         return fn
 
     def run(self, plan: Plan) -> None:
+        self._plan = plan
         self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
         for s, step in enumerate(plan.steps):
             for group in step.groups:
@@ -154,7 +208,10 @@ class Executor:
                 if type(nodes) is not np.ndarray:
                     nodes = np.asarray(nodes, dtype=np.int64)
                 key = group.key  # the signature id, unless nobatch arguments extend it
-                self._run_group(s, nodes, key if type(key) is int else None)
+                if group.inputs is not None:
+                    self._run_inputs(s, nodes, key, group.inputs)
+                else:
+                    self._run_group(s, nodes, key if type(key) is int else None)
                 self._rows_left -= len(nodes)
 
     # ------------------------------------------------------------------ gathers
@@ -178,20 +235,20 @@ class Executor:
         nout, vrow = self.nout, self.vrow
         rows = []
         for h in handles:
-            nid = (h >> ID_SHIFT) & ID_MASK
-            want = (h >> NSPLIT_SHIFT) & NSPLIT_MASK or 1
+            nid = node_id(h)
+            want = wanted_outputs(h)
             if nout[nid] != want:
                 self._bad_handle(np.array([h]), np.array([want]), np.array([nid]))
-            rows.append(int(vrow[h & OUT_MASK, nid]))
+            rows.append(int(vrow[out_index(h), nid]))
         return rows
 
     def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
         handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
         i = int(np.flatnonzero(want != self.nout[nid])[0])
         h, node = int(handles[i]), int(nid[i])
-        raise bad_split(self.graph, node, (h >> NSPLIT_SHIFT) & NSPLIT_MASK, int(self.nout[node]))
+        raise bad_split(self.arrays, node, split_count(h), int(self.nout[node]))
 
-    def _recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[_Recipe | None]:
+    def _recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[Recipe | None]:
         """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
         column whose rows span shape classes of different shapes or dtypes.
 
@@ -199,7 +256,7 @@ class Executor:
         """
         n = rows.shape[0]
         los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
-        recipes: list[_Recipe | None] = []
+        recipes: list[Recipe | None] = []
         for col, (lo, hi) in enumerate(zip(los, his)):
             c = lo >> _CLASS_SHIFT
             if hi >> _CLASS_SHIFT != c:
@@ -209,7 +266,7 @@ class Executor:
                     recipes.append(None)  # different shapes or dtypes: split the group
                     continue
                 self._mixed.append(column)  # one shape, several output indices: per class
-                recipes.append((_MIXED, 0, n, len(self._mixed) - 1))
+                recipes.append(Recipe(How.MIXED, -1, 0, n, len(self._mixed) - 1))
                 continue
             starts = self._class_starts[c]
             j = bisect.bisect_right(starts, lo) - 1
@@ -218,14 +275,14 @@ class Executor:
             if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
                 # A column in order, one row after another (a group's own nodes): a narrow.
                 if hi - lo == n - 1 and (n == 1 or (np.diff(rows[:, col]) == 1).all()):
-                    recipes.append((src, lo - start, n, -1))
+                    recipes.append(Recipe(How.SOURCE, src, lo - start, n, -1))
                     continue
                 idx.append(rows[:, col] - start)
-                recipes.append((src, 0, n, len(idx) - 1))
+                recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
                 continue
             self._fill_table(c)
             idx.append(rows[:, col] - (c << _CLASS_SHIFT))
-            recipes.append((-1 - c, 0, n, len(idx) - 1))
+            recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
         return recipes
 
     def _fill_table(self, c: int) -> None:
@@ -297,12 +354,12 @@ class Executor:
             views = [self._rows_of(v) for v in views]
         return views
 
-    def _gather(self, recipe: _Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
-        src, start, length, ix = recipe
-        if src == _MIXED:
+    def _gather(self, recipe: Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
+        how, src, start, length, ix = recipe
+        if how is How.MIXED:
             return self._gather_mixed(self._mixed[ix])
-        t = self._tables[-1 - src] if src < 0 else self.sources[src]
-        if ix >= 0:
+        t = self._tables[src] if how is How.TABLE else self.sources[src]
+        if how is not How.SOURCE:
             return t.index_select(0, itensors[ix])
         m = self.models
         if start == 0 and length * m == t.shape[0]:
@@ -311,14 +368,12 @@ class Executor:
 
     # ------------------------------------------------------------------ groups
     def _run_group(self, step: int, members: np.ndarray, sid: int | None = None) -> None:
-        g = self.graph
         a = self.arrays
         nid0 = int(members[0])
         if sid is None:
             sid = int(a.sig[nid0])
-        op, kinds = g.signatures[sid]
-        fn = self._resolve(op)
-        nobatch = g.nobatch_ids
+        op, kinds = a.signatures[sid]
+        nobatch = self.nobatch
         alone = bool(nobatch) and nid0 in nobatch
         n = len(members)
         cols, node_js, hmat, decoded = a.columns(sid)
@@ -331,12 +386,12 @@ class Executor:
         for j, k in enumerate(kinds):
             if k == NODE:
                 plans.append(None)  # below, all node columns at once
-            elif type(k) is tuple:  # literal tensors
+            elif is_tensor_kind(k):
                 plans.append(
-                    ("tensors", cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
+                    (Arg.TENSORS, cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
                 )
-            else:  # numbers
-                plans.append(("numbers", cols[j] if whole_sig else cols[j][pos]))
+            else:
+                plans.append((Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos]))
         if node_js and n == 1 and not nobatch:
             # One node (an RNN step, the top of a tree): each argument is one row of one
             # source, a narrow; plain ints are far cheaper than arrays at this size.
@@ -345,7 +400,10 @@ class Executor:
                 c = row >> _CLASS_SHIFT
                 starts = self._class_starts[c]
                 i = bisect.bisect_right(starts, row) - 1
-                plans[j] = ("gather", (self._class_srcs[c][i], row - starts[i], 1, -1))
+                plans[j] = (
+                    Arg.GATHER,
+                    Recipe(How.SOURCE, self._class_srcs[c][i], row - starts[i], 1, -1),
+                )
         elif node_js:
             handles: Any = hmat if whole_sig else lambda: hmat[pos]  # read by errors only
             if not whole_sig:
@@ -357,7 +415,7 @@ class Executor:
                 for c, j in enumerate(node_js):
                     h0 = int(handles[0, c])
                     if node_id(h0) in nobatch:
-                        plans[j] = ("whole", self._whole_source(h0))
+                        plans[j] = (Arg.WHOLE, self._whole_source(h0))
                     else:
                         keep.append(c)
                 gathered = [node_js[c] for c in keep]
@@ -372,21 +430,63 @@ class Executor:
                     self._run_subgroups(step, members, mixed)
                     return
                 for j, r in zip(gathered, recipes):
-                    plans[j] = ("gather", r)
+                    plans[j] = (Arg.GATHER, r)
 
         # Phase 2: index tensors, then the argument values.
         itensors = self._index_tensors(idx)
         values: list[torch.Tensor] = []
         for (what, p), k in zip(plans, kinds):
-            if what == "gather":
+            if what is Arg.GATHER:
                 values.append(self._gather(p, itensors))
-            elif what == "whole":
+            elif what is Arg.WHOLE:
                 values.append(self.sources[p])
-            else:  # literal tensors or numbers
-                t = literal_value(k, p, self.device)
-                values.append(t if self.models == 1 else t.repeat_interleave(self.models, 0))
+            else:
+                values.append(self._literal(k, p))
+        outs = self._call(step, op, values, plans, n, alone)
+        self._add_sources(outs, alone, members)
 
-        # Phase 3: the batched call (in chunks of rows where a memory limit asks for it).
+    def _literal(self, kind: Any, column: Any) -> torch.Tensor:
+        t = literal_value(kind, column, self.device)
+        return t if self.models == 1 else t.repeat_interleave(self.models, 0)
+
+    def _run_inputs(
+        self, step: int, members: np.ndarray, sid: int, inputs: tuple[Input | None, ...]
+    ) -> None:
+        """A group of a whole plan: all of signature ``sid``'s nodes, each node column an
+        earlier group's output as it is (``inputs``); the literal columns as recorded."""
+        a = self.arrays
+        op, kinds = a.signatures[sid]
+        n = len(members)
+        rows = a.rows(sid)
+        values: list[torch.Tensor] = []
+        plans: list[Any] = []
+        for j, (k, src) in enumerate(zip(kinds, inputs)):
+            if src is not None:
+                values.append(self._input(src))
+                plans.append((Arg.INPUT, None))
+                continue
+            column = [r[j] for r in rows]
+            if not is_tensor_kind(k):
+                column = number_column(op, j, k, column)
+            values.append(self._literal(k, column))
+            plans.append((Arg.NUMBERS, None))
+        outs = self._call(step, op, values, plans, n, False)
+        self._by_sig[sid] = outs
+        self._unindexed.append((outs, members))
+
+    def _input(self, src: Input) -> torch.Tensor:
+        """The output that an Input names, checked against the split its handles make."""
+        outs = self._by_sig[src.sid]
+        if len(outs) != (src.nsplit or 1):
+            nid = node_id(self.arrays.first_handle(src.sid))
+            raise bad_split(self.arrays, nid, src.nsplit, len(outs))
+        return outs[src.out]
+
+    def _call(
+        self, step: int, op: Any, values: list[torch.Tensor], plans: list[Any], n: int, alone: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """The batched call of a group (in chunks of rows where a memory limit asks for it)."""
+        fn = self._resolve(op)
         limit = (
             n
             if self.max_rows is None and self.max_bytes is None
@@ -401,9 +501,9 @@ class Executor:
         except Exception as err:
             raise op_failed(op, step, n, values, err) from err
         outs = check_outputs(op, step, n * self.models, out, alone)
-        self._add_sources(outs, alone, members)
-        # Shapes are kept raw; Fold.summary formats them only when asked.
+        # Shapes are kept raw; summaries format them only when asked.
         self.report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
+        return outs
 
     def _limit(self, op: Any, values: list[torch.Tensor], plans: list[Any], n: int) -> int:
         """Nodes per call for this group under ``max_rows`` / ``max_bytes``."""
@@ -417,7 +517,7 @@ class Executor:
             per_node = sum(
                 v[: self.models].numel() * v.element_size()
                 for v, (what, _) in zip(values, plans)
-                if what != "whole"
+                if what is not Arg.WHOLE
             )
             if per_node > self.max_bytes:
                 raise FoldError(
@@ -446,7 +546,7 @@ class Executor:
         for start in range(0, n, limit):
             size = min(limit, n - start)
             args = [
-                v if what == "whole" else v.narrow(0, start * m, size * m)
+                v if what is Arg.WHOLE else v.narrow(0, start * m, size * m)
                 for v, (what, _) in zip(values, plans)
             ]
             parts.append(fn(*args))
@@ -506,10 +606,10 @@ class Executor:
 
     def _whole_source(self, h: int) -> int:
         nid = node_id(h)
-        src = self.whole.get((nid, (h >> NSPLIT_SHIFT) & NSPLIT_MASK, h & OUT_MASK))
+        src = self.whole.get((nid, split_count(h), out_index(h)))
         if src is None:
             raise FoldError(
-                f"apply: nobatch node {nid} ({op_name(self.graph.op_of(nid))!r}) is used "
+                f"apply: nobatch node {nid} ({op_name(self.arrays.op_of(nid))!r}) is used "
                 "with a split that does not match the outputs of its op. Fix: use it whole if "
                 "its op returns one tensor, else the handles of .split(n), n its outputs."
             )
@@ -529,12 +629,17 @@ class Executor:
         """The value of one list given to apply."""
         if kind != "nodes":
             return literal_output(kind, items, i, self.device)
-        if set(map(type, items)) != {self.graph._node_type}:
+        if set(map(type, items)) != {self.arrays.node_type}:
             raise FoldError(
                 f"apply: lists[{i}] holds nodes that this Fold did not record. Fix: pass nodes "
                 "returned by this Fold's add()."
             )
-        nobatch = self.graph.nobatch_ids
+        if self._by_sig:  # a whole plan: a list that is a whole output is that output
+            src = whole_output(self.arrays, items)
+            if src is not None:
+                return self._model_major(self._input(src))
+            self._index_rows()
+        nobatch = self.nobatch
         if nobatch and any(node_id(h) in nobatch for h in items):
             return torch.cat([self._value(h) for h in items], 0)
         if len(items) == 1 and not self.model_dim:  # e.g. the root of one tree: its row
@@ -544,8 +649,7 @@ class Executor:
         (recipe,) = self._recipes(rows, idx)
         if recipe is None:
             metas = {
-                f"{tuple(v.shape[1:])} {str(v.dtype).replace('torch.', '')}"
-                for v in map(self._value, items)
+                describe(v.shape[1:], v.dtype, always_dtype=True) for v in map(self._value, items)
             }
             raise FoldError(
                 f"apply: lists[{i}] holds output nodes of different shapes or dtypes "
@@ -553,22 +657,28 @@ class Executor:
                 "dim 0. Fix: put nodes of each shape and dtype in their own list, or convert "
                 "the values to one dtype in the ops."
             )
-        out = self._gather(recipe, self._index_tensors(idx))
-        if self.model_dim:  # (k*N, ...) -> (N, k, ...): one slice per model
-            out = out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
-        return out
+        return self._model_major(self._gather(recipe, self._index_tensors(idx)))
+
+    def _model_major(self, out: torch.Tensor) -> torch.Tensor:
+        """(k*N, ...) rows of (node, model) pairs -> (N, k, ...): one slice per model."""
+        if not self.model_dim:
+            return out
+        return out.view(-1, self.models, *out.shape[1:]).transpose(0, 1)
+
+    def _index_rows(self) -> None:
+        """Register the rows of a whole plan's groups, for outputs read by rows."""
+        for outs, members in self._unindexed:
+            self._add_sources(outs, False, members)
+        self._unindexed.clear()
 
     def _value(self, h: int) -> torch.Tensor:
         """One node's value (slow path): its row, or the whole value of a nobatch node."""
-        if node_id(h) in self.graph.nobatch_ids:
+        if node_id(h) in self.nobatch:
             return self.sources[self._whole_source(h)]
         (v,) = self._rows_one([h])
         c = v >> _CLASS_SHIFT
         j = bisect.bisect_right(self._class_starts[c], v) - 1
         return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
-
-
-_BATCH_MODULE: Any = None
 
 
 def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
@@ -586,7 +696,7 @@ def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
                 f"wrapper, which compiles forward only: op {op!r} runs uncompiled. Fix: compile "
                 f"the op itself (model.{op} = torch.compile(model.{op})) and pass the module, "
                 "or pass the uncompiled module to silence this.",
-                stacklevel=4,
+                stacklevel=5,
             )
         fn = getattr(obj, op, None)
         if fn is None or not callable(fn):
@@ -670,10 +780,10 @@ def literal_output(kind: str, items: Any, i: int, device: torch.device) -> torch
     return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
 
 
-def bad_split(graph: Fold, node: int, n: int, m: int) -> FoldError:
+def bad_split(arrays: GraphArrays, node: int, n: int, m: int) -> FoldError:
     """The FoldError for a handle of ``node`` made by ``split(n)`` (``n`` 0: the whole node)
     where its op returned ``m`` outputs (0: the node has no value of its own)."""
-    op = op_name(graph.op_of(node))
+    op = op_name(arrays.op_of(node))
     if m == 0:
         return FoldError(
             f"apply: node {node} ({op!r}) has no value here: a nobatch node can only be an "
@@ -689,143 +799,6 @@ def bad_split(graph: Fold, node: int, n: int, m: int) -> FoldError:
         f"apply: node {node} ({op!r}) was split with .split({n}), but op {op!r} returned "
         f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
     )
-
-
-def _head(h: Any, first: dict[int, int]) -> tuple[int, int] | None:
-    """(signature, low bits) of a column whose first handle is ``h``, if ``h`` is the first
-    node of a signature (whole, or output k of a split); else None."""
-    h0 = int(h)  # Nodes refuse arithmetic (it would not record); plain ints from here
-    low = h0 & LOW_MASK
-    t = first.get(h0 - low)
-    return None if t is None else (t, low)
-
-
-def _in_order(col: Any, t: int, low: int, handles: list[list[int]]) -> bool:
-    """Whether ``col`` holds every node of signature ``t`` in recording order, each with the
-    low bits ``low`` (its output index and split)."""
-    # The nodes' own handles have no low bits, so the column equals theirs after subtracting
-    # the first one's low bits only if all of its handles carry the same low bits.
-    return (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) == handles[t]
-
-
-def run_chain(graph: Fold, obj: Any, lists: Any) -> Any:
-    """``apply`` of a graph where each op runs as one group on whole outputs of earlier ones,
-    in order; None where that does not hold (``apply`` then checks the lists and runs the
-    general executor).  Per-sample training loops record such graphs: ``f.add("forward",
-    image)`` per sample, often followed by ``f.add("loss", logits, label)``.
-
-    The conditions: no nobatch node, no BatchModule; every node argument column of a
-    signature is all the nodes of one earlier signature in recording order (whole, or output
-    k of the same split), so every node of a signature sits at one depth and the depth
-    scheduler would make each signature one group; and every list in ``lists`` is such a
-    column or Python numbers of one type.  Then each signature is one call of its op on the
-    earlier outputs themselves (no gather, no index), its literals concatenated, and each list
-    of nodes is an op output itself: the general executor's groups, values and gradients,
-    without its planning and bookkeeping, which for a graph of a few groups cost more than the
-    groups (all of it is Python on cold caches, paid every training step).  The lists are
-    read here, before apply's full check of them, for the same reason.
-    """
-    memos = graph._memos
-    if graph.nobatch_ids or type(lists) not in (list, tuple) or _is_batch_module(obj):
-        return None
-    counts = list(map(len, memos))
-    first = {next(iter(memo.values())): t for t, memo in enumerate(memos)}
-    # A cheap pass on the first node of each column and list: most graphs that are not
-    # chains (trees, sequences) fail here, before any column is read whole.
-    heads: list[list[Any]] = []
-    for s, (_op, kinds) in enumerate(graph.signatures):
-        row0 = graph._targs[s][0] if graph._targs[s] else next(iter(memos[s]))
-        head: list[Any] = [None] * len(kinds)
-        for j, k in enumerate(kinds):
-            if k == NODE:
-                head[j] = _head(row0[j], first)
-                if head[j] is None or head[j][0] >= s or counts[head[j][0]] != counts[s]:
-                    return None
-        heads.append(head)
-    node_type = graph._node_type
-    wanted: list[Any] = []
-    for items in lists:
-        if type(items) is torch.Tensor and items.dim() == 1:  # labels as a tensor
-            wanted.append(_COLUMN)
-            continue
-        if type(items) is not list or not items or len(set(map(type, items))) != 1:
-            return None
-        kind = type(items[0])
-        if kind is node_type:
-            w = _head(items[0], first)
-            if w is None or counts[w[0]] != len(items):
-                return None
-            wanted.append(w)
-        elif kind in _SCALAR_KINDS:
-            wanted.append(None)
-        else:
-            return None
-    # The whole columns and lists.
-    handles = [list(memo.values()) for memo in memos]
-    columns: list[list[Any]] = []
-    for s, (_op, kinds) in enumerate(graph.signatures):
-        cols = list(zip(*(graph._targs[s] or memos[s]))) if kinds else []
-        for col, head in zip(cols, heads[s]):
-            if head is not None and not _in_order(col, *head, handles):
-                return None
-        columns.append(cols)
-    for items, w in zip(lists, wanted):
-        if type(w) is tuple and not _in_order(items, *w, handles):
-            return None
-
-    device = device_of(obj)
-    outs: list[tuple[torch.Tensor, ...]] = []
-    report = []
-    for s, (op, kinds) in enumerate(graph.signatures):
-        fn = resolve_op(obj, op, False)
-        n = len(handles[s])
-        step = handles[s][0] >> DEPTH_SHIFT
-        values = []
-        for j, (k, col, head) in enumerate(zip(kinds, columns[s], heads[s])):
-            if head is not None:
-                values.append(_source_output(graph, outs, handles, head))
-                continue
-            literals = col if type(k) is tuple else number_column(op, j, k, col)
-            values.append(literal_value(k, literals, device))
-        try:
-            out = fn(*values)
-        except Exception as err:
-            raise op_failed(op, step, n, values, err) from err
-        outs.append(check_outputs(op, step, n, out, False))
-        report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
-    # The executor reports groups by step; signatures of one step keep recording order.
-    graph.last_run = sorted(report, key=lambda r: r[0])
-    return [
-        literal_output("numbers" if w is None else w, items, i, device)
-        if type(w) is not tuple
-        else _source_output(graph, outs, handles, w)
-        for i, (items, w) in enumerate(zip(lists, wanted))
-    ]
-
-
-def _source_output(
-    graph: Fold, outs: list[tuple[torch.Tensor, ...]], handles: list[list[int]], src: Any
-) -> torch.Tensor:
-    """The output of signature t that a column with low bits ``low`` reads (``src``: (t,
-    low)), checked against the split its handles name."""
-    t, low = src
-    k, nsplit = low & OUT_MASK, (low >> NSPLIT_SHIFT) & NSPLIT_MASK
-    m = len(outs[t])
-    if m != (nsplit or 1):
-        raise bad_split(graph, node_id(handles[t][0]), nsplit, m)
-    return outs[t][k]
-
-
-_COLUMN = "column"  # a 1-D tensor given as a list of numbers (see graph._classify_lists)
-
-
-def _is_batch_module(obj: Any) -> bool:
-    global _BATCH_MODULE
-    if _BATCH_MODULE is None:  # imported late: fold.batched_ops imports the executor's package
-        from fold.batched_ops import BatchModule
-
-        _BATCH_MODULE = BatchModule
-    return isinstance(obj, _BATCH_MODULE)
 
 
 def _describe_output(out: Any) -> str:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fold.graph import Fold, Node, Unfold
+from fold.graph import Fold
+from fold.node import Node
 from fold.treebank import Tree
+from fold.unfold import Unfold
 
 __all__ = ["MLP", "TreeLSTM", "record_tree"]
 

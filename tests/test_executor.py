@@ -328,7 +328,7 @@ def test_numbers_and_tensor_lists_and_dtypes() -> None:
 @pytest.mark.parametrize("default", [torch.float32, torch.float64])
 def test_number_lists_become_what_torch_tensor_makes(items: list, default: torch.dtype) -> None:
     """apply's lists of numbers are built through numpy; torch.tensor is the reference."""
-    from fold.layout import numbers_tensor
+    from fold.arrays import numbers_tensor
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(default)
@@ -344,7 +344,7 @@ def test_number_lists_become_what_torch_tensor_makes(items: list, default: torch
 
 
 def test_number_list_beyond_int64_raises_as_torch_does() -> None:
-    from fold.layout import numbers_tensor
+    from fold.arrays import numbers_tensor
 
     with pytest.raises(Exception) as ref:
         torch.tensor([1, 2**64])

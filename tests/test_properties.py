@@ -280,4 +280,5 @@ def test_agenda_implementations_plan_alike(prog: list[tuple[Any, ...]], samples:
     leaves = _leaves(3)
     for s in range(samples):
         replay(f, prog, leaves, shift=s)
-    assert _plan_rows(_agenda_arrays(f, f.arrays())) == _plan_rows(_agenda_nodes(f))
+    a = f.snapshot()
+    assert _plan_rows(_agenda_arrays(a)) == _plan_rows(_agenda_nodes(a))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import fold
+from fold._encoding import node_id
 from fold.models import TreeLSTM, record_tree
-from fold.scheduler import SCHEDULERS, agenda_schedule, depth_schedule
+from fold.scheduler import SCHEDULERS, ArrayGraph, agenda_schedule, chain_plan, depth_schedule
 from fold.treebank import random_tree
 
 
@@ -46,13 +48,13 @@ def test_every_node_is_planned_once_and_after_its_arguments() -> None:
     for strategy, schedule in SCHEDULERS.items():
         f = fold.Fold(strategy)
         record_sequences(f, [3, 1, 5, 2])
-        plan = schedule(f)
+        plan = schedule(f.snapshot())
         order = [n for s in plan.steps for g in s.groups for n in g.nodes]
         assert sorted(order) == list(range(len(f))), strategy
         position = {n: i for i, s in enumerate(plan.steps) for g in s.groups for n in g.nodes}
         for nid in range(len(f)):
             for _, a in f.node_args(nid):
-                assert position[fold.graph.node_id(a)] < position[nid], strategy
+                assert position[node_id(a)] < position[nid], strategy
 
 
 def test_agenda_merges_the_heads_of_sequences_of_different_lengths() -> None:
@@ -87,7 +89,8 @@ def test_agenda_matches_depth_on_trees() -> None:
 
 @pytest.mark.parametrize("schedule", [depth_schedule, agenda_schedule])
 def test_empty_graph_has_an_empty_plan(schedule) -> None:
-    assert schedule(fold.Fold()).steps == []
+    assert schedule(fold.Fold().snapshot()).steps == []
+    assert schedule(ArrayGraph(sig=[], depth=[])).steps == []
 
 
 def test_wide_graphs_take_the_array_agenda_and_match_depth(monkeypatch) -> None:
@@ -117,3 +120,56 @@ def test_wide_graphs_take_the_array_agenda_and_match_depth(monkeypatch) -> None:
     torch.testing.assert_close(results["depth"], results["agenda"])
     for a, b in zip(grads["depth"], grads["agenda"]):
         torch.testing.assert_close(a, b)
+
+
+def _groups(plan) -> list[list[tuple[int, list[int]]]]:
+    return [[(g.key, [int(n) for n in g.nodes]) for g in step.groups] for step in plan.steps]
+
+
+def test_schedulers_plan_a_graph_built_by_hand_without_a_fold() -> None:
+    """Schedulers read the GraphView interface only: arrays built by hand plan as a Fold's.
+
+    Two chains of ``step`` (signature 1) of lengths 1 and 3 from two leaves (signature 0),
+    each read by a ``head`` (signature 2): depth runs the heads at two depths, the agenda
+    waits and runs them as one group."""
+    #        node:  0  1  2  3  4  5  6  7
+    sig = np.array([0, 0, 1, 1, 1, 1, 2, 2])
+    depth = np.array([0, 0, 1, 1, 2, 3, 2, 4])
+    src = np.array([0, 1, 3, 4, 2, 5])
+    dst = np.array([2, 3, 4, 5, 6, 7])
+    g = ArrayGraph(sig, depth, src, dst)
+    assert _groups(depth_schedule(g)) == [
+        [(0, [0, 1])],
+        [(1, [2, 3])],
+        [(1, [4]), (2, [6])],
+        [(1, [5])],
+        [(2, [7])],
+    ]
+    assert _groups(agenda_schedule(g)) == [
+        [(0, [0, 1])],
+        [(1, [2, 3])],
+        [(1, [4])],
+        [(1, [5])],
+        [(2, [6, 7])],
+    ]
+    # Group keys given by hand (as nobatch nodes make them) split what signatures would join.
+    keyed = ArrayGraph(sig, depth, src, dst, group_keys=[0, ("own", 1), 1, 1, 1, 1, 2, 2])
+    assert _groups(depth_schedule(keyed))[0] == [(0, [0]), (("own", 1), [1])]
+
+
+def test_chain_plan_only_for_chains_of_whole_outputs() -> None:
+    """The chain planner emits its plan (each signature one group, its inputs named) for a
+    per-sample loop, and None for a graph where a column is not a whole earlier output."""
+    f = fold.Fold()
+    logits = [f.add("forward", torch.ones(1, 3)) for _ in range(4)]
+    losses = [f.add("loss", h, i) for i, h in enumerate(logits)]
+    plan = chain_plan(f.snapshot())
+    assert plan is not None and plan.whole
+    (forward,), (loss,) = (step.groups for step in plan.steps)
+    assert forward.inputs == (None,) and loss.inputs[0].sid == forward.key
+    assert [int(n) for n in loss.nodes] == [n.id for n in losses]
+    g = fold.Fold()
+    xs = [g.add("forward", torch.ones(1, 3)) for _ in range(4)]
+    g.add("loss", xs[1], 0)  # reads one node of four: no whole output
+    assert chain_plan(g.snapshot()) is None
+    assert depth_schedule(g.snapshot()).num_groups == 2

@@ -21,6 +21,7 @@ from fold.batched_ops.core import (
     to_merged,
 )
 from fold.errors import FoldError
+from fold.executor import ModelBatched
 
 __all__ = ["BatchModule", "VmapFallback"]
 
@@ -402,7 +403,7 @@ def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
             owner._buffers[leaf] = shared
 
 
-class BatchModule(nn.Module):
+class BatchModule(nn.Module, ModelBatched):
     """N models of one architecture as one module.
 
     ``forward`` (and every other method of the model, e.g. a TreeLSTM's ``leaf``) takes

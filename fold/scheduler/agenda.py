@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fold.scheduler.depth import group_keys
-from fold.scheduler.plan import Graph, Group, Plan, Step
+from fold.scheduler.plan import GraphView, Group, Plan, Step
 
 __all__ = ["agenda_schedule"]
 
@@ -35,42 +34,26 @@ __all__ = ["agenda_schedule"]
 WIDE = 16
 
 
-def agenda_schedule(graph: Graph) -> Plan:
-    """Plan every node of ``graph`` with the agenda rule above.  Iterative, no recursion."""
-    if hasattr(graph, "arrays"):
-        a = graph.arrays()
-        if a.n and a.n >= WIDE * (int(a.depth.max()) + 1):
-            return _agenda_arrays(graph, a)
-    return _agenda_nodes(graph)
+def agenda_schedule(a: GraphView) -> Plan:
+    """Plan every node of ``a`` with the agenda rule above.  Iterative, no recursion."""
+    if a.n and a.n >= WIDE * (int(a.depth.max()) + 1):
+        return _agenda_arrays(a)
+    return _agenda_nodes(a)
 
 
-def _agenda_nodes(graph: Graph) -> Plan:
+def _agenda_nodes(a: GraphView) -> Plan:
     """The agenda, one node at a time (plain ints and lists)."""
-    from fold.graph import ID_MASK, ID_SHIFT, NODE
-
-    keys = group_keys(graph)
+    keys = a.keys()
+    if keys is None:
+        keys = a.sig.tolist()
     n = len(keys)
-    sig, args = graph.sig, graph.args
-    node_pos = [tuple(i for i, k in enumerate(kinds) if k == NODE) for _, kinds in graph.signatures]
     # Consumers as flat int lists (CSR), not a list per node: thousands of small lists would
-    # set off full garbage collections of the whole heap.
-    waiting = [0] * n  # distinct node arguments not computed yet
-    edge_src: list[int] = []
-    edge_dst: list[int] = []
-    for nid in range(n):
-        pos = node_pos[sig[nid]]
-        if not pos:
-            continue
-        a = args[nid]
-        if len(pos) == 1:
-            edge_src.append((a[pos[0]] >> ID_SHIFT) & ID_MASK)
-            edge_dst.append(nid)
-            waiting[nid] = 1
-            continue
-        srcs = {(a[p] >> ID_SHIFT) & ID_MASK for p in pos}
-        waiting[nid] = len(srcs)
-        edge_src.extend(srcs)
-        edge_dst.extend([nid] * len(srcs))
+    # set off full garbage collections of the whole heap.  Edges in consumer order.
+    src, dst = a.edges()
+    order = np.argsort(dst, kind="stable")
+    edge_src: list[int] = src[order].tolist()
+    edge_dst: list[int] = dst[order].tolist()
+    waiting = np.bincount(dst, minlength=n).tolist()  # distinct node arguments not computed yet
     first = [0] * (n + 1)  # consumers of node i: adj[first[i]:first[i + 1]]
     for s in edge_src:
         first[s + 1] += 1
@@ -127,37 +110,19 @@ def _agenda_nodes(graph: Graph) -> Plan:
     return Plan(steps)
 
 
-def _agenda_arrays(graph: Graph, a: Any) -> Plan:
-    """The agenda with array operations per launch (``a``: the graph's ``arrays()``)."""
+def _agenda_arrays(a: GraphView) -> Plan:
+    """The agenda with array operations per launch."""
     n = a.n
-    if not graph.nobatch_ids:  # the keys are the signature ids (no per-node Python lists)
+    keys = a.keys()
+    if keys is None:  # the keys are the signature ids (no per-node Python lists)
         key_of, key_objs = a.sig, list(range(len(a.count)))
     else:
-        keys = group_keys(graph)
         ids: dict[Any, int] = {}
         key_of = np.array([ids.setdefault(k, len(ids)) for k in keys], np.int64)
         key_objs = list(ids)
     nkeys = len(key_objs)
 
-    # Edges (argument node -> consumer), one per distinct argument node of a consumer.
-    by_sig = np.argsort(a.sig, kind="stable")  # each signature's nodes, in id order
-    ends = np.cumsum(a.count).tolist()
-    srcs, dsts = [], []
-    for sid, end in enumerate(ends):
-        _cols, node_js, _hmat, decoded = a.columns(sid)
-        if not node_js:
-            continue
-        src = decoded[0]  # count x node positions
-        dst = np.broadcast_to(by_sig[end - len(src) : end, None], src.shape)
-        if src.shape[1] > 1:  # a node read at two positions is one edge
-            src = np.sort(src, axis=1)
-            keep = np.ones(src.shape, bool)
-            keep[:, 1:] = src[:, 1:] != src[:, :-1]
-            src, dst = src[keep], dst[keep]
-        srcs.append(src.ravel())
-        dsts.append(dst.ravel())
-    src = np.concatenate(srcs) if srcs else np.zeros(0, np.int64)
-    dst = np.concatenate(dsts) if dsts else np.zeros(0, np.int64)
+    src, dst = a.edges()  # one edge per distinct argument node of a consumer
     waiting = np.bincount(dst, minlength=n)
     order = np.argsort(src, kind="stable")
     adj = dst[order]  # consumers of node i: adj[first[i]:first[i + 1]]

@@ -7,44 +7,20 @@ from typing import Any
 
 import numpy as np
 
-from fold.scheduler.plan import Graph, Group, Plan, Step
+from fold.scheduler.plan import GraphView, Group, Plan, Step
 
-__all__ = ["depth_schedule", "group_keys"]
+__all__ = ["depth_schedule"]
 
 
-def group_keys(graph: Graph) -> list[Any]:
-    """Per node, the key that decides which nodes may share a group.
+def depth_schedule(a: GraphView) -> Plan:
+    """Plan every node of ``a`` by depth.  Iterative; one stable sort of all nodes.
 
-    It is the signature id, except around nobatch nodes: a nobatch node gets a key of its own
-    (it runs alone and its output is passed whole), and a consumer's key also names the
-    nobatch nodes it reads, since a batched call takes one whole value per argument.
+    A group's nodes come in node-id order, as an int64 array (a list where nobatch nodes
+    make group keys of their own).
     """
-    keys: list[Any] = graph.sig
-    nobatch = graph.nobatch_ids
-    if not nobatch:
-        return keys
-    from fold.graph import node_id
-
-    keys = list(keys)
-    for nid in range(len(graph.args)):
-        if nid in nobatch:
-            keys[nid] = ("nobatch", nid)
-            continue
-        shared = tuple((pos, a) for pos, a in graph.node_args(nid) if node_id(a) in nobatch)
-        if shared:
-            keys[nid] = (keys[nid], shared)
-    return keys
-
-
-def depth_schedule(graph: Graph) -> Plan:
-    """Plan every node of ``graph`` by depth.  Iterative; one stable sort of all nodes.
-
-    A group's nodes come in node-id order (an int64 array when the graph offers
-    ``arrays()``, as a :class:`fold.Fold` does).
-    """
-    if graph.nobatch_ids or not hasattr(graph, "arrays"):
-        return _depth_schedule_keys(graph)
-    a = graph.arrays()
+    keys = a.keys()
+    if keys is not None:
+        return _depth_schedule_keys(a, keys)
     if a.n == 0:
         return Plan([])
     nsig = len(a.count)
@@ -62,11 +38,10 @@ def depth_schedule(graph: Graph) -> Plan:
     return Plan(steps)
 
 
-def _depth_schedule_keys(graph: Graph) -> Plan:
+def _depth_schedule_keys(a: GraphView, keys: list[Any]) -> Plan:
     """Depth scheduling over per-node keys (graphs with nobatch nodes)."""
-    keys = group_keys(graph)
     buckets: dict[tuple[int, Any], list[int]] = {}
-    depth = graph.depth
+    depth = a.depth.tolist()
     for nid, dk in enumerate(zip(depth, keys)):
         b = buckets.get(dk)
         if b is None:

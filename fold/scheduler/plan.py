@@ -1,26 +1,94 @@
-"""The records a scheduler produces and the executor consumes."""
+"""What a scheduler reads (:class:`GraphView`) and what it produces (:class:`Plan`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Graph", "Group", "Plan", "Step"]
+import numpy as np
+
+__all__ = ["ArrayGraph", "GraphView", "Group", "Input", "Plan", "RecordedView", "Step"]
 
 
-class Graph(Protocol):
-    """What a scheduler reads of a recorded graph (a :class:`fold.Fold` satisfies it)."""
+class GraphView(Protocol):
+    """The graph as every scheduler reads it: node arrays, never a Fold.
 
-    args: list[tuple[Any, ...]]
-    sig: list[int]
-    handles: list[int]
+    :class:`fold.arrays.GraphArrays` (what ``Fold.snapshot`` returns) satisfies it, and so
+    does :class:`ArrayGraph`, built by hand from arrays (schedulers are tested on both).
+    """
+
+    n: int  # nodes; node ids 0..n-1 are a topological order
+    count: list[int]  # nodes per signature
+    flat: bool  # no node has node arguments
 
     @property
-    def depth(self) -> list[int]: ...
+    def sig(self) -> np.ndarray: ...  # (n,) int64 signature id per node
 
-    nobatch_ids: set[int]
+    @property
+    def depth(self) -> np.ndarray: ...  # (n,) int64: 0, or 1 + the deepest argument's
 
-    def node_args(self, nid: int) -> list[tuple[int, int]]: ...
+    def edges(self) -> tuple[np.ndarray, np.ndarray]: ...  # (source, consumer), distinct
+
+    def keys(self) -> list[Any] | None: ...  # per node, its group key; None: ``sig``
+
+
+class RecordedView(GraphView, Protocol):
+    """A GraphView that also shows the recorded arguments (what the chain planner reads)."""
+
+    signatures: list[tuple[Any, tuple[Any, ...]]]  # per signature: (op, argument kinds)
+    nobatch: set[int]
+
+    def handles(self, sid: int) -> list[int]: ...
+
+    def first_handle(self, sid: int) -> int: ...
+
+    def rows(self, sid: int) -> list[tuple[Any, ...]]: ...
+
+    def first_row(self, sid: int) -> tuple[Any, ...]: ...
+
+    def ids(self, sid: int) -> np.ndarray: ...
+
+
+@dataclass(eq=False)
+class ArrayGraph:
+    """A :class:`GraphView` built by hand: per node its signature and depth, the edges.
+
+    For tests of schedulers and for tools that make graphs without recording them::
+
+        g = ArrayGraph(sig=[0, 0, 1], depth=[0, 0, 1], src=[0, 1], dst=[2, 2])
+        depth_schedule(g)   # step 0: nodes 0 and 1; step 1: node 2
+    """
+
+    sig: Any
+    depth: Any
+    src: Any = ()
+    dst: Any = ()
+    group_keys: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.sig = np.asarray(self.sig, np.int64)
+        self.depth = np.asarray(self.depth, np.int64)
+        self.src = np.asarray(self.src, np.int64)
+        self.dst = np.asarray(self.dst, np.int64)
+        self.n = len(self.sig)
+        self.count = np.bincount(self.sig).tolist() if self.n else []
+        self.flat = not len(self.src)
+
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.src, self.dst
+
+    def keys(self) -> list[Any] | None:
+        return self.group_keys
+
+
+class Input(NamedTuple):
+    """A node argument column that is one whole output of an earlier group, row for row:
+    output ``out`` of the group of signature ``sid``, from handles of ``split(nsplit)``
+    (0: used whole)."""
+
+    sid: int
+    out: int
+    nsplit: int
 
 
 @dataclass(slots=True, eq=False)
@@ -29,11 +97,14 @@ class Group:
 
     ``nodes`` are node ids (a list, or an int64 numpy array) in the order their rows take in
     the group's output.  ``key`` is the signature id, extended with the ids of nobatch
-    arguments where there are any.
+    arguments where there are any.  ``inputs``, set by a planner that knows them, gives per
+    argument position the :class:`Input` its column is (None at literal positions); the
+    executor then takes those outputs as they are instead of gathering rows.
     """
 
     key: Any
     nodes: Any  # Sequence[int] | numpy.ndarray
+    inputs: tuple[Input | None, ...] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -45,9 +116,15 @@ class Step:
 
 @dataclass(slots=True, eq=False)
 class Plan:
-    """An execution order: steps run in order, groups of a step in any order."""
+    """An execution order: steps run in order, groups of a step in any order.
+
+    ``whole``: every group holds all the nodes of its signature and has its ``inputs`` (a
+    chain of whole outputs, see ``fold.scheduler.chain``); the executor then keeps each
+    group's outputs by signature and indexes rows only if an output list asks for it.
+    """
 
     steps: list[Step]
+    whole: bool = False
 
     @property
     def num_groups(self) -> int:

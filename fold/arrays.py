@@ -1,9 +1,11 @@
-"""A recorded graph as numpy arrays: what the scheduler and the executor read per ``apply``.
+"""A recorded graph as numpy arrays: the one view of a graph that schedulers and the
+executor read.
 
 Recording keeps Python objects (per signature, a dict from arguments to handle); running
 needs whole columns of them.  :class:`GraphArrays` converts each signature's nodes once per
 ``apply``, in C (``array``/``numpy``), so that scheduling and gathering cost a few array
-operations per group instead of Python work per node.
+operations per group instead of Python work per node.  It is built from the recorded lists
+a Fold hands over (``Fold.snapshot``), never from a Fold's private fields.
 """
 
 from __future__ import annotations
@@ -15,31 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold.errors import FoldError
-from fold.graph import (
-    BOOL,
-    DEPTH_SHIFT,
-    FLOAT,
-    ID_MASK,
-    ID_SHIFT,
-    INT,
-    NODE,
-    NSPLIT_MASK,
-    NSPLIT_SHIFT,
-    OUT_MASK,
-    op_name,
-)
+from fold._encoding import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, decode
+from fold.errors import FoldError, op_name
 
-__all__ = ["GraphArrays", "decode", "handles_array", "number_column", "numbers_tensor"]
-
-
-def decode(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Handles -> (node ids, output indices, outputs each handle needs its op to return)."""
-    return (
-        (handles >> ID_SHIFT) & ID_MASK,
-        handles & OUT_MASK,
-        np.maximum((handles >> NSPLIT_SHIFT) & NSPLIT_MASK, 1),
-    )
+__all__ = ["GraphArrays", "handles_array", "number_column", "numbers_tensor"]
 
 
 _NUMBER_NP = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
@@ -92,25 +73,68 @@ def number_column(op: Any, pos: int, kind: int, values: Any) -> np.ndarray:
 
 
 class GraphArrays:
-    """Per node id: ``sig`` (signature id), ``pos`` (index among its signature's nodes) and
-    ``depth``, built on first use; per signature: ``count`` and, on demand, its argument
-    ``columns``.  ``flat``: no node has node arguments (every node is at depth 0).
+    """A snapshot of a recorded graph, read through arrays; what schedulers and the executor
+    take (it satisfies :class:`fold.scheduler.GraphView`).
 
-    Node ids are a topological order; within a signature, positions follow node ids.
+    Per node id: ``sig`` (signature id), ``pos`` (index among its signature's nodes) and
+    ``depth``, built on first use; per signature: ``count``, ``signatures`` (op, kinds) and,
+    on demand, its argument ``columns``.  ``flat``: no node has node arguments.  Node ids
+    are a topological order; within a signature, positions follow node ids.
+
+    Built by ``Fold.snapshot`` from the Fold's recorded lists: per signature ``(op, kinds)``,
+    a dict from argument keys to handles (insertion order is node order) and, for signatures
+    with literal tensors, the argument tuples themselves (their memo keys hold tensor ids).
+    ``plans`` caches the plans of this snapshot per strategy.
     """
 
-    def __init__(self, fold: Any, n: int) -> None:
+    def __init__(
+        self,
+        signatures: list[tuple[Any, tuple[Any, ...]]],
+        memos: list[dict[Any, int]],
+        targs: list[list[tuple[Any, ...]] | None],
+        nobatch: set[int],
+        node_type: type,
+        n: int,
+    ) -> None:
+        if n > ID_MASK:
+            raise FoldError(f"Fold: the graph has {n} nodes, more than {ID_MASK}.")
         self.n = n
-        # The Fold's own lists, not the Fold: it caches this object, and a cycle would keep
-        # every applied graph alive until a full garbage collection.
-        self._signatures = fold.signatures
-        self._memos = fold._memos
-        self._targs = fold._targs
-        self.count: list[int] = list(map(len, fold._memos))
-        self.flat = not any(NODE in kinds for _, kinds in fold.signatures)
+        self.signatures = signatures
+        self._memos = memos
+        self._targs = targs
+        self.nobatch = nobatch
+        self.node_type = node_type
+        self.count: list[int] = list(map(len, memos))
+        self.flat = not any(NODE in kinds for _, kinds in signatures)
+        self.plans: dict[Any, Any] = {}
         self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._columns: list[Any] = [None] * len(self.count)
 
+    # ------------------------------------------------------------ per signature
+    def handles(self, sid: int) -> list[int]:
+        """The whole handles of signature ``sid``'s nodes, in node order (plain ints)."""
+        return list(self._memos[sid].values())
+
+    def first_handle(self, sid: int) -> int:
+        """The whole handle of signature ``sid``'s first node."""
+        return next(iter(self._memos[sid].values()))
+
+    def rows(self, sid: int) -> list[tuple[Any, ...]]:
+        """The recorded arguments of signature ``sid``'s nodes, in node order; node arguments
+        as plain-int handles, literal tensors as themselves."""
+        rows = self._targs[sid]
+        return list(self._memos[sid]) if rows is None else rows
+
+    def first_row(self, sid: int) -> tuple[Any, ...]:
+        """The recorded arguments of signature ``sid``'s first node."""
+        rows = self._targs[sid]
+        return next(iter(self._memos[sid])) if rows is None else rows[0]
+
+    def op_of(self, nid: int) -> Any:
+        """The op recorded as node ``nid``."""
+        return self.signatures[int(self.sig[nid])][0]
+
+    # ------------------------------------------------------------ per node
     def _nodes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._per_node is None:
             n = self.n
@@ -141,6 +165,60 @@ class GraphArrays:
     def depth(self) -> np.ndarray:
         return self._nodes()[2]
 
+    def ids(self, sid: int) -> np.ndarray:
+        """The node ids of signature ``sid``'s nodes, in node order."""
+        return (handles_array(self._memos[sid].values()) >> ID_SHIFT) & ID_MASK
+
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, consumer) node ids: one edge per distinct node argument of a consumer,
+        signature after signature."""
+        srcs, dsts = [], []
+        for sid in range(len(self.count)):
+            _cols, node_js, _hmat, decoded = self.columns(sid)
+            if not node_js:
+                continue
+            src = decoded[0]  # count x node positions
+            dst = np.broadcast_to(self.ids(sid)[:, None], src.shape)
+            if src.shape[1] > 1:  # a node read at two positions is one edge
+                src = np.sort(src, axis=1)
+                keep = np.ones(src.shape, bool)
+                keep[:, 1:] = src[:, 1:] != src[:, :-1]
+                src, dst = src[keep], dst[keep]
+            srcs.append(src.ravel())
+            dsts.append(dst.ravel())
+        if not srcs:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(srcs), np.concatenate(dsts)
+
+    def keys(self) -> list[Any] | None:
+        """Per node, the key that decides which nodes may share a group; None where that is
+        the signature id of every node.
+
+        Nobatch nodes change it: a nobatch node gets a key of its own (it runs alone and its
+        output is passed whole), and a consumer's key also names the nobatch handles it
+        reads (position, handle), since a batched call takes one whole value per argument.
+        """
+        nobatch = self.nobatch
+        if not nobatch:
+            return None
+        keys: list[Any] = self.sig.tolist()
+        marked = np.fromiter(nobatch, np.int64, len(nobatch))
+        for sid in range(len(self.count)):
+            _cols, node_js, hmat, decoded = self.columns(sid)
+            if not node_js:
+                continue
+            reads = np.isin(decoded[0], marked)
+            for i in np.flatnonzero(reads.any(axis=1)).tolist():
+                shared = tuple(
+                    (node_js[c], int(hmat[i, c])) for c in np.flatnonzero(reads[i]).tolist()
+                )
+                nid = int(self.ids(sid)[i])
+                keys[nid] = (keys[nid], shared)
+        for nid in nobatch:
+            keys[nid] = ("nobatch", nid)
+        return keys
+
+    # ------------------------------------------------------------ argument columns
     def columns(self, sid: int) -> tuple[list[Any], list[int], np.ndarray | None, Any]:
         """The arguments of signature ``sid``'s nodes, in node order: per argument position a
         numpy array (numbers) or a list (literal tensors), None at node positions; the node
@@ -149,10 +227,8 @@ class GraphArrays:
         a group takes its rows of all three with one index, once for all the groups."""
         entry = self._columns[sid]
         if entry is None:
-            op, kinds = self._signatures[sid]
-            rows = self._targs[sid]
-            if rows is None:
-                rows = list(self._memos[sid])
+            op, kinds = self.signatures[sid]
+            rows = self.rows(sid)
             node_js = [j for j, k in enumerate(kinds) if k == NODE]
             if node_js and len(node_js) == len(kinds):  # node arguments only: one conversion
                 hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(

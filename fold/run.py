@@ -1,0 +1,220 @@
+"""Applying a recorded graph: check the lists, plan (cached per snapshot), execute, with
+memory limits, offload, and model chunks of an object that runs N models.
+
+``Fold.apply`` calls :func:`apply`; this module reads a Fold only through its public
+``snapshot()``, ``strategy`` and ``last_run``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fold._encoding import SCALAR_KINDS
+from fold.arrays import GraphArrays
+from fold.errors import FoldError, describe, op_name
+from fold.executor import Executor, ModelBatched
+from fold.node import Node, UnfoldNode
+from fold.scheduler import Plan, make_plan
+
+__all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
+
+
+def plan_of(arrays: GraphArrays, strategy: str) -> Plan:
+    """The plan of a snapshot for ``strategy``, made once per snapshot (a Fold makes a new
+    snapshot when a node is recorded or marked nobatch), so that applying one graph again
+    (evaluation, a model at a time) plans once."""
+    plan = arrays.plans.get(strategy)
+    if plan is None:
+        plan = arrays.plans[strategy] = make_plan(arrays, strategy)
+    return plan
+
+
+def apply(
+    fold: Any,
+    obj: Any,
+    lists: Sequence[Sequence[Any]],
+    max_rows: int | Mapping[Any, int] | None = None,
+    max_bytes: int | None = None,
+    offload: str | None = None,
+) -> list[torch.Tensor]:
+    """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`."""
+    arrays = fold.snapshot()
+    if max_rows is not None or max_bytes is not None or offload is not None:
+        check_limits(max_rows, max_bytes, offload)
+        if isinstance(max_rows, Mapping):
+            check_limit_ops(arrays.signatures, obj, max_rows)
+        if offload == "cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return apply(fold, obj, lists, max_rows, max_bytes)
+    specs = classify_lists(lists)
+    plan = plan_of(arrays, fold.strategy)
+    limits = {"max_rows": max_rows, "max_bytes": max_bytes}
+    chunk = obj.fold_chunk() if isinstance(obj, ModelBatched) else None
+    if chunk is None or chunk >= obj.batch:
+        return _run(fold, arrays, obj, plan, specs, None, limits)
+    # N models run a chunk at a time: one graph, one plan, the executor once per chunk;
+    # node outputs are concatenated along the model dim.
+    parts = [
+        _run(fold, arrays, obj, plan, specs, cut.stop - cut.start, limits)
+        for cut in obj.chunks(chunk)
+    ]
+    return [
+        torch.cat([p[i] for p in parts], 0) if kind == NODES else parts[0][i]
+        for i, (kind, _) in enumerate(specs)
+    ]
+
+
+def _run(
+    fold: Any,
+    arrays: GraphArrays,
+    obj: Any,
+    plan: Plan,
+    specs: list[tuple[str, Any]],
+    models: int | None,
+    limits: dict[str, Any],
+) -> list[torch.Tensor]:
+    """One executor pass over ``plan``; its report stays inspectable even if it fails."""
+    ex = Executor(arrays, obj, models=models, **limits)
+    try:
+        ex.run(plan)
+        return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
+    finally:
+        fold.last_run = ex.report
+
+
+def check_limit_ops(signatures: list[Any], obj: Any, max_rows: Mapping[Any, int]) -> None:
+    """Every key of a ``max_rows`` dict names an op: of ``obj``, or recorded here."""
+    ops = {op for op, _ in signatures}
+    ops |= {op_name(op) for op in ops}
+    model = getattr(obj, "template", obj)  # a BatchModule: the model's own methods
+    for key in max_rows:
+        if key in ops or (type(key) is str and callable(getattr(model, key, None))):
+            continue
+        known = sorted({op_name(op) for op, _ in signatures})
+        raise FoldError(
+            f"apply: max_rows has a limit for {op_name(key)!r}, which is not an op of the "
+            f"{type(obj).__name__} given to apply nor of this graph (its ops: {known}); "
+            "a misspelt key would leave its op without a limit. Fix: key max_rows by op "
+            "name, e.g. max_rows={'node': 64}."
+        )
+
+
+def check_limits(max_rows: Any, max_bytes: Any, offload: Any) -> None:
+    rows = max_rows.items() if isinstance(max_rows, Mapping) else [("", max_rows)]
+    for op, k in rows:
+        if k is not None and (type(k) is not int or k < 1):
+            where = f"[{op_name(op)!r}]" if op else ""
+            raise FoldError(
+                f"apply: max_rows{where}={k!r}; expected a positive int, the most nodes an op is "
+                "called on at once (or None for no limit)."
+            )
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+        raise FoldError(
+            f"apply: max_bytes={max_bytes!r}; expected a positive int (bytes), or None."
+        )
+    if offload not in (None, "cpu"):
+        raise FoldError(f"apply: offload={offload!r}; expected None or 'cpu'.")
+
+
+# The kinds of list given to apply (also the first element of each spec of classify_lists).
+NODES, NUMBERS, TENSORS, COLUMN = "nodes", "numbers", "tensors", "column"
+
+
+def classify_lists(lists: Any) -> list[tuple[str, Any]]:
+    """Check the ``lists`` argument of apply: each a list of nodes, numbers or batch-of-one
+    tensors, or a 1-D tensor (one number per example, as a list of numbers)."""
+    if isinstance(lists, (Node, torch.Tensor)) or not isinstance(lists, (list, tuple)):
+        raise FoldError(
+            f"apply(obj, lists): lists is a {type(lists).__name__}; expected a list of lists, "
+            "e.g. apply(model, [roots, labels])."
+        )
+    specs: list[tuple[str, Any]] = []
+    for i, items in enumerate(lists):
+        if isinstance(items, torch.Tensor):
+            specs.append((COLUMN, _check_column(items, i)))
+            continue
+        if isinstance(items, Node) or not isinstance(items, (list, tuple)):
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] is a {type(items).__name__}; each entry must be "
+                "a list of nodes, numbers or batch-of-one tensors, or a 1-D tensor. Fix: wrap "
+                "a single node in a list, e.g. apply(model, [[root]])."
+            )
+        if not items:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] is empty; there is no value to return for it."
+            )
+        # Common cases first, in C: all nodes of one Fold, or all ints.
+        types = set(map(type, items))
+        if len(types) == 1:
+            t = types.pop()
+            if issubclass(t, (Node, UnfoldNode)):
+                specs.append((NODES, list(items)))
+                continue
+            if t in SCALAR_KINDS:
+                specs.append((NUMBERS, list(items)))
+                continue
+        kinds = set()
+        for x in items:
+            if isinstance(x, (Node, UnfoldNode)):
+                kinds.add(NODES)
+            elif isinstance(x, torch.Tensor):
+                kinds.add(TENSORS)
+            elif isinstance(x, (numbers.Real, bool, np.bool_)):
+                kinds.add(NUMBERS)
+            else:
+                raise FoldError(
+                    f"apply(obj, lists): lists[{i}] holds a {type(x).__name__} ({x!r:.40}); "
+                    "expected nodes, Python numbers or batch-of-one tensors."
+                )
+        if len(kinds) > 1:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}] mixes {' and '.join(sorted(kinds))}; each list "
+                "must hold one kind. Fix: split it into one list per kind."
+            )
+        kind = kinds.pop()
+        if kind == TENSORS:
+            _check_tensor_list(items, i)
+            items = list(items)
+        elif kind == NUMBERS:  # numpy numbers as the Python numbers of their kind
+            items = [bool(x) if isinstance(x, np.bool_) else x for x in items]
+        specs.append((kind, list(items)))
+    return specs
+
+
+def _check_column(t: torch.Tensor, i: int) -> torch.Tensor:
+    if t.dim() != 1:
+        fix = (
+            "t.view(1) for one number, or [t] for one batch-of-one value"
+            if t.dim() == 0
+            else "t.view(-1) for one number per example, or list(t.split(1)) for one "
+            "batch-of-one value per example"
+        )
+        raise FoldError(
+            f"apply(obj, lists): lists[{i}] is a tensor of shape {tuple(t.shape)}; a tensor "
+            f"entry must be 1-D, one number per example (like a list of numbers). Fix: {fix}."
+        )
+    return t
+
+
+def _check_tensor_list(items: Sequence[torch.Tensor], i: int) -> None:
+    for j, t in enumerate(items):
+        if t.dim() == 0 or t.shape[0] != 1:
+            raise FoldError(
+                f"apply(obj, lists): lists[{i}][{j}] is a tensor of shape {tuple(t.shape)}; "
+                "tensors in a list are batch-of-one values of shape (1, ...), concatenated "
+                "along dim 0. Fix: t.unsqueeze(0) for one value, a Python number for a "
+                "scalar, or pass a 1-D tensor of numbers as the entry itself."
+            )
+    metas = {describe(t.shape[1:], t.dtype, always_dtype=True) for t in items}
+    if len(metas) > 1:
+        shown = ", ".join(sorted(metas))
+        raise FoldError(
+            f"apply(obj, lists): lists[{i}] holds tensors of different shapes or dtypes "
+            f"({shown}); they cannot be concatenated along dim 0. Fix: convert them to one "
+            "dtype, or put each shape in its own list."
+        )
