@@ -47,6 +47,7 @@ __all__ = [
     "depth_of",
     "float_key",
     "is_tensor_kind",
+    "low_bits",
     "node_id",
     "out_index",
     "split_code",
@@ -95,13 +96,20 @@ def depth_after(h: int) -> int:
 
 
 def depth_of(h: int) -> int:
-    """The depth (step of the depth schedule) of a handle."""
+    """The depth (step of the depth schedule) of a handle.
+
+    These functions take int64 numpy arrays of handles too, elementwise."""
     return h >> DEPTH_SHIFT
 
 
 def node_id(h: int) -> int:
     """The node id of a handle."""
     return (h >> ID_SHIFT) & ID_MASK
+
+
+def low_bits(h: int) -> int:
+    """A handle's output index, split flag and split count (0 for a whole node)."""
+    return h & LOW_MASK
 
 
 def out_index(h: int) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import BOOL, DEPTH_SHIFT, FLOAT, ID_MASK, ID_SHIFT, INT, NODE, decode
+from fold._encoding import BOOL, FLOAT, ID_MASK, INT, NODE, decode, depth_of, node_id
 from fold.errors import FoldError, op_name
 
 __all__ = ["GraphArrays", "handles_array", "number_column", "numbers_tensor"]
@@ -140,15 +140,15 @@ class GraphArrays:
             n = self.n
             if len(self._memos) == 1:  # one signature: node ids are its positions
                 h = handles_array(self._memos[0].values())
-                per_node = (np.zeros(n, np.int64), np.arange(n), h >> DEPTH_SHIFT)
+                per_node = (np.zeros(n, np.int64), np.arange(n), depth_of(h))
             else:
                 sig, pos, depth = (np.empty(n, np.int64) for _ in range(3))
                 for sid, memo in enumerate(self._memos):
                     h = handles_array(memo.values())
-                    ids = (h >> ID_SHIFT) & ID_MASK
+                    ids = node_id(h)
                     sig[ids] = sid
                     pos[ids] = np.arange(len(h))
-                    depth[ids] = h >> DEPTH_SHIFT
+                    depth[ids] = depth_of(h)
                 per_node = (sig, pos, depth)
             self._per_node = per_node
         return self._per_node
@@ -167,7 +167,7 @@ class GraphArrays:
 
     def ids(self, sid: int) -> np.ndarray:
         """The node ids of signature ``sid``'s nodes, in node order."""
-        return (handles_array(self._memos[sid].values()) >> ID_SHIFT) & ID_MASK
+        return node_id(handles_array(self._memos[sid].values()))
 
     def edges(self) -> tuple[np.ndarray, np.ndarray]:
         """(source, consumer) node ids: one edge per distinct node argument of a consumer,

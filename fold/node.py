@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from fold._encoding import (
-    DEPTH_SHIFT,
-    ID_MASK,
-    ID_SHIFT,
     LOW_MASK,
     MAX_SPLIT,
-    OUT_MASK,
     SPLIT,
+    depth_of,
+    node_id,
+    out_index,
     split_code,
 )
 from fold.errors import FoldError, op_name
@@ -60,17 +59,17 @@ class Node(int):
     @property
     def id(self) -> int:
         """The index of the recorded node in its Fold."""
-        return (self >> ID_SHIFT) & ID_MASK
+        return node_id(self)
 
     @property
     def depth(self) -> int:
         """The step the depth scheduler runs the node at."""
-        return self >> DEPTH_SHIFT
+        return depth_of(self)
 
     @property
     def index(self) -> int | None:
         """The output index of a split output; None for a whole node."""
-        return self & OUT_MASK if self & SPLIT else None
+        return out_index(self) if self & SPLIT else None
 
     def split(self, n: int) -> tuple[Node, ...]:
         """Handles on the ``n`` outputs of a multi-output op: ``h, c = f.add("cell", x).split(2)``.
@@ -84,7 +83,7 @@ class Node(int):
             return t(b), t(b | 1)
         if self & SPLIT:
             raise FoldError(
-                f"Node.split({n}) on output {self & OUT_MASK} of node {self.id}, which is "
+                f"Node.split({n}) on output {out_index(self)} of node {self.id}, which is "
                 "already one output of a split. Fix: split the node itself once, and have its "
                 "op return a flat tuple."
             )
@@ -112,7 +111,7 @@ class Node(int):
     def __repr__(self) -> str:
         fold = self._fold_ref()
         op = f", op={op_name(fold.op_of(self.id))!r}" if fold is not None else ""
-        suffix = f"[{self & OUT_MASK}]" if self & SPLIT else ""
+        suffix = f"[{out_index(self)}]" if self & SPLIT else ""
         return f"Node({self.id}{suffix}{op}, depth={self.depth})"
 
     __str__ = __repr__

@@ -16,7 +16,7 @@ from __future__ import annotations
 from itertools import repeat
 from typing import Any
 
-from fold._encoding import LOW_MASK, NODE, OUT_MASK, depth_of, split_count
+from fold._encoding import NODE, depth_of, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
 __all__ = ["chain_plan", "whole_output"]
@@ -26,9 +26,9 @@ def _head(h: Any, first: dict[int, int]) -> Input | None:
     """The Input a column whose first handle is ``h`` would be, if ``h`` is (an output of)
     the first node of a signature; else None."""
     h0 = int(h)  # Nodes refuse arithmetic (it would not record); plain ints from here
-    low = h0 & LOW_MASK
+    low = low_bits(h0)
     t = first.get(h0 - low)
-    return None if t is None else Input(t, low & OUT_MASK, split_count(low))
+    return None if t is None else Input(t, out_index(low), split_count(low))
 
 
 def _in_order(col: Any, src: Input, handles: list[int], low: int) -> bool:
@@ -62,7 +62,7 @@ def chain_plan(a: RecordedView) -> Plan | None:
             cols = list(zip(*a.rows(s)))
             for col, src in zip(cols, head):
                 if src is not None and not _in_order(
-                    col, src, handles[src.sid], int(col[0]) & LOW_MASK
+                    col, src, handles[src.sid], low_bits(int(col[0]))
                 ):
                     return None
     by_depth: dict[int, list[Group]] = {}
@@ -78,6 +78,6 @@ def whole_output(a: RecordedView, items: list[Any]) -> Input | None:
     src = _head(items[0], first)
     if src is None or a.count[src.sid] != len(items):
         return None
-    if not _in_order(items, src, a.handles(src.sid), int(items[0]) & LOW_MASK):
+    if not _in_order(items, src, a.handles(src.sid), low_bits(int(items[0]))):
         return None
     return src
