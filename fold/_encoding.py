@@ -1,8 +1,11 @@
 """The one owner of the handle layout, the argument kinds and the depth step.
 
-A leaf module: it imports nothing of fold.  Every other module reads handles through the
-names here; hot paths inline the same expressions, but spelled with these names (the
-generated recorders take :data:`DEPTH_AFTER` as their source text).
+A leaf module: it imports nothing of fold but ``fold.errors``.  Every other module reads
+handles through the names here; hot paths inline the same expressions, spelled with these
+names (the generated recorders take :data:`DEPTH_AFTER` and :data:`KEY_SOURCE` as source
+text).  An argument kind is defined here whole: its code, its name, how an argument is
+classified as it (:func:`classify`), the memo key a recorder keeps for it, and the dtype of
+its column; the executor's ``_run_group`` is the one place that gathers it.
 
 A handle (a :class:`fold.Node`, an int) is laid out as::
 
@@ -21,9 +24,13 @@ graph; apply checks each handle against the number of outputs its op returned.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
+import torch
+
+from fold.errors import FoldError, op_name
 
 __all__ = [
     "BOOL",
@@ -40,8 +47,13 @@ __all__ = [
     "NSPLIT_MASK",
     "NSPLIT_SHIFT",
     "OUT_MASK",
+    "KEY_SOURCE",
+    "NUMBER_DTYPES",
     "SCALAR_KINDS",
+    "TENSOR",
     "SPLIT",
+    "classify",
+    "convert",
     "decode",
     "depth_after",
     "depth_of",
@@ -60,8 +72,60 @@ __all__ = [
 # A node's signature is (op, kinds): one kind per argument.  A literal tensor's kind is the
 # tuple (shape[1:], dtype), so nodes whose literal tensors differ in shape never share a group.
 NODE, INT, FLOAT, BOOL = 0, 1, 2, 3
-KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool"}
+TENSOR = "tensor"  # a literal tensor's kind before its shape is known (in recorders only)
+KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool", TENSOR: "tensor"}
 SCALAR_KINDS: dict[type, int] = {int: INT, float: FLOAT, bool: BOOL}
+# The memo key a generated recorder keeps for an argument ``{a}`` of each kind, when its
+# type is the kind's own (a Node of the Fold, int, float, bool): node handles as plain ints
+# (untracked by the garbage collector), -0.0 as its own key (see float_key), a literal
+# tensor as its id (the graph keeps the tensor itself).  Other types of a kind (numpy
+# numbers) are converted by ``CONVERT`` first.
+KEY_SOURCE = {
+    NODE: "{a} | 0",
+    INT: "{a}",
+    BOOL: "{a}",
+    FLOAT: "{a} if {a} else fk({a})",
+    TENSOR: "id({a})",
+}
+# The numpy dtype of a column of number arguments of each kind.
+NUMBER_DTYPES = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
+
+
+def classify(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
+    """The kind of argument ``a`` (position ``pos`` of op ``op``) and its value as the graph
+    keeps it, for any type; a FoldError for what fold cannot take.  (Recorders classify each
+    argument type once, then key arguments of that type by ``KEY_SOURCE``.)"""
+    if isinstance(a, torch.Tensor):
+        if a.dim() == 0 or a.shape[0] != 1:
+            raise FoldError(
+                f"Fold.add({op_name(op)!r}, ...): argument {pos} is a tensor of shape "
+                f"{tuple(a.shape)}; tensor arguments are batch-of-one values of shape (1, ...), "
+                "concatenated along dim 0 across a group. Fix: pass x.unsqueeze(0) for one "
+                "value, a Python number for a scalar, or compute a shared table in a node "
+                "marked .nobatch()."
+            )
+        return tensor_kind(a), a
+    if isinstance(a, (bool, np.bool_)):  # numpy's bool is no numbers.Integral
+        return BOOL, bool(a)
+    if isinstance(a, numbers.Integral):
+        return INT, int(a)
+    if isinstance(a, numbers.Real):
+        return FLOAT, float_key(a)
+    shown = repr(a)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    raise FoldError(
+        f"Fold.add({op_name(op)!r}, ...): argument {pos} is a {type(a).__name__} ({shown}); "
+        "expected a Node of this Fold, an int/float/bool, or a batch-of-one torch.Tensor of "
+        "shape (1, ...). Fix: convert it to a tensor, or give the op's object an attribute "
+        "holding it."
+    )
+
+
+def convert(kind: Any) -> Any:
+    """For an argument of ``kind`` whose type is not the kind's own (a numpy number): the
+    function that makes it the Python value the graph keeps."""
+    return int if kind == INT else bool if kind == BOOL else float_key if kind == FLOAT else None
 
 
 def is_tensor_kind(kind: Any) -> bool:

@@ -17,13 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import BOOL, FLOAT, ID_MASK, INT, NODE, decode, depth_of, node_id
+from fold._encoding import ID_MASK, INT, NODE, NUMBER_DTYPES, decode, depth_of, node_id
 from fold.errors import FoldError, op_name
 
 __all__ = ["GraphArrays", "handles_array", "number_column", "numbers_tensor"]
-
-
-_NUMBER_NP = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
 
 
 # array typecode and torch dtype of what torch.tensor makes of a list of one number type
@@ -64,7 +61,7 @@ def handles_array(handles: Any) -> np.ndarray:
 def number_column(op: Any, pos: int, kind: int, values: Any) -> np.ndarray:
     """Python numbers of one argument position as a numpy array of their kind's dtype."""
     try:
-        return np.array(values, dtype=_NUMBER_NP[kind])
+        return np.array(values, dtype=NUMBER_DTYPES[kind])
     except OverflowError:
         raise FoldError(
             f"apply: op {op_name(op)!r}, argument {pos}: an int does not fit in torch.long "

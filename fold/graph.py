@@ -13,25 +13,24 @@ computed until :meth:`Fold.apply` (``fold.run``); ``summary``/``to_networkx``/``
 from __future__ import annotations
 
 import itertools
-import numbers
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fold import inspect as _inspect
 from fold import run as _run
 from fold._encoding import (
-    BOOL,
     DEPTH_AFTER,
-    FLOAT,
     ID_SHIFT,
-    INT,
+    KEY_SOURCE,
     MAX_SPLIT,
     NODE,
     SCALAR_KINDS,
+    TENSOR,
+    classify,
+    convert,
     depth_of,
     float_key,
     is_tensor_kind,
@@ -40,21 +39,20 @@ from fold._encoding import (
 )
 from fold.arrays import GraphArrays
 from fold.errors import FoldError, op_name
-from fold.node import Node, node_type_for
+from fold.node import Node, foreign_node, node_type_for
 from fold.scheduler import SCHEDULERS, Plan
 
-__all__ = ["Fold", "arg_kind"]
+__all__ = ["Fold"]
 
 _MISSING = object()
-_TENSOR = "tensor"  # a literal tensor position while its shape is not known yet
 _RECORDER_CODE: dict[str, Any] = {}  # generated source -> compiled code (few templates)
 
 
 def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -> str:
     """The source of a recorder for one argument pattern: THE recording logic.
 
-    ``kinds`` per argument: NODE, INT, FLOAT, BOOL or ``_TENSOR``; ``exact[i]`` whether its
-    type needs no conversion (a Node of this Fold, an ``int``/``float``/``bool``).  The
+    ``kinds`` per argument: NODE, INT, FLOAT, BOOL or TENSOR; ``exact[i]`` whether its
+    type needs no conversion (a Node of this Fold, an ``int``/``float``/``bool``, a tensor).  The
     function checks the argument types (anything else goes to ``generic``, which classifies
     it or raises), builds the memo key (node handles as plain ints: a tuple of plain ints is
     untracked by the garbage collector at its first collection, while one holding Nodes
@@ -70,20 +68,17 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     keys, vals, nodes, tensors = [], [], [], []
     for i, (kind, ex) in enumerate(zip(kinds, exact)):
         a = names[i]
-        if kind == _TENSOR:
+        if kind == TENSOR:
             tensors.append(a)
-            keys.append(f"id({a})")
+            keys.append(KEY_SOURCE[TENSOR].format(a=a))
             vals.append(a)
             continue
-        if kind == NODE:
-            lines.append(f"k{i} = {a} | 0")
-            nodes.append(f"k{i}")
-        elif not ex:
-            lines.append(f"k{i} = n{i}({a})")  # e.g. a numpy number: the Python one
-        elif kind == FLOAT:
-            lines.append(f"k{i} = {a} if {a} else fk({a})")  # -0.0 keeps its own node
+        if ex:
+            lines.append(f"k{i} = " + KEY_SOURCE[kind].format(a=a))
         else:
-            lines.append(f"k{i} = {a}")
+            lines.append(f"k{i} = n{i}({a})")  # e.g. a numpy number: the Python one
+        if kind == NODE:
+            nodes.append(f"k{i}")
         keys.append(f"k{i}")
         vals.append(f"k{i}")
     if not nodes:
@@ -118,46 +113,6 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
         f"    if {checks}:\n"
         f"{body}\n"
         f"    return generic(*[a for a in {packed} if a is not _MISSING], *rest)\n"
-    )
-
-
-def _normaliser(kind: int) -> Callable[[Any], Any]:
-    """A number argument of another type (numpy's) as the Python number of its kind."""
-    return int if kind == INT else bool if kind == BOOL else float_key
-
-
-def arg_kind(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
-    """The slow path of argument classification: (kind, normalised value), or FoldError."""
-    if isinstance(a, torch.Tensor):
-        if a.dim() == 0 or a.shape[0] != 1:
-            raise FoldError(
-                f"Fold.add({op_name(op)!r}, ...): argument {pos} is a tensor of shape "
-                f"{tuple(a.shape)}; tensor arguments are batch-of-one values of shape (1, ...), "
-                "concatenated along dim 0 across a group. Fix: pass x.unsqueeze(0) for one "
-                "value, a Python number for a scalar, or compute a shared table in a node "
-                "marked .nobatch()."
-            )
-        return (tuple(a.shape[1:]), a.dtype), a
-    if isinstance(a, Node):
-        raise FoldError(
-            f"Fold.add({op_name(op)!r}, ...): argument {pos} is a Node of another Fold "
-            f"({a!r}). Nodes can only be combined within the Fold that recorded them. Fix: "
-            "record the whole computation in one Fold."
-        )
-    if isinstance(a, (bool, np.bool_)):  # numpy's bool is no numbers.Integral
-        return BOOL, bool(a)
-    if isinstance(a, numbers.Integral):
-        return INT, int(a)
-    if isinstance(a, numbers.Real):
-        return FLOAT, float_key(a)
-    shown = repr(a)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    raise FoldError(
-        f"Fold.add({op_name(op)!r}, ...): argument {pos} is a {type(a).__name__} ({shown}); "
-        "expected a Node of this Fold, an int/float/bool, or a batch-of-one torch.Tensor of "
-        "shape (1, ...). Fix: convert it to a tensor, or give the op's object an attribute "
-        "holding it."
     )
 
 
@@ -304,10 +259,13 @@ class Fold:
             elif t in SCALAR_KINDS:
                 kinds.append(SCALAR_KINDS[t])
                 exact.append(True)
+            elif isinstance(a, Node):
+                raise foreign_node(op, pos, a)
             else:
-                kind, _ = arg_kind(op, pos, a)  # raises for anything fold cannot take
-                kinds.append(_TENSOR if is_tensor_kind(kind) else kind)
-                exact.append(False)
+                kind, _ = classify(op, pos, a)  # raises for anything fold cannot take
+                tensor = is_tensor_kind(kind)
+                kinds.append(TENSOR if tensor else kind)
+                exact.append(tensor)
         src = _recorder_source(kinds, exact, outputs)
         code = _RECORDER_CODE.get(src)
         if code is None:
@@ -318,9 +276,7 @@ class Fold:
             return _alive(ref, op)._record(op, outputs, a)
 
         env: dict[str, Any] = {f"t{i}": t for i, t in enumerate(types)}
-        env.update(
-            {f"n{i}": _normaliser(k) for i, (k, ex) in enumerate(zip(kinds, exact)) if not ex}
-        )
+        env.update({f"n{i}": convert(k) for i, (k, ex) in enumerate(zip(kinds, exact)) if not ex})
         env.update(
             _MISSING=_MISSING,
             ids=self._ids,
@@ -329,7 +285,7 @@ class Fold:
             generic=generic,
             fk=float_key,
         )
-        if _TENSOR in kinds:
+        if TENSOR in kinds:
             env.update(sigs={}, new_sig=self._tensor_signatures(op, kinds, env))
         else:
             sid = self._signature(op, tuple(kinds))
@@ -352,14 +308,14 @@ class Fold:
 
         Its entries are keyed by the tensors' whole shapes and dtypes, and only shapes that
         pass the batch-of-one check get in, so the recorder checks nothing on a hit."""
-        tpos = [i for i, k in enumerate(kinds) if k == _TENSOR]
+        tpos = [i for i, k in enumerate(kinds) if k == TENSOR]
         ref = weakref.ref(self)
 
         def new_sig(tensors: tuple[torch.Tensor, ...]) -> tuple[dict[Any, int], list[Any]]:
             f = _alive(ref, op)
             full = list(kinds)
             for p, t in zip(tpos, tensors):
-                full[p] = arg_kind(op, p, t)[0]  # raises: not a batch-of-one tensor
+                full[p] = classify(op, p, t)[0]  # raises: not a batch-of-one tensor
             sid = f._signature(op, tuple(full))
             entry = (f._memos[sid], f._targs[sid])
             env["sigs"][tuple(x for t in tensors for x in (t.shape, t.dtype))] = entry

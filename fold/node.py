@@ -26,7 +26,7 @@ from fold._encoding import (
 )
 from fold.errors import FoldError, op_name
 
-__all__ = ["Node", "UnfoldNode", "node_type_for"]
+__all__ = ["Node", "UnfoldNode", "foreign_node", "node_type_for"]
 
 
 def _refuse_arithmetic(self: Node, *_: Any) -> Any:
@@ -117,6 +117,15 @@ class Node(int):
     __str__ = __repr__
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse_arithmetic
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse_arithmetic
+
+
+def foreign_node(op: Any, pos: int, a: Any) -> FoldError:
+    """The FoldError for argument ``pos`` of ``op``, a Node that another Fold recorded."""
+    return FoldError(
+        f"Fold.add({op_name(op)!r}, ...): argument {pos} is a Node of another Fold "
+        f"({a!r}). Nodes can only be combined within the Fold that recorded them. Fix: "
+        "record the whole computation in one Fold."
+    )
 
 
 # Node classes are pooled: a class costs tens of microseconds to make and is cyclic garbage

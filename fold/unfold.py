@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
+from fold._encoding import classify
 from fold.errors import FoldError, op_name
 from fold.executor import device_of, literal_output
-from fold.graph import arg_kind
-from fold.node import UnfoldNode
+from fold.node import Node, UnfoldNode, foreign_node
 from fold.run import NODES, classify_lists
 
 __all__ = ["Unfold"]
@@ -45,7 +45,9 @@ class Unfold:
                     )
                 vals.append(a.get())
                 continue
-            value = a if type(a) in (int, float, bool) else arg_kind(op, pos, a)[1]
+            if isinstance(a, Node):
+                raise foreign_node(op, pos, a)
+            value = a if type(a) in (int, float, bool) else classify(op, pos, a)[1]
             if isinstance(value, torch.Tensor):
                 vals.append(value.to(self.device))
             elif isinstance(value, bool):

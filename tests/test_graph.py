@@ -232,7 +232,7 @@ def test_specialised_recorders_fall_back_for_other_arities_and_types() -> None:
         fast(a, g.add("two", 1))
     leaf = f.op("two", outputs=2)
     assert leaf(True) == f.add("two", True).split(2)  # bool is not int: its own signature
-    assert f.signatures[f.sig[leaf(True)[0].id]][1] == (fold.graph.BOOL,)
+    assert f.signatures[f.sig[leaf(True)[0].id]][1] == (fold._encoding.BOOL,)
 
 
 def test_the_graph_keeps_plain_ints_not_node_objects() -> None:
