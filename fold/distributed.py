@@ -10,8 +10,6 @@ that fails makes the others fail instead of waiting forever.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fold._io import atomic_save
 from fold.diagnostics import Diagnostic
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -105,13 +104,4 @@ def save_sweep(bm: Any, path: str | Path, dst: int = 0) -> None:
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
     dist.gather_object(states, parts if parts else None, dst=dst)
     if dist.get_rank() == dst:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save([sd for part in parts for sd in part], fh)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_save([sd for part in parts for sd in part], path)

@@ -10,21 +10,17 @@ import torch
 from torch import nn
 
 from fold.batched_ops import BatchModule
-from fold.batched_ops.core import map_tensors
+from fold.batched_ops.core import map_tensors, tensors_of
+from fold.errors import FoldError
 
 __all__ = ["BatchingMismatch", "check_model_batching"]
 
 
-class BatchingMismatch(AssertionError):
-    """``check_model_batching`` found differences; the message lists every one."""
+class BatchingMismatch(FoldError, AssertionError):
+    """``check_model_batching`` found differences; the message lists every one.
 
-
-def _flat(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _flat(v)]
-    return []
+    A FoldError like every error fold raises, and an AssertionError, so that a test calling
+    ``check_model_batching`` fails as an assertion does."""
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> str | None:
@@ -80,8 +76,8 @@ def check_model_batching(
         bm.train(mode == "train")
         for m in models:
             m.train(mode == "train")
-        got = _flat(bm.method(method)(*inputs))
-        refs = [_flat(r) for r in run_separately(inputs)]
+        got = tensors_of(bm.method(method)(*inputs))
+        refs = [tensors_of(r) for r in run_separately(inputs)]
         for j, g in enumerate(got):
             for i in range(batch):
                 bad = _close(g[i], refs[i][j], rtol, atol)
@@ -98,7 +94,7 @@ def check_model_batching(
             map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), a)
             for a in inputs
         )
-        outs = _flat(bm.method(method)(*leaves))
+        outs = tensors_of(bm.method(method)(*leaves))
         loss = sum(
             (o[k] * torch.linspace(-1, 1, o[k].numel(), dtype=o.dtype).view_as(o[k])).sum()
             for o in outs
@@ -111,7 +107,7 @@ def check_model_batching(
                     problems.append(
                         f"isolation: gradient leaked from model {k} into other models' {name}"
                     )
-        for j, leaf in enumerate(_flat(leaves)):
+        for j, leaf in enumerate(tensors_of(leaves)):
             if leaf.grad is not None:
                 others = torch.cat([leaf.grad[:k], leaf.grad[k + 1 :]])
                 if others.numel() and bool(others.abs().max() > 0):
@@ -124,7 +120,7 @@ def check_model_batching(
             map_tensors(lambda t, k=k: t[k].detach().requires_grad_(t.is_floating_point()), a)
             for a in inputs
         )
-        ref_outs = _flat(getattr(model, method)(*ref_leaves))
+        ref_outs = tensors_of(getattr(model, method)(*ref_leaves))
         ref_loss = sum(
             (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() for o in ref_outs
         )
@@ -140,7 +136,7 @@ def check_model_batching(
                 bad = _close(g, r, rtol, atol)
                 if bad:
                     problems.append(f"gradient of {name} (model {k}): {bad}")
-        for j, (a, b) in enumerate(zip(_flat(leaves), _flat(ref_leaves))):
+        for j, (a, b) in enumerate(zip(tensors_of(leaves), tensors_of(ref_leaves))):
             if a.grad is not None and b.grad is not None:
                 bad = _close(a.grad[k], b.grad, rtol, atol)
                 if bad:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import random
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fold._io import atomic_save
 from fold.diagnostics import Aggregator, Diagnostic
 from fold.errors import FoldError
 
@@ -253,18 +252,7 @@ class Trainer:
 
     def save(self, path: str | Path) -> None:
         """Write a checkpoint atomically: a temporary file in the same folder, then a rename."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(self.state(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_save(self.state(), path)
 
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint.  Nothing changes unless the whole file is valid: it is

@@ -192,6 +192,15 @@ def from_merged(y: torch.Tensor, batch: int) -> torch.Tensor:
     return y.view(-1, batch, *y.shape[1:]).transpose(0, 1)
 
 
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a tensor, or of a tuple or list of them (nested), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     """Apply ``fn`` to every tensor of a tensor, tuple or list; other values pass through."""
     if isinstance(value, torch.Tensor):

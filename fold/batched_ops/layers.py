@@ -237,6 +237,23 @@ class BatchEmbedding(AbstractBatchModule):
         return out
 
 
+def lstm_step(
+    gi: torch.Tensor, gh: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LSTM step from its input and hidden gate pre-activations: (h, c)."""
+    i, f, g, o = (gi + gh).chunk(4, 1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One GRU step from its input and hidden gate pre-activations: the new h."""
+    ir, iz, in_ = gi.chunk(3, 1)
+    hr, hz, hn = gh.chunk(3, 1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    return (1 - z) * torch.tanh(in_ + r * hn) + z * h
+
+
 class _BatchCell(AbstractBatchModule):
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__(len(modules))
@@ -274,11 +291,7 @@ class BatchGRUCell(_BatchCell):
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         h = self._zeros(x) if h is None else h
-        gi, gh = self._gates(x, h)
-        ir, iz, in_ = gi.chunk(3, 1)
-        hr, hz, hn = gh.chunk(3, 1)
-        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-        return (1 - z) * torch.tanh(in_ + r * hn) + z * h
+        return gru_step(*self._gates(x, h), h)
 
 
 @register_batch_module
@@ -289,10 +302,7 @@ class BatchLSTMCell(_BatchCell):
         self, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, c = (self._zeros(x), self._zeros(x)) if hx is None else hx
-        gi, gh = self._gates(x, h)
-        i, f, g, o = (gi + gh).chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        return lstm_step(*self._gates(x, h), c)
 
 
 class _BatchRNN(AbstractBatchModule):
@@ -320,13 +330,8 @@ class _BatchRNN(AbstractBatchModule):
     ) -> tuple[torch.Tensor, Any]:
         gh = batched_linear(h, w, b)
         if self.mode == "LSTM":
-            i, f, g, o = (gi + gh).chunk(4, 1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            return torch.sigmoid(o) * torch.tanh(c), c
-        ir, iz, in_ = gi.chunk(3, 1)
-        hr, hz, hn = gh.chunk(3, 1)
-        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-        return (1 - z) * torch.tanh(in_ + r * hn) + z * h, None
+            return lstm_step(gi, gh, c)
+        return gru_step(gi, gh, h), None
 
     def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
         seq = x if self.batch_first else x.transpose(0, 1)  # (B*N, T, in)

@@ -18,6 +18,7 @@ from fold.batched_ops.core import (
     map_tensors,
     model_index,
     registry,
+    tensors_of,
     to_merged,
 )
 from fold.errors import FoldError
@@ -26,14 +27,6 @@ from fold.executor import ModelBatched
 __all__ = ["BatchModule", "VmapFallback"]
 
 _CPU_CHUNK_BYTES = 256 * 1024
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _cat_outputs(parts: list[Any]) -> Any:
@@ -508,7 +501,7 @@ class BatchModule(nn.Module, ModelBatched):
             return map_tensors(lambda t: from_merged(t, m), fn(*merged))
 
         def batched(*args: Any) -> Any:
-            for t in _tensors(args):  # check the model dim once, on the whole inputs
+            for t in tensors_of(args):  # check the model dim once, on the whole inputs
                 if t.dim() < 2 or t.shape[0] != n:
                     to_merged(t, n, where)  # raises, naming the shape
             size = self._chunk_for(args)
@@ -550,7 +543,7 @@ class BatchModule(nn.Module, ModelBatched):
         fewer and larger ops (benchmarks/models.py)."""
         if self.chunk_size is not None:
             return max(1, self.chunk_size)
-        tensors = _tensors(args)
+        tensors = tensors_of(args)
         if not tensors or tensors[0].is_cuda:
             return self.batch
         per_model = sum(t[0].numel() * t.element_size() for t in tensors)
