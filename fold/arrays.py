@@ -104,13 +104,25 @@ class GraphArrays:
         self.count: list[int] = list(map(len, memos))
         self.flat = not any(NODE in kinds for _, kinds in signatures)
         self.plans: dict[Any, Any] = {}
+        self._handles: dict[int, list[int]] = {}
+        self._first: dict[int, int] | None = None
         self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._columns: list[Any] = [None] * len(self.count)
 
     # ------------------------------------------------------------ per signature
     def handles(self, sid: int) -> list[int]:
-        """The whole handles of signature ``sid``'s nodes, in node order (plain ints)."""
-        return list(self._memos[sid].values())
+        """The whole handles of signature ``sid``'s nodes, in node order (plain ints; a list
+        kept with the snapshot, not to be changed)."""
+        got = self._handles.get(sid)
+        if got is None:
+            got = self._handles[sid] = list(self._memos[sid].values())
+        return got
+
+    def first_nodes(self) -> dict[int, int]:
+        """The whole handle of each signature's first node -> that signature."""
+        if self._first is None:
+            self._first = {self.first_handle(t): t for t in range(len(self.count))}
+        return self._first
 
     def first_handle(self, sid: int) -> int:
         """The whole handle of signature ``sid``'s first node."""

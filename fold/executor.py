@@ -132,13 +132,273 @@ _CLASS_SHIFT = 40
 _ROW_MASK = (1 << _CLASS_SHIFT) - 1
 
 
-class Executor:
-    """Runs one pass of ``apply``: executes a plan's groups, then gathers the outputs.
+class Values:
+    """The values of one executor pass: group outputs (*sources*), the virtual row of every
+    node output, value tables, and the gathers that read them.
 
     Value tables: the sources of one class (``shape[1:]``, dtype, output index) share one
-    preallocated table, filled lazily (see ``_fill_table``) when a column first needs rows of
+    preallocated table, filled lazily (see ``fill_table``) when a column first needs rows of
     several of them.  A TreeLSTM level gathers its children (leaves and nodes of all lower
     levels) with one ``index_select`` per argument, as hand-written level batching does.
+    """
+
+    def __init__(
+        self, arrays: GraphArrays, models: int, device: torch.device, rows_left: int
+    ) -> None:
+        self.arrays = arrays
+        self.models = models
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.expand = torch.arange(models, device=device) if models > 1 else None
+        n = arrays.n
+        # Per (output index, node id): the virtual row of the value (see _CLASS_SHIFT); per
+        # node: how many outputs its op returned (0: not run, or nobatch).
+        self.vrow = np.zeros((1, n), np.int64)
+        self.nout = np.zeros(n, np.int64)
+        self.whole: dict[tuple[int, int, int], int] = {}  # nobatch (id, split n, k) -> source
+        self.sources: list[torch.Tensor] = []
+        self.classes: dict[tuple[Any, torch.dtype, int], int] = {}
+        self.class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
+        self.class_srcs: list[list[int]] = []  # per class: its sources, in table order
+        self.class_rows: list[int] = []
+        self.tables: list[torch.Tensor | None] = []
+        self.in_table: list[int] = []  # per class: how many of its sources the table holds
+        self.class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
+        self.mixed: list[np.ndarray] = []  # rows of mixed-class gathers
+        self.outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
+        self.rows_left = rows_left  # nodes of the plan not run yet (sizes new tables)
+
+    def one_row(self, row: int) -> Recipe:
+        """The recipe of one node's value: a narrow of its source."""
+        c = row >> _CLASS_SHIFT
+        starts = self.class_starts[c]
+        i = bisect.bisect_right(starts, row) - 1
+        return Recipe(How.SOURCE, self.class_srcs[c][i], row - starts[i], 1, -1)
+
+    def rows(self, handles: Any, decoded: Any = None) -> np.ndarray:
+        """The virtual row of every handle (an int64 array of handles).
+
+        Each handle is checked against its node's op: a whole handle needs one output, a
+        handle of ``split(n)`` needs ``n``.  ``decoded`` is ``decode(handles)`` where the
+        caller has it already; then ``handles`` may be a function returning them (only an
+        error reads them).
+        """
+        nid, out, want = decode(handles) if decoded is None else decoded
+        if (want != self.nout[nid]).any():
+            self.bad_handle(handles() if callable(handles) else handles, want, nid)
+        if self.vrow.shape[0] == 1:
+            return self.vrow[0][nid]  # a row, then 1-D indexing: numpy's fast path
+        return self.vrow[out, nid]
+
+    def rows_one(self, handles: list[int]) -> list[int]:
+        """``_rows`` for the handles of one node, as plain ints."""
+        nout, vrow = self.nout, self.vrow
+        rows = []
+        for h in handles:
+            nid = node_id(h)
+            want = wanted_outputs(h)
+            if nout[nid] != want:
+                self.bad_handle(np.array([h]), np.array([want]), np.array([nid]))
+            rows.append(int(vrow[out_index(h), nid]))
+        return rows
+
+    def bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
+        handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
+        i = int(np.flatnonzero(want != self.nout[nid])[0])
+        h, node = int(handles[i]), int(nid[i])
+        raise bad_split(self.arrays, node, split_count(h), int(self.nout[node]))
+
+    def recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[Recipe | None]:
+        """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
+        column whose rows span shape classes of different shapes or dtypes.
+
+        A handful of array operations serve all the columns of a group at once.
+        """
+        n = rows.shape[0]
+        los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
+        recipes: list[Recipe | None] = []
+        for col, (lo, hi) in enumerate(zip(los, his)):
+            c = lo >> _CLASS_SHIFT
+            if hi >> _CLASS_SHIFT != c:
+                column = rows[:, col]
+                classes = np.unique(column >> _CLASS_SHIFT).tolist()
+                if len({self.class_meta[x][:2] for x in classes}) > 1:
+                    recipes.append(None)  # different shapes or dtypes: split the group
+                    continue
+                self.mixed.append(column)  # one shape, several output indices: per class
+                recipes.append(Recipe(How.MIXED, -1, 0, n, len(self.mixed) - 1))
+                continue
+            starts = self.class_starts[c]
+            j = bisect.bisect_right(starts, lo) - 1
+            start = starts[j]
+            src = self.class_srcs[c][j]
+            if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
+                # A column in order, one row after another (a group's own nodes): a narrow.
+                if hi - lo == n - 1 and (n == 1 or (np.diff(rows[:, col]) == 1).all()):
+                    recipes.append(Recipe(How.SOURCE, src, lo - start, n, -1))
+                    continue
+                idx.append(rows[:, col] - start)
+                recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
+                continue
+            self.fill_table(c)
+            idx.append(rows[:, col] - (c << _CLASS_SHIFT))
+            recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
+        return recipes
+
+    def fill_table(self, c: int) -> None:
+        """Copy every source of class ``c`` not yet in its value table into it.
+
+        The table is preallocated (for the rows of this class so far plus an estimate of those
+        still to come) and written in place, one ``copy_`` per call; it is only ever read by
+        ``index_select``, which saves its index and not its input for backward, so the
+        in-place writes never invalidate a tensor autograd saved.  Sources are copied lazily,
+        when a column first needs rows of several of them: a chain of single-source gathers
+        (an RNN) never copies anything.
+        """
+        srcs = self.class_srcs[c]
+        k = self.in_table[c]
+        if k == len(srcs):
+            return
+        sources = self.sources
+        m = self.models  # tensor rows per node row
+        need = self.class_rows[c] * m
+        start = (self.class_starts[c][k] & _ROW_MASK) * m
+        table = self.tables[c]
+        if table is None or table.shape[0] < need:
+            last = sources[srcs[-1]]
+            cap = need + self.rows_left * self.outs_per_row[c] * m
+            grown = last.new_empty((cap, *last.shape[1:]))
+            if table is not None:
+                grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
+            table = self.tables[c] = grown
+        block = [sources[s] for s in srcs[k:]]
+        table.narrow(0, start, need - start).copy_(
+            block[0] if len(block) == 1 else torch.cat(block, 0)
+        )
+        self.in_table[c] = len(srcs)
+
+    def gather_mixed(self, rows: np.ndarray) -> torch.Tensor:
+        """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
+        classes = rows >> _CLASS_SHIFT
+        parts, order = [], []
+        for c in np.unique(classes).tolist():
+            self.fill_table(c)
+            table = self.tables[c]
+            assert table is not None
+            positions = np.flatnonzero(classes == c)
+            index = torch.from_numpy(rows[positions] & _ROW_MASK)
+            index = self.rows_of(index.to(table.device, non_blocking=True))
+            parts.append(table.index_select(0, index))
+            order.append(positions)
+        perm = torch.from_numpy(np.argsort(np.concatenate(order)))
+        perm = self.rows_of(perm.to(parts[0].device, non_blocking=True))
+        return torch.cat(parts, 0).index_select(0, perm)
+
+    def rows_of(self, index: torch.Tensor) -> torch.Tensor:
+        """Node rows -> tensor rows: each node has one row per model, model index fastest."""
+        if self.expand is None:
+            return index
+        return (index.unsqueeze(1) * self.models + self.expand).view(-1)
+
+    def index_tensors(self, idx: list[np.ndarray]) -> list[torch.Tensor]:
+        """All index arrays of a group as tensors: one host tensor, one transfer."""
+        if not idx:
+            return []
+        if self.on_cpu:  # nothing to transfer: each array is its tensor
+            views = [torch.from_numpy(a) for a in idx]
+        else:
+            flat = torch.from_numpy(idx[0] if len(idx) == 1 else np.concatenate(idx))
+            flat = flat.to(self.device, non_blocking=True)
+            views = [flat] if len(idx) == 1 else list(flat.split([len(a) for a in idx]))
+        if self.expand is not None:
+            views = [self.rows_of(v) for v in views]
+        return views
+
+    def gather(self, recipe: Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
+        how, src, start, length, ix = recipe
+        if how is How.MIXED:
+            return self.gather_mixed(self.mixed[ix])
+        t = self.tables[src] if how is How.TABLE else self.sources[src]
+        if how is not How.SOURCE:
+            return t.index_select(0, itensors[ix])
+        m = self.models
+        if start == 0 and length * m == t.shape[0]:
+            return t
+        return t.narrow(0, start * m, length * m)
+
+    # ------------------------------------------------------------------ groups
+    def add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: np.ndarray) -> None:
+        """Register a group's outputs and the virtual rows of its nodes' values."""
+        n = len(members)
+        m = len(outs)
+        seen: dict[int, int] = {}
+        if m > self.vrow.shape[0]:
+            grown = np.zeros((m, self.vrow.shape[1]), np.int64)
+            grown[: self.vrow.shape[0]] = self.vrow
+            self.vrow = grown
+        for k, t in enumerate(outs):
+            s = len(self.sources)
+            self.sources.append(t)
+            if alone:  # a nobatch value is only ever passed whole, never gathered by rows
+                nid = int(members[0])
+                self.whole[(nid, m, k)] = s
+                if m == 1:
+                    self.whole[(nid, 0, 0)] = s
+                continue
+            # Output k of every op with this shape shares one class: a TreeLSTM's h values
+            # (leaves and nodes) form one table and its c values another, so a gather's
+            # backward touches only the table it read from.
+            meta = (t.shape[1:], t.dtype, k)
+            c = self.classes.get(meta)
+            if c is None:
+                c = self.classes[meta] = len(self.class_rows)
+                self.class_starts.append([])
+                self.class_srcs.append([])
+                self.class_rows.append(0)
+                self.tables.append(None)
+                self.in_table.append(0)
+                self.outs_per_row.append(0)
+                self.class_meta.append(meta)
+            seen[c] = seen.get(c, 0) + 1
+            self.outs_per_row[c] = seen[c]
+            voff = c << _CLASS_SHIFT | self.class_rows[c]
+            self.class_rows[c] += n
+            self.class_starts[c].append(voff)
+            self.class_srcs[c].append(s)
+            if n == 1:
+                self.vrow[k, members[0]] = voff
+            else:
+                self.vrow[k][members] = np.arange(voff, voff + n)  # row view, 1-D index
+        if not alone:
+            self.nout[members[0] if n == 1 else members] = m
+
+    def whole_source(self, h: int) -> int:
+        nid = node_id(h)
+        src = self.whole.get((nid, split_count(h), out_index(h)))
+        if src is None:
+            raise FoldError(
+                f"apply: nobatch node {nid} ({op_name(self.arrays.op_of(nid))!r}) is used "
+                "with a split that does not match the outputs of its op. Fix: use it whole if "
+                "its op returns one tensor, else the handles of .split(n), n its outputs."
+            )
+        return src
+
+    def value(self, h: int) -> torch.Tensor:
+        """One node's value (slow path): its row, or the whole value of a nobatch node."""
+        if node_id(h) in self.arrays.nobatch:
+            return self.sources[self.whole_source(h)]
+        (v,) = self.rows_one([h])
+        c = v >> _CLASS_SHIFT
+        j = bisect.bisect_right(self.class_starts[c], v) - 1
+        return self.sources[self.class_srcs[c][j]].narrow(0, v - self.class_starts[c][j], 1)
+
+
+class Executor:
+    """Runs one pass of ``apply``: executes a plan's groups, then returns the outputs.
+
+    Per group: the argument values (gathered from :class:`Values`, an earlier group's output
+    as it is, or literals), one batched call (in chunks under ``max_rows``/``max_bytes``),
+    the outputs checked and registered.
     """
 
     def __init__(
@@ -154,7 +414,6 @@ class Executor:
         self.max_bytes = max_bytes
         self.obj = obj
         self.device = device_of(obj)
-        self.on_cpu = self.device.type == "cpu"
         # N models: every node value has N rows, (node, model) order.
         self.model_dim = isinstance(obj, ModelBatched)  # outputs come back (models, len, ...)
         if models is None:
@@ -166,31 +425,14 @@ class Executor:
                 "apply: nobatch nodes are not supported with a BatchModule yet. "
                 "Fix: compute the shared value inside the op, or apply each model separately."
             )
-        self._expand = torch.arange(self.models, device=self.device) if self.models > 1 else None
-        n = arrays.n
-        # Per (output index, node id): the virtual row of the value (see _CLASS_SHIFT); per
-        # node: how many outputs its op returned (0: not run, or nobatch).
-        self.vrow = np.zeros((1, n), np.int64)
-        self.nout = np.zeros(n, np.int64)
-        self.whole: dict[tuple[int, int, int], int] = {}  # nobatch (id, split n, k) -> source
-        self.sources: list[torch.Tensor] = []
-        self._classes: dict[tuple[Any, torch.dtype, int], int] = {}
-        self._class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
-        self._class_srcs: list[list[int]] = []  # per class: its sources, in table order
-        self._class_rows: list[int] = []
-        self._tables: list[torch.Tensor | None] = []
-        self._in_table: list[int] = []  # per class: how many of its sources the table holds
-        self._class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
-        self._mixed: list[np.ndarray] = []  # rows of mixed-class gathers
-        self._outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
-        self._rows_left = 0  # nodes of the plan not run yet
         # A whole plan: per signature its group's outputs, and the groups whose rows are not
         # registered yet (only an output list that is no whole output needs them).
         self._by_sig: dict[int, tuple[torch.Tensor, ...]] = {}
         self._unindexed: list[tuple[tuple[torch.Tensor, ...], np.ndarray]] = []
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
-        self._plan: Plan | None = None
+        self._values: Values | None = None  # made when a group or an output reads rows
+        self._rows_left = 0
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -199,8 +441,14 @@ class Executor:
             fn = self._fns[op] = resolve_op(self.obj, op, self.model_dim)
         return fn
 
+    @property
+    def values(self) -> Values:
+        """The value store, made on first use (a whole plan may never need one)."""
+        if self._values is None:
+            self._values = Values(self.arrays, self.models, self.device, self._rows_left)
+        return self._values
+
     def run(self, plan: Plan) -> None:
-        self._plan = plan
         self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
         for s, step in enumerate(plan.steps):
             for group in step.groups:
@@ -213,160 +461,10 @@ class Executor:
                 else:
                     self._run_group(s, nodes, key if type(key) is int else None)
                 self._rows_left -= len(nodes)
+                if self._values is not None:
+                    self._values.rows_left = self._rows_left
 
     # ------------------------------------------------------------------ gathers
-    def _rows(self, handles: Any, decoded: Any = None) -> np.ndarray:
-        """The virtual row of every handle (an int64 array of handles).
-
-        Each handle is checked against its node's op: a whole handle needs one output, a
-        handle of ``split(n)`` needs ``n``.  ``decoded`` is ``decode(handles)`` where the
-        caller has it already; then ``handles`` may be a function returning them (only an
-        error reads them).
-        """
-        nid, out, want = decode(handles) if decoded is None else decoded
-        if (want != self.nout[nid]).any():
-            self._bad_handle(handles() if callable(handles) else handles, want, nid)
-        if self.vrow.shape[0] == 1:
-            return self.vrow[0][nid]  # a row, then 1-D indexing: numpy's fast path
-        return self.vrow[out, nid]
-
-    def _rows_one(self, handles: list[int]) -> list[int]:
-        """``_rows`` for the handles of one node, as plain ints."""
-        nout, vrow = self.nout, self.vrow
-        rows = []
-        for h in handles:
-            nid = node_id(h)
-            want = wanted_outputs(h)
-            if nout[nid] != want:
-                self._bad_handle(np.array([h]), np.array([want]), np.array([nid]))
-            rows.append(int(vrow[out_index(h), nid]))
-        return rows
-
-    def _bad_handle(self, handles: np.ndarray, want: np.ndarray, nid: np.ndarray) -> None:
-        handles, want, nid = handles.ravel(), want.ravel(), nid.ravel()
-        i = int(np.flatnonzero(want != self.nout[nid])[0])
-        h, node = int(handles[i]), int(nid[i])
-        raise bad_split(self.arrays, node, split_count(h), int(self.nout[node]))
-
-    def _recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[Recipe | None]:
-        """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
-        column whose rows span shape classes of different shapes or dtypes.
-
-        A handful of array operations serve all the columns of a group at once.
-        """
-        n = rows.shape[0]
-        los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
-        recipes: list[Recipe | None] = []
-        for col, (lo, hi) in enumerate(zip(los, his)):
-            c = lo >> _CLASS_SHIFT
-            if hi >> _CLASS_SHIFT != c:
-                column = rows[:, col]
-                classes = np.unique(column >> _CLASS_SHIFT).tolist()
-                if len({self._class_meta[x][:2] for x in classes}) > 1:
-                    recipes.append(None)  # different shapes or dtypes: split the group
-                    continue
-                self._mixed.append(column)  # one shape, several output indices: per class
-                recipes.append(Recipe(How.MIXED, -1, 0, n, len(self._mixed) - 1))
-                continue
-            starts = self._class_starts[c]
-            j = bisect.bisect_right(starts, lo) - 1
-            start = starts[j]
-            src = self._class_srcs[c][j]
-            if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-                # A column in order, one row after another (a group's own nodes): a narrow.
-                if hi - lo == n - 1 and (n == 1 or (np.diff(rows[:, col]) == 1).all()):
-                    recipes.append(Recipe(How.SOURCE, src, lo - start, n, -1))
-                    continue
-                idx.append(rows[:, col] - start)
-                recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
-                continue
-            self._fill_table(c)
-            idx.append(rows[:, col] - (c << _CLASS_SHIFT))
-            recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
-        return recipes
-
-    def _fill_table(self, c: int) -> None:
-        """Copy every source of class ``c`` not yet in its value table into it.
-
-        The table is preallocated (for the rows of this class so far plus an estimate of those
-        still to come) and written in place, one ``copy_`` per call; it is only ever read by
-        ``index_select``, which saves its index and not its input for backward, so the
-        in-place writes never invalidate a tensor autograd saved.  Sources are copied lazily,
-        when a column first needs rows of several of them: a chain of single-source gathers
-        (an RNN) never copies anything.
-        """
-        srcs = self._class_srcs[c]
-        k = self._in_table[c]
-        if k == len(srcs):
-            return
-        sources = self.sources
-        m = self.models  # tensor rows per node row
-        need = self._class_rows[c] * m
-        start = (self._class_starts[c][k] & _ROW_MASK) * m
-        table = self._tables[c]
-        if table is None or table.shape[0] < need:
-            last = sources[srcs[-1]]
-            cap = need + self._rows_left * self._outs_per_row[c] * m
-            grown = last.new_empty((cap, *last.shape[1:]))
-            if table is not None:
-                grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
-            table = self._tables[c] = grown
-        block = [sources[s] for s in srcs[k:]]
-        table.narrow(0, start, need - start).copy_(
-            block[0] if len(block) == 1 else torch.cat(block, 0)
-        )
-        self._in_table[c] = len(srcs)
-
-    def _gather_mixed(self, rows: np.ndarray) -> torch.Tensor:
-        """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
-        classes = rows >> _CLASS_SHIFT
-        parts, order = [], []
-        for c in np.unique(classes).tolist():
-            self._fill_table(c)
-            table = self._tables[c]
-            assert table is not None
-            positions = np.flatnonzero(classes == c)
-            index = torch.from_numpy(rows[positions] & _ROW_MASK)
-            index = self._rows_of(index.to(table.device, non_blocking=True))
-            parts.append(table.index_select(0, index))
-            order.append(positions)
-        perm = torch.from_numpy(np.argsort(np.concatenate(order)))
-        perm = self._rows_of(perm.to(parts[0].device, non_blocking=True))
-        return torch.cat(parts, 0).index_select(0, perm)
-
-    def _rows_of(self, index: torch.Tensor) -> torch.Tensor:
-        """Node rows -> tensor rows: each node has one row per model, model index fastest."""
-        if self._expand is None:
-            return index
-        return (index.unsqueeze(1) * self.models + self._expand).view(-1)
-
-    def _index_tensors(self, idx: list[np.ndarray]) -> list[torch.Tensor]:
-        """All index arrays of a group as tensors: one host tensor, one transfer."""
-        if not idx:
-            return []
-        if self.on_cpu:  # nothing to transfer: each array is its tensor
-            views = [torch.from_numpy(a) for a in idx]
-        else:
-            flat = torch.from_numpy(idx[0] if len(idx) == 1 else np.concatenate(idx))
-            flat = flat.to(self.device, non_blocking=True)
-            views = [flat] if len(idx) == 1 else list(flat.split([len(a) for a in idx]))
-        if self._expand is not None:
-            views = [self._rows_of(v) for v in views]
-        return views
-
-    def _gather(self, recipe: Recipe, itensors: list[torch.Tensor]) -> torch.Tensor:
-        how, src, start, length, ix = recipe
-        if how is How.MIXED:
-            return self._gather_mixed(self._mixed[ix])
-        t = self._tables[src] if how is How.TABLE else self.sources[src]
-        if how is not How.SOURCE:
-            return t.index_select(0, itensors[ix])
-        m = self.models
-        if start == 0 and length * m == t.shape[0]:
-            return t
-        return t.narrow(0, start * m, length * m)
-
-    # ------------------------------------------------------------------ groups
     def _run_group(self, step: int, members: np.ndarray, sid: int | None = None) -> None:
         a = self.arrays
         nid0 = int(members[0])
@@ -392,18 +490,13 @@ class Executor:
                 )
             else:
                 plans.append((Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos]))
+        v = self.values
         if node_js and n == 1 and not nobatch:
             # One node (an RNN step, the top of a tree): each argument is one row of one
             # source, a narrow; plain ints are far cheaper than arrays at this size.
             hs = hmat[0 if whole_sig else int(pos[0])].tolist()
-            for j, row in zip(node_js, self._rows_one(hs)):
-                c = row >> _CLASS_SHIFT
-                starts = self._class_starts[c]
-                i = bisect.bisect_right(starts, row) - 1
-                plans[j] = (
-                    Arg.GATHER,
-                    Recipe(How.SOURCE, self._class_srcs[c][i], row - starts[i], 1, -1),
-                )
+            for j, row in zip(node_js, v.rows_one(hs)):
+                plans[j] = (Arg.GATHER, v.one_row(row))
         elif node_js:
             handles: Any = hmat if whole_sig else lambda: hmat[pos]  # read by errors only
             if not whole_sig:
@@ -415,7 +508,7 @@ class Executor:
                 for c, j in enumerate(node_js):
                     h0 = int(handles[0, c])
                     if node_id(h0) in nobatch:
-                        plans[j] = (Arg.WHOLE, self._whole_source(h0))
+                        plans[j] = (Arg.WHOLE, v.whole_source(h0))
                     else:
                         keep.append(c)
                 gathered = [node_js[c] for c in keep]
@@ -423,8 +516,8 @@ class Executor:
                     handles = handles[:, keep]
                     decoded = decoded[:, :, keep]
             if gathered:
-                rows = self._rows(handles, decoded)
-                recipes = self._recipes(rows, idx)
+                rows = v.rows(handles, decoded)
+                recipes = v.recipes(rows, idx)
                 mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
                 if mixed:
                     self._run_subgroups(step, members, mixed)
@@ -433,17 +526,17 @@ class Executor:
                     plans[j] = (Arg.GATHER, r)
 
         # Phase 2: index tensors, then the argument values.
-        itensors = self._index_tensors(idx)
+        itensors = v.index_tensors(idx)
         values: list[torch.Tensor] = []
         for (what, p), k in zip(plans, kinds):
             if what is Arg.GATHER:
-                values.append(self._gather(p, itensors))
+                values.append(v.gather(p, itensors))
             elif what is Arg.WHOLE:
-                values.append(self.sources[p])
+                values.append(v.sources[p])
             else:
                 values.append(self._literal(k, p))
         outs = self._call(step, op, values, plans, n, alone)
-        self._add_sources(outs, alone, members)
+        v.add_sources(outs, alone, members)
 
     def _literal(self, kind: Any, column: Any) -> torch.Tensor:
         t = literal_value(kind, column, self.device)
@@ -557,64 +650,6 @@ class Executor:
             return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
         return first  # not tensors: check_outputs reports it
 
-    def _add_sources(
-        self, outs: tuple[torch.Tensor, ...], alone: bool, members: np.ndarray
-    ) -> None:
-        """Register a group's outputs and the virtual rows of its nodes' values."""
-        n = len(members)
-        m = len(outs)
-        seen: dict[int, int] = {}
-        if m > self.vrow.shape[0]:
-            grown = np.zeros((m, self.vrow.shape[1]), np.int64)
-            grown[: self.vrow.shape[0]] = self.vrow
-            self.vrow = grown
-        for k, t in enumerate(outs):
-            s = len(self.sources)
-            self.sources.append(t)
-            if alone:  # a nobatch value is only ever passed whole, never gathered by rows
-                nid = int(members[0])
-                self.whole[(nid, m, k)] = s
-                if m == 1:
-                    self.whole[(nid, 0, 0)] = s
-                continue
-            # Output k of every op with this shape shares one class: a TreeLSTM's h values
-            # (leaves and nodes) form one table and its c values another, so a gather's
-            # backward touches only the table it read from.
-            meta = (t.shape[1:], t.dtype, k)
-            c = self._classes.get(meta)
-            if c is None:
-                c = self._classes[meta] = len(self._class_rows)
-                self._class_starts.append([])
-                self._class_srcs.append([])
-                self._class_rows.append(0)
-                self._tables.append(None)
-                self._in_table.append(0)
-                self._outs_per_row.append(0)
-                self._class_meta.append(meta)
-            seen[c] = seen.get(c, 0) + 1
-            self._outs_per_row[c] = seen[c]
-            voff = c << _CLASS_SHIFT | self._class_rows[c]
-            self._class_rows[c] += n
-            self._class_starts[c].append(voff)
-            self._class_srcs[c].append(s)
-            if n == 1:
-                self.vrow[k, members[0]] = voff
-            else:
-                self.vrow[k][members] = np.arange(voff, voff + n)  # row view, 1-D index
-        if not alone:
-            self.nout[members[0] if n == 1 else members] = m
-
-    def _whole_source(self, h: int) -> int:
-        nid = node_id(h)
-        src = self.whole.get((nid, split_count(h), out_index(h)))
-        if src is None:
-            raise FoldError(
-                f"apply: nobatch node {nid} ({op_name(self.arrays.op_of(nid))!r}) is used "
-                "with a split that does not match the outputs of its op. Fix: use it whole if "
-                "its op returns one tensor, else the handles of .split(n), n its outputs."
-            )
-        return src
-
     def _run_subgroups(self, step: int, members: np.ndarray, mixed: list[np.ndarray]) -> None:
         """Split a group whose gathered arguments differ in shape or dtype, and run each part."""
         classes = np.stack([rows >> _CLASS_SHIFT for rows in mixed])
@@ -639,25 +674,24 @@ class Executor:
             if src is not None:
                 return self._model_major(self._input(src))
             self._index_rows()
+        v = self.values
         nobatch = self.nobatch
         if nobatch and any(node_id(h) in nobatch for h in items):
-            return torch.cat([self._value(h) for h in items], 0)
+            return torch.cat([v.value(h) for h in items], 0)
         if len(items) == 1 and not self.model_dim:  # e.g. the root of one tree: its row
-            return self._value(items[0])
-        rows = self._rows(handles_array(items)[:, None])
+            return v.value(items[0])
+        rows = v.rows(handles_array(items)[:, None])
         idx: list[np.ndarray] = []
-        (recipe,) = self._recipes(rows, idx)
+        (recipe,) = v.recipes(rows, idx)
         if recipe is None:
-            metas = {
-                describe(v.shape[1:], v.dtype, always_dtype=True) for v in map(self._value, items)
-            }
+            metas = {describe(x.shape[1:], x.dtype, always_dtype=True) for x in map(v.value, items)}
             raise FoldError(
                 f"apply: lists[{i}] holds output nodes of different shapes or dtypes "
                 f"({', '.join(sorted(metas))} per row); they cannot be concatenated along "
                 "dim 0. Fix: put nodes of each shape and dtype in their own list, or convert "
                 "the values to one dtype in the ops."
             )
-        return self._model_major(self._gather(recipe, self._index_tensors(idx)))
+        return self._model_major(v.gather(recipe, v.index_tensors(idx)))
 
     def _model_major(self, out: torch.Tensor) -> torch.Tensor:
         """(k*N, ...) rows of (node, model) pairs -> (N, k, ...): one slice per model."""
@@ -668,17 +702,8 @@ class Executor:
     def _index_rows(self) -> None:
         """Register the rows of a whole plan's groups, for outputs read by rows."""
         for outs, members in self._unindexed:
-            self._add_sources(outs, False, members)
+            self.values.add_sources(outs, False, members)
         self._unindexed.clear()
-
-    def _value(self, h: int) -> torch.Tensor:
-        """One node's value (slow path): its row, or the whole value of a nobatch node."""
-        if node_id(h) in self.nobatch:
-            return self.sources[self._whole_source(h)]
-        (v,) = self._rows_one([h])
-        c = v >> _CLASS_SHIFT
-        j = bisect.bisect_right(self._class_starts[c], v) - 1
-        return self.sources[self._class_srcs[c][j]].narrow(0, v - self._class_starts[c][j], 1)
 
 
 def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:

@@ -45,7 +45,6 @@ from fold.scheduler import SCHEDULERS, Plan
 __all__ = ["Fold"]
 
 _MISSING = object()
-_RECORDER_CODE: dict[str, Any] = {}  # generated source -> compiled code (few templates)
 
 
 def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -> str:
@@ -60,7 +59,8 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     as its own key; a literal tensor as its id, the tensor itself kept in ``targs``), looks
     the node up, records it if new (depth: one step after the deepest node argument), and
     returns the handle, whole or split.  The source uses fixed templates and integer
-    constants only, so there are few distinct ones; each compiles once per process.
+    constants only; it defines ``make(state...)``, which returns the recorder over one
+    Fold's state (its memo or signatures by shape, id counter, Node class).
     """
     k = len(kinds)
     names = [f"a{i}" for i in range(k)]
@@ -107,13 +107,40 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     checks = " and ".join([f"type({a}) is t{i}" for i, a in enumerate(names)] + ["not rest"])
     params = "".join(f"{a}=_MISSING, " for a in names)
     packed = "(" + ", ".join(names) + ("," if k == 1 else "") + ")"
-    body = "\n".join("        " + line for line in lines)
+    body = "\n".join("            " + line for line in lines)
+    free = ["_MISSING", "ids", "T", "code", "generic", "fk"]
+    free += [f"t{i}" for i in range(k)] + [f"n{i}" for i, ex in enumerate(exact) if not ex]
+    free += ["sigs", "new_sig"] if tensors else ["memo"]
     return (
-        f"def record({params}*rest):\n"
-        f"    if {checks}:\n"
+        f"def make({', '.join(free)}):\n"
+        f"    def record({params}*rest):\n"
+        f"        if {checks}:\n"
         f"{body}\n"
-        f"    return generic(*[a for a in {packed} if a is not _MISSING], *rest)\n"
+        f"        return generic(*[a for a in {packed} if a is not _MISSING], *rest)\n"
+        f"    return record\n"
     )
+
+
+_FACTORIES: dict[tuple[Any, ...], Callable[..., Any]] = {}
+# (op name, argument types, outputs) -> (kinds, factory, converters) for ops without node
+# arguments, whose classification holds for every Fold (a training loop makes one per step).
+_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...]]] = {}
+
+
+def _recorder_factory(kinds: list[Any], exact: list[bool], outputs: int | None) -> Any:
+    """``make(**state)`` -> a recorder for this argument pattern over one Fold's state.
+
+    Compiled once per pattern and process; a Fold's recorder is then one closure, cheap
+    enough for a training loop that records a new Fold every step."""
+    key = (tuple(kinds), tuple(exact), outputs)
+    make = _FACTORIES.get(key)
+    if make is None:
+        env: dict[str, Any] = {}
+        exec(compile(_recorder_source(kinds, exact, outputs), "<fold recorder>", "exec"), env)
+        if len(_FACTORIES) > 1024:
+            _FACTORIES.clear()
+        make = _FACTORIES[key] = env["make"]
+    return make
 
 
 class Fold:
@@ -248,50 +275,36 @@ class Fold:
         self, op: Any, args: tuple[Any, ...], types: tuple[type, ...], outputs: int | None
     ) -> Callable[..., Any]:
         """Classify the arguments (a FoldError for bad ones) and generate their recorder."""
-        self._check_op(op)
-        kinds: list[Any] = []
-        exact: list[bool] = []
-        for pos, a in enumerate(args):
-            t = type(a)
-            if t is self._node_type:
-                kinds.append(NODE)
-                exact.append(True)
-            elif t in SCALAR_KINDS:
-                kinds.append(SCALAR_KINDS[t])
-                exact.append(True)
-            elif isinstance(a, Node):
-                raise foreign_node(op, pos, a)
-            else:
-                kind, _ = classify(op, pos, a)  # raises for anything fold cannot take
-                tensor = is_tensor_kind(kind)
-                kinds.append(TENSOR if tensor else kind)
-                exact.append(tensor)
-        src = _recorder_source(kinds, exact, outputs)
-        code = _RECORDER_CODE.get(src)
-        if code is None:
-            code = _RECORDER_CODE[src] = compile(src, "<fold recorder>", "exec")
+        pattern = _PATTERNS.get((op, types, outputs)) if type(op) is str else None
+        if pattern is None:
+            self._check_op(op)
+            kinds = [self._classify(op, pos, a) for pos, a in enumerate(args)]
+            exact = [
+                type(a) is self._node_type or type(a) in SCALAR_KINDS or k == TENSOR
+                for a, k in zip(args, kinds)
+            ]
+            convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
+            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs)
+            if type(op) is str and NODE not in kinds:  # holds for every Fold: kept by name
+                if len(_PATTERNS) > 1024:
+                    _PATTERNS.clear()
+                _PATTERNS[(op, types, outputs)] = pattern
+        kinds, make, convs = pattern
         ref = weakref.ref(self)
 
         def generic(*a: Any) -> Any:  # other types or arity: classified afresh
             return _alive(ref, op)._record(op, outputs, a)
 
-        env: dict[str, Any] = {f"t{i}": t for i, t in enumerate(types)}
-        env.update({f"n{i}": convert(k) for i, (k, ex) in enumerate(zip(kinds, exact)) if not ex})
-        env.update(
-            _MISSING=_MISSING,
-            ids=self._ids,
-            T=self._node_type,
-            code=0 if outputs is None else split_code(outputs),
-            generic=generic,
-            fk=float_key,
-        )
         if TENSOR in kinds:
-            env.update(sigs={}, new_sig=self._tensor_signatures(op, kinds, env))
+            sigs: dict[Any, Any] = {}
+            tail: tuple[Any, ...] = (sigs, self._tensor_signatures(op, kinds, sigs))
         else:
-            sid = self._signature(op, tuple(kinds))
-            env["memo"] = self._memos[sid]
-        exec(code, env)
-        fn = env.pop("record")  # not left in its own globals: no reference cycle
+            tail = (self._memos[self._signature(op, tuple(kinds))],)
+        code = 0 if outputs is None else split_code(outputs)
+        # The state, in the order of make's parameters (see _recorder_source).
+        fn = make(
+            _MISSING, self._ids, self._node_type, code, generic, float_key, *types, *convs, *tail
+        )
         fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
@@ -301,8 +314,20 @@ class Fold:
             self._by_op.setdefault(op, fn)
         return fn
 
+    def _classify(self, op: Any, pos: int, a: Any) -> Any:
+        """The kind of argument ``a``, TENSOR for any literal tensor; FoldError if bad."""
+        t = type(a)
+        if t is self._node_type:
+            return NODE
+        if t in SCALAR_KINDS:
+            return SCALAR_KINDS[t]
+        if isinstance(a, Node):
+            raise foreign_node(op, pos, a)
+        kind, _ = classify(op, pos, a)  # raises for anything fold cannot take
+        return TENSOR if is_tensor_kind(kind) else kind
+
     def _tensor_signatures(
-        self, op: Any, kinds: list[Any], env: dict[str, Any]
+        self, op: Any, kinds: list[Any], sigs: dict[Any, Any]
     ) -> Callable[[tuple[torch.Tensor, ...]], tuple[dict[Any, int], list[Any]]]:
         """For a recorder with literal tensors: the signature of given tensors' shapes.
 
@@ -318,7 +343,7 @@ class Fold:
                 full[p] = classify(op, p, t)[0]  # raises: not a batch-of-one tensor
             sid = f._signature(op, tuple(full))
             entry = (f._memos[sid], f._targs[sid])
-            env["sigs"][tuple(x for t in tensors for x in (t.shape, t.dtype))] = entry
+            sigs[tuple(x for t in tensors for x in (t.shape, t.dtype))] = entry
             return entry
 
         return new_sig

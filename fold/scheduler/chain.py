@@ -16,6 +16,8 @@ from __future__ import annotations
 from itertools import repeat
 from typing import Any
 
+import numpy as np
+
 from fold._encoding import NODE, depth_of, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
@@ -43,7 +45,7 @@ def chain_plan(a: RecordedView) -> Plan | None:
     if a.nobatch or not a.n:
         return None
     counts = a.count
-    first = {a.first_handle(t): t for t in range(len(counts))}
+    first = a.first_nodes()
     # A cheap pass on the first node of each column: most graphs that are not chains (trees,
     # sequences) fail here, before any column is read whole.
     heads: list[list[Input | None]] = []
@@ -56,26 +58,25 @@ def chain_plan(a: RecordedView) -> Plan | None:
                 if src is None or src.sid >= s or counts[src.sid] != counts[s]:
                     return None
         heads.append(head)
-    handles = [a.handles(s) for s in range(len(counts))]
     for s, head in enumerate(heads):
         if any(head):
             cols = list(zip(*a.rows(s)))
             for col, src in zip(cols, head):
-                if src is not None and not _in_order(
-                    col, src, handles[src.sid], low_bits(int(col[0]))
-                ):
-                    return None
+                if src is not None:
+                    low = low_bits(int(col[0]))
+                    if not _in_order(col, src, a.handles(src.sid), low):
+                        return None
     by_depth: dict[int, list[Group]] = {}
     for s, head in enumerate(heads):
-        group = Group(s, a.ids(s), tuple(head))
-        by_depth.setdefault(depth_of(handles[s][0]), []).append(group)
+        nodes = np.arange(counts[0]) if len(counts) == 1 else a.ids(s)
+        group = Group(s, nodes, tuple(head))
+        by_depth.setdefault(depth_of(a.first_handle(s)), []).append(group)
     return Plan([Step(by_depth[d]) for d in sorted(by_depth)], whole=True)
 
 
 def whole_output(a: RecordedView, items: list[Any]) -> Input | None:
     """The Input that a list of handles is (a whole output, every node in order), or None."""
-    first = {a.first_handle(t): t for t in range(len(a.count))}
-    src = _head(items[0], first)
+    src = _head(items[0], a.first_nodes())
     if src is None or a.count[src.sid] != len(items):
         return None
     if not _in_order(items, src, a.handles(src.sid), low_bits(int(items[0]))):
