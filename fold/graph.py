@@ -64,27 +64,26 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     """
     k = len(kinds)
     names = [f"a{i}" for i in range(k)]
-    lines = []
+    lines: list[str] = []
     keys, vals, nodes, tensors = [], [], [], []
     for i, (kind, ex) in enumerate(zip(kinds, exact)):
         a = names[i]
         if kind == TENSOR:
             tensors.append(a)
-            keys.append(KEY_SOURCE[TENSOR].format(a=a))
             vals.append(a)
-            continue
-        if ex:
-            lines.append(f"k{i} = " + KEY_SOURCE[kind].format(a=a))
         else:
-            lines.append(f"k{i} = n{i}({a})")  # e.g. a numpy number: the Python one
+            vals.append(f"key[{i}]")
         if kind == NODE:
-            nodes.append(f"k{i}")
-        keys.append(f"k{i}")
-        vals.append(f"k{i}")
+            nodes.append(i)
+        # The key is built inline, in one tuple display: no local per argument.
+        keys.append(KEY_SOURCE[kind].format(a=a) if ex else f"n{i}({a})")
     if not nodes:
         depth = "0"
+    elif len(nodes) == k:  # node arguments only: the deepest is the max of the key
+        depth = DEPTH_AFTER.format("max(key)" if k > 1 else "key[0]")
     else:
-        depth = DEPTH_AFTER.format(nodes[0] if len(nodes) == 1 else f"max({', '.join(nodes)})")
+        deepest = ", ".join(f"key[{i}]" for i in nodes)
+        depth = DEPTH_AFTER.format(f"max({deepest})" if len(nodes) > 1 else deepest)
     if tensors:  # the signature depends on the tensors' shapes: found per call by shape
         skey = ", ".join(f"{a}.shape, {a}.dtype" for a in tensors)
         lines += [
