@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="a revision; default: the working tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer reps per benchmark run")
+    ap.add_argument("--only", nargs="+", default=None, help="run these of: tree_lstm mnist rnn ops")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"before": export(args.base, Path(tmp) / "before")}
@@ -153,6 +154,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
             for name, cmd, result, extract in jobs(args.quick):
+                if args.only and name not in args.only:
+                    continue
                 for side in order:
                     got = extract(run_side(sides[side], cmd, result, args.threads))
                     for fig, v in got.items():

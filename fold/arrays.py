@@ -102,12 +102,16 @@ class GraphArrays:
         self.nobatch = nobatch
         self.node_type = node_type
         self.count: list[int] = list(map(len, memos))
-        self.flat = not any(NODE in kinds for _, kinds in signatures)
         self.plans: dict[Any, Any] = {}
         self._handles: dict[int, list[int]] = {}
         self._first: dict[int, int] | None = None
         self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._columns: list[Any] = [None] * len(self.count)
+
+    @property
+    def flat(self) -> bool:
+        """Whether no node has node arguments (every node is at depth 0)."""
+        return not any(NODE in kinds for _, kinds in self.signatures)
 
     # ------------------------------------------------------------ per signature
     def handles(self, sid: int) -> list[int]:

@@ -25,6 +25,7 @@ import torch
 
 from fold._encoding import (
     FLOAT,
+    LOW_MASK,
     NODE,
     decode,
     is_tensor_kind,
@@ -35,7 +36,7 @@ from fold._encoding import (
 )
 from fold.arrays import GraphArrays, handles_array, number_column, numbers_tensor
 from fold.errors import FoldError, describe, op_name
-from fold.scheduler.chain import whole_output
+from fold.scheduler.chain import in_order
 from fold.scheduler.plan import Input, Plan
 
 __all__ = [
@@ -428,7 +429,7 @@ class Executor:
         # A whole plan: per signature its group's outputs, and the groups whose rows are not
         # registered yet (only an output list that is no whole output needs them).
         self._by_sig: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._unindexed: list[tuple[tuple[torch.Tensor, ...], np.ndarray]] = []
+        self._unindexed: list[tuple[tuple[torch.Tensor, ...], Any]] = []
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
         self._values: Values | None = None  # made when a group or an output reads rows
@@ -449,6 +450,11 @@ class Executor:
         return self._values
 
     def run(self, plan: Plan) -> None:
+        if plan.whole:  # nodes are read only if an output needs rows, after every group
+            for s, step in enumerate(plan.steps):
+                for group in step.groups:
+                    self._run_inputs(s, group.nodes, group.key, group.inputs)
+            return
         self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
         for s, step in enumerate(plan.steps):
             for group in step.groups:
@@ -456,10 +462,7 @@ class Executor:
                 if type(nodes) is not np.ndarray:
                     nodes = np.asarray(nodes, dtype=np.int64)
                 key = group.key  # the signature id, unless nobatch arguments extend it
-                if group.inputs is not None:
-                    self._run_inputs(s, nodes, key, group.inputs)
-                else:
-                    self._run_group(s, nodes, key if type(key) is int else None)
+                self._run_group(s, nodes, key if type(key) is int else None)
                 self._rows_left -= len(nodes)
                 if self._values is not None:
                     self._values.rows_left = self._rows_left
@@ -543,7 +546,7 @@ class Executor:
         return t if self.models == 1 else t.repeat_interleave(self.models, 0)
 
     def _run_inputs(
-        self, step: int, members: np.ndarray, sid: int, inputs: tuple[Input | None, ...]
+        self, step: int, members: Any, sid: int, inputs: tuple[Input | None, ...]
     ) -> None:
         """A group of a whole plan: all of signature ``sid``'s nodes, each node column an
         earlier group's output as it is (``inputs``); the literal columns as recorded."""
@@ -670,9 +673,16 @@ class Executor:
                 "returned by this Fold's add()."
             )
         if self._by_sig:  # a whole plan: a list that is a whole output is that output
-            src = whole_output(self.arrays, items)
-            if src is not None:
-                return self._model_major(self._input(src))
+            a = self.arrays
+            h0 = int(items[0])
+            low = h0 & LOW_MASK
+            sid = a.first_nodes().get(h0 - low)
+            if (
+                sid is not None
+                and a.count[sid] == len(items)
+                and in_order(items, a.handles(sid), low)
+            ):
+                return self._model_major(self._input(Input(sid, out_index(low), split_count(low))))
             self._index_rows()
         v = self.values
         nobatch = self.nobatch
@@ -702,7 +712,7 @@ class Executor:
     def _index_rows(self) -> None:
         """Register the rows of a whole plan's groups, for outputs read by rows."""
         for outs, members in self._unindexed:
-            self.values.add_sources(outs, False, members)
+            self.values.add_sources(outs, False, members.ids(self.arrays))
         self._unindexed.clear()
 
 

@@ -121,9 +121,9 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
 
 
 _FACTORIES: dict[tuple[Any, ...], Callable[..., Any]] = {}
-# (op name, argument types, outputs) -> (kinds, factory, converters) for ops without node
-# arguments, whose classification holds for every Fold (a training loop makes one per step).
-_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...]]] = {}
+# (op name, argument types, outputs) -> (kinds, factory, converters, node positions): the
+# classification of a call, kept for the next Fold (a training loop makes one per step).
+_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...], tuple[int, ...]]] = {}
 
 
 def _recorder_factory(kinds: list[Any], exact: list[bool], outputs: int | None) -> Any:
@@ -274,21 +274,24 @@ class Fold:
         self, op: Any, args: tuple[Any, ...], types: tuple[type, ...], outputs: int | None
     ) -> Callable[..., Any]:
         """Classify the arguments (a FoldError for bad ones) and generate their recorder."""
+        T = self._node_type
         pattern = _PATTERNS.get((op, types, outputs)) if type(op) is str else None
-        if pattern is None:
+        # A pattern seen with node arguments holds for this Fold only if they are of its
+        # Node class (pooled classes pass from a dropped Fold to a new one).
+        if pattern is None or any(types[i] is not T for i in pattern[3]):
             self._check_op(op)
             kinds = [self._classify(op, pos, a) for pos, a in enumerate(args)]
             exact = [
-                type(a) is self._node_type or type(a) in SCALAR_KINDS or k == TENSOR
-                for a, k in zip(args, kinds)
+                type(a) is T or type(a) in SCALAR_KINDS or k == TENSOR for a, k in zip(args, kinds)
             ]
             convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
-            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs)
-            if type(op) is str and NODE not in kinds:  # holds for every Fold: kept by name
+            node_pos = tuple(i for i, k in enumerate(kinds) if k == NODE)
+            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs, node_pos)
+            if type(op) is str:  # kept by name, for the next Fold (a training loop's)
                 if len(_PATTERNS) > 1024:
                     _PATTERNS.clear()
                 _PATTERNS[(op, types, outputs)] = pattern
-        kinds, make, convs = pattern
+        kinds, make, convs, _ = pattern
         ref = weakref.ref(self)
 
         def generic(*a: Any) -> Any:  # other types or arity: classified afresh

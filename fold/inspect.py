@@ -40,7 +40,8 @@ def summary(fold: Any) -> str:
         rows = []
         for s, step in enumerate(fold.plan().steps):
             for g in step.groups:
-                op, kinds = fold.signatures[fold.sig[g.nodes[0]]]
+                sid = g.key if type(g.key) is int else fold.sig[g.nodes[0]]
+                op, kinds = fold.signatures[sid]
                 rows.append((s, op_name(op), len(g.nodes), tuple(map(kind_str, kinds))))
     nsteps = 1 + max((r[0] for r in rows), default=-1)
     lines[0] += f" {nsteps} steps, {len(rows)} groups"

@@ -128,22 +128,26 @@ NODES, NUMBERS, TENSORS, COLUMN = "nodes", "numbers", "tensors", "column"
 def classify_lists(lists: Any) -> list[tuple[str, Any]]:
     """Check the ``lists`` argument of apply: each a list of nodes, numbers or batch-of-one
     tensors, or a 1-D tensor (one number per example, as a list of numbers)."""
-    if isinstance(lists, (Node, torch.Tensor)) or not isinstance(lists, (list, tuple)):
+    # Exact type checks first: isinstance against torch.Tensor goes through its metaclass.
+    if type(lists) not in (list, tuple) and (
+        isinstance(lists, (Node, torch.Tensor)) or not isinstance(lists, (list, tuple))
+    ):
         raise FoldError(
             f"apply(obj, lists): lists is a {type(lists).__name__}; expected a list of lists, "
             "e.g. apply(model, [roots, labels])."
         )
     specs: list[tuple[str, Any]] = []
     for i, items in enumerate(lists):
-        if isinstance(items, torch.Tensor):
-            specs.append((COLUMN, _check_column(items, i)))
-            continue
-        if isinstance(items, Node) or not isinstance(items, (list, tuple)):
-            raise FoldError(
-                f"apply(obj, lists): lists[{i}] is a {type(items).__name__}; each entry must be "
-                "a list of nodes, numbers or batch-of-one tensors, or a 1-D tensor. Fix: wrap "
-                "a single node in a list, e.g. apply(model, [[root]])."
-            )
+        if type(items) not in (list, tuple):
+            if isinstance(items, torch.Tensor):
+                specs.append((COLUMN, _check_column(items, i)))
+                continue
+            if isinstance(items, Node) or not isinstance(items, (list, tuple)):
+                raise FoldError(
+                    f"apply(obj, lists): lists[{i}] is a {type(items).__name__}; each entry "
+                    "must be a list of nodes, numbers or batch-of-one tensors, or a 1-D "
+                    "tensor. Fix: wrap a single node in a list, e.g. apply(model, [[root]])."
+                )
         if not items:
             raise FoldError(
                 f"apply(obj, lists): lists[{i}] is empty; there is no value to return for it."

@@ -167,7 +167,10 @@ def test_chain_plan_only_for_chains_of_whole_outputs() -> None:
     assert plan is not None and plan.whole
     (forward,), (loss,) = (step.groups for step in plan.steps)
     assert forward.inputs == (None,) and loss.inputs[0].sid == forward.key
-    assert [int(n) for n in loss.nodes] == [n.id for n in losses]
+    assert loss.nodes.ids(f.snapshot()).tolist() == [n.id for n in losses]
+    h = fold.Fold()  # a graph of the same structure: the same plan, made once
+    [h.add("loss", h.add("forward", torch.ones(1, 3)), i) for i in range(4)]
+    assert chain_plan(h.snapshot()) is plan
     g = fold.Fold()
     xs = [g.add("forward", torch.ones(1, 3)) for _ in range(4)]
     g.add("loss", xs[1], 0)  # reads one node of four: no whole output

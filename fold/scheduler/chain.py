@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from fold._encoding import NODE, depth_of, low_bits, out_index, split_count
+from fold._encoding import NODE, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
-__all__ = ["chain_plan", "whole_output"]
+__all__ = ["SignatureNodes", "chain_plan", "in_order"]
 
 
 def _head(h: Any, first: dict[int, int]) -> Input | None:
@@ -33,11 +33,35 @@ def _head(h: Any, first: dict[int, int]) -> Input | None:
     return None if t is None else Input(t, out_index(low), split_count(low))
 
 
-def _in_order(col: Any, src: Input, handles: list[int], low: int) -> bool:
+def in_order(col: Any, handles: list[int], low: int) -> bool:
     """Whether ``col`` holds every node of ``handles`` in order, each with low bits ``low``."""
     # The nodes' own handles have no low bits, so the column equals theirs after subtracting
     # the first one's low bits only if all of its handles carry the same low bits.
     return (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) == handles
+
+
+class SignatureNodes:
+    """A group's ``nodes`` in a whole plan: every node of signature ``sid``, in order.
+
+    Its length is ``count``; the ids themselves are the snapshot's (``ids(view)``), read
+    only where something needs rows.  Holding no snapshot, a whole plan is the same for
+    every graph of one structure, and :func:`chain_plan` reuses it (a training loop records
+    a graph of the same structure every step)."""
+
+    __slots__ = ("sid", "count")
+
+    def __init__(self, sid: int, count: int) -> None:
+        self.sid, self.count = sid, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def ids(self, view: RecordedView) -> np.ndarray:
+        return view.ids(self.sid)
+
+
+# (signatures, counts, heads) -> plan, for the structures seen last (a training loop's few).
+_PLANS: dict[tuple[Any, ...], Plan] = {}
 
 
 def chain_plan(a: RecordedView) -> Plan | None:
@@ -48,8 +72,11 @@ def chain_plan(a: RecordedView) -> Plan | None:
     first = a.first_nodes()
     # A cheap pass on the first node of each column: most graphs that are not chains (trees,
     # sequences) fail here, before any column is read whole.
-    heads: list[list[Input | None]] = []
+    heads: list[tuple[Input | None, ...]] = []
     for s, (_op, kinds) in enumerate(a.signatures):
+        if NODE not in kinds:
+            heads.append((None,) * len(kinds))
+            continue
         row0 = a.first_row(s)
         head: list[Input | None] = [None] * len(kinds)
         for j, k in enumerate(kinds):
@@ -57,28 +84,35 @@ def chain_plan(a: RecordedView) -> Plan | None:
                 src = head[j] = _head(row0[j], first)
                 if src is None or src.sid >= s or counts[src.sid] != counts[s]:
                     return None
-        heads.append(head)
+        heads.append(tuple(head))
     for s, head in enumerate(heads):
         if any(head):
-            cols = list(zip(*a.rows(s)))
-            for col, src in zip(cols, head):
+            rows = a.rows(s)
+            for j, src in enumerate(head):
                 if src is not None:
-                    low = low_bits(int(col[0]))
-                    if not _in_order(col, src, a.handles(src.sid), low):
+                    col = [r[j] for r in rows]
+                    if not in_order(col, a.handles(src.sid), low_bits(int(col[0]))):
                         return None
+    # Kept by structure where every op is a name (a callable as a key would keep its
+    # object, a model perhaps, alive).
+    named = all(type(op) is str for op, _ in a.signatures)
+    key = (tuple(a.signatures), tuple(counts), tuple(heads)) if named else None
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(heads, counts)
+        if key is not None:
+            if len(_PLANS) > 64:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _make_plan(heads: list[tuple[Input | None, ...]], counts: list[int]) -> Plan:
+    """Each signature one group, at 1 + the depth of the groups it reads (0 for none)."""
+    depth: list[int] = []
     by_depth: dict[int, list[Group]] = {}
     for s, head in enumerate(heads):
-        nodes = np.arange(counts[0]) if len(counts) == 1 else a.ids(s)
-        group = Group(s, nodes, tuple(head))
-        by_depth.setdefault(depth_of(a.first_handle(s)), []).append(group)
+        d = 1 + max((depth[src.sid] for src in head if src is not None), default=-1)
+        depth.append(d)
+        by_depth.setdefault(d, []).append(Group(s, SignatureNodes(s, counts[s]), head))
     return Plan([Step(by_depth[d]) for d in sorted(by_depth)], whole=True)
-
-
-def whole_output(a: RecordedView, items: list[Any]) -> Input | None:
-    """The Input that a list of handles is (a whole output, every node in order), or None."""
-    src = _head(items[0], a.first_nodes())
-    if src is None or a.count[src.sid] != len(items):
-        return None
-    if not _in_order(items, src, a.handles(src.sid), low_bits(int(items[0]))):
-        return None
-    return src

@@ -98,7 +98,8 @@ class Group:
     """Nodes that run as one batched call: same step, same signature.
 
     ``nodes`` are node ids (a list, or an int64 numpy array) in the order their rows take in
-    the group's output.  ``key`` is the signature id, extended with the ids of nobatch
+    the group's output; in a whole plan, a ``SignatureNodes`` (all the nodes of signature
+    ``key``, in order, their ids read from the snapshot).  ``key`` is the signature id, extended with the ids of nobatch
     arguments where there are any.  ``inputs``, set by a planner that knows them, gives per
     argument position the :class:`Input` its column is (None at literal positions); the
     executor then takes those outputs as they are instead of gathering rows.
