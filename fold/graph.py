@@ -121,9 +121,11 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
 
 
 _FACTORIES: dict[tuple[Any, ...], Callable[..., Any]] = {}
-# (op name, argument types, outputs) -> (kinds, factory, converters, node positions): the
-# classification of a call, kept for the next Fold (a training loop makes one per step).
-_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...], tuple[int, ...]]] = {}
+# (op name, argument types, outputs) -> (kinds, factory, converters): the classification of
+# a call, kept for the next Fold (a training loop makes one per step).  The Fold's own Node
+# class appears in the key as _THIS_FOLD.
+_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...]]] = {}
+_THIS_FOLD = object()
 
 
 def _recorder_factory(kinds: list[Any], exact: list[bool], outputs: int | None) -> Any:
@@ -275,23 +277,23 @@ class Fold:
     ) -> Callable[..., Any]:
         """Classify the arguments (a FoldError for bad ones) and generate their recorder."""
         T = self._node_type
-        pattern = _PATTERNS.get((op, types, outputs)) if type(op) is str else None
-        # A pattern seen with node arguments holds for this Fold only if they are of its
-        # Node class (pooled classes pass from a dropped Fold to a new one).
-        if pattern is None or any(types[i] is not T for i in pattern[3]):
+        # Kept by op name and types with this Fold's Node class as a marker: a key holding
+        # the class would keep it from going back to the pool (a new class every step).
+        pkey = (op, tuple([_THIS_FOLD if t is T else t for t in types]), outputs)
+        pattern = _PATTERNS.get(pkey) if type(op) is str else None
+        if pattern is None:
             self._check_op(op)
             kinds = [self._classify(op, pos, a) for pos, a in enumerate(args)]
             exact = [
                 type(a) is T or type(a) in SCALAR_KINDS or k == TENSOR for a, k in zip(args, kinds)
             ]
             convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
-            node_pos = tuple(i for i, k in enumerate(kinds) if k == NODE)
-            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs, node_pos)
-            if type(op) is str:  # kept by name, for the next Fold (a training loop's)
+            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs)
+            if type(op) is str:  # for the next Fold (a training loop makes one per step)
                 if len(_PATTERNS) > 1024:
                     _PATTERNS.clear()
-                _PATTERNS[(op, types, outputs)] = pattern
-        kinds, make, convs, _ = pattern
+                _PATTERNS[pkey] = pattern
+        kinds, make, convs = pattern
         ref = weakref.ref(self)
 
         def generic(*a: Any) -> Any:  # other types or arity: classified afresh

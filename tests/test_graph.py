@@ -216,6 +216,31 @@ def test_node_classes_are_reused_only_when_nothing_refers_to_them() -> None:
     assert len(graph._NODE_TYPES) <= pooled + 1
 
 
+def test_a_fold_per_step_reuses_its_node_class(monkeypatch) -> None:
+    """A training loop records a new Fold every step, with ops on node arguments: nothing the
+    library keeps across Folds (recorder patterns, plans) may hold a Fold's Node class, or
+    every step makes a class (tens of microseconds, and cyclic garbage)."""
+    from fold import node
+
+    made = []
+    original = node._make_node_type
+    monkeypatch.setattr(node, "_make_node_type", lambda: made.append(1) or original())
+
+    class Ops:
+        def two(self, x):
+            return x * 2.0
+
+        def mix(self, a, k):
+            return a + k
+
+    for _ in range(20):
+        f = fold.Fold()
+        outs = [f.add("mix", f.add("two", i), 1) for i in range(3)]
+        f.apply(Ops(), [outs])
+        del f, outs
+    assert len(made) <= 1
+
+
 def test_specialised_recorders_fall_back_for_other_arities_and_types() -> None:
     f, g = fold.Fold(), fold.Fold()
     mix = f.op("mix")
