@@ -60,7 +60,7 @@ class SignatureNodes:
         return view.ids(self.sid)
 
 
-# (signatures, counts, heads) -> plan, for the structures seen last (a training loop's few).
+# (counts, heads) -> plan, for the structures seen last (a training loop's few).
 _PLANS: dict[tuple[Any, ...], Plan] = {}
 
 
@@ -93,17 +93,13 @@ def chain_plan(a: RecordedView) -> Plan | None:
                     col = [r[j] for r in rows]
                     if not in_order(col, a.handles(src.sid), low_bits(int(col[0]))):
                         return None
-    # Kept by structure where every op is a name (a callable as a key would keep its
-    # object, a model perhaps, alive).
-    named = all(type(op) is str for op, _ in a.signatures)
-    key = (tuple(a.signatures), tuple(counts), tuple(heads)) if named else None
-    plan = None if key is None else _PLANS.get(key)
+    # The plan is its structure only: per signature its count and its columns' inputs.
+    key = (tuple(counts), tuple(heads))
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(heads, counts)
-        if key is not None:
-            if len(_PLANS) > 64:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        if len(_PLANS) > 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(heads, counts)
     return plan
 
 
