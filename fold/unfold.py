@@ -9,8 +9,8 @@ import torch
 
 from fold._encoding import classify
 from fold.errors import FoldError, op_name
-from fold.executor import device_of, literal_output
 from fold.node import Node, UnfoldNode, foreign_node
+from fold.ops import device_of, literal_output
 from fold.run import NODES, classify_lists
 
 __all__ = ["Unfold"]

@@ -534,22 +534,23 @@ def _record_chain(f: fold.Fold | fold.Unfold, xs: list[torch.Tensor], order: lis
     return logits, losses
 
 
-def _no_executor(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("the general executor ran")
+def _no_rows(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the executor indexed rows")
 
 
 @pytest.mark.parametrize("order", ["in order", "shuffled"])
 def test_per_sample_chains_match_eager(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """encode -> mix -> loss per sample: one call per op on whole outputs when every column
-    is an earlier op's nodes in order (the general executor is not even built), and the
-    general executor when it is not; values and gradients match Unfold either way."""
+    is an earlier op's nodes in order (a whole plan: the executor's value store is not even
+    built), and gathers when it is not; values and gradients match Unfold either way."""
     xs = [torch.randn(1, 4) for _ in range(7)]
     pick = list(range(7)) if order == "in order" else [3, 0, 6, 1, 5, 2, 4]
     model = _Chain()
     f = fold.Fold()
     logits, losses = _record_chain(f, xs, pick)
+    assert f.plan().whole == (order == "in order")
     if order == "in order":
-        monkeypatch.setattr(fold.executor, "Executor", _no_executor)
+        monkeypatch.setattr(fold.executor, "Values", _no_rows)
     got_logits, got_loss, ys = f.apply(model, [logits, losses, [i % 5 for i in pick]])
     got = torch.autograd.grad(got_loss.sum() + got_logits.square().sum(), model.parameters())
 

@@ -1,0 +1,173 @@
+"""What running an op needs around it: the device of the object, looking an op up,
+literal argument and output values, and the errors an op's call or result raises."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fold._encoding import FLOAT
+from fold.arrays import GraphArrays, numbers_tensor
+from fold.errors import FoldError, describe, op_name
+
+__all__ = [
+    "bad_split",
+    "check_outputs",
+    "device_of",
+    "literal_output",
+    "literal_value",
+    "op_failed",
+    "resolve_op",
+]
+
+
+def device_of(obj: Any) -> torch.device:
+    """The device of ``obj``'s first parameter (or buffer); CPU for plain objects."""
+    if isinstance(obj, torch.nn.Module):
+        # The order of parameters() then buffers(), without its generator machinery (this
+        # runs on every apply).
+        for attr in ("_parameters", "_buffers"):
+            stack = [obj]
+            while stack:
+                m = stack.pop()
+                for t in getattr(m, attr).values():
+                    if t is not None:
+                        return t.device
+                stack.extend(reversed(m._modules.values()))
+    return torch.device("cpu")
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return describe(t.shape, t.dtype)
+    return type(t).__name__
+
+
+def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
+    """The function an op name or callable stands for, given the object passed to apply."""
+    if isinstance(op, str) and model_dim:
+        return obj.merged(op)  # the model's own method, on (node, model) rows
+    if isinstance(op, str):
+        if (
+            op != "forward"
+            and type(obj).__name__ == "OptimizedModule"
+            and hasattr(obj, "_orig_mod")
+        ):
+            warnings.warn(
+                f"apply: {type(obj._orig_mod).__name__} was given to apply as torch.compile's "
+                f"wrapper, which compiles forward only: op {op!r} runs uncompiled. Fix: compile "
+                f"the op itself (model.{op} = torch.compile(model.{op})) and pass the module, "
+                "or pass the uncompiled module to silence this.",
+                stacklevel=5,
+            )
+        fn = getattr(obj, op, None)
+        if fn is None or not callable(fn):
+            raise FoldError(
+                f"apply: op {op!r} is not a method of the {type(obj).__name__} given to apply. "
+                f"Fix: define def {op}(self, ...) on {type(obj).__name__}, or record a callable "
+                "instead of a name."
+            )
+        return fn
+    return op
+
+
+def op_failed(op: Any, step: int, n: int, values: list[Any], err: Exception) -> FoldError:
+    """The FoldError for an op that raised, naming the op, step, group size and shapes."""
+    return FoldError(
+        f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
+        f"with arguments ({', '.join(_describe(v) for v in values)}): "
+        f"{type(err).__name__}: {err}. Fix: run the same graph with fold.Unfold(obj) to "
+        "debug the op on one example; a batched op must treat dim 0 as the batch."
+    )
+
+
+def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:
+    """An op's result as a tuple of tensors of ``rows`` rows each (any rows if ``alone``)."""
+    if isinstance(out, torch.Tensor):
+        outs: tuple[torch.Tensor, ...] = (out,)
+    elif isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        outs = tuple(out)
+    else:
+        raise FoldError(
+            f"apply: op {op_name(op)!r} (step {step}) returned {_describe_output(out)}; an op "
+            "must return a tensor or a tuple of tensors. Fix: return torch tensors, e.g. "
+            "torch.as_tensor(value)."
+        )
+    if not alone:
+        for k, t in enumerate(outs):
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise FoldError(
+                    f"apply: op {op_name(op)!r} (step {step}) returned output {k} of shape "
+                    f"{tuple(t.shape)} for a group of {rows} node(s); outputs must have one row "
+                    "per node in dim 0. Fix: keep the batch dim (no .sum() or .view(-1) over "
+                    "it), or mark a node whose value is shared with .nobatch()."
+                )
+    return outs
+
+
+def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
+    """One argument column of literals as a tensor on ``device``: batch-of-one tensors (kind a
+    (shape, dtype) tuple) concatenated, or numbers (a numpy array; floats in the default
+    dtype)."""
+    # Always a fresh tensor: the graph keeps its literals for the next apply (and for the
+    # next chunk of a BatchModule's models), so an op that changes an argument in place, or
+    # a caller that changes a result that is an argument, must not reach them.
+    if type(kind) is tuple:
+        if len(column) > 1:
+            t = torch.cat(column, 0)
+        else:
+            return column[0].to(device, non_blocking=True, copy=True)
+    else:
+        dtype = torch.get_default_dtype() if kind == FLOAT else None
+        t = torch.tensor(column, dtype=dtype)
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def literal_output(kind: str, items: Any, i: int, device: torch.device) -> torch.Tensor:
+    """The value of a list of numbers (a 1-D tensor), of batch-of-one tensors (their cat), or
+    of a 1-D tensor given as the list (itself, on ``device``); ``items`` checked by
+    ``_classify_lists``."""
+    if kind == "numbers":
+        try:
+            t = numbers_tensor(items)
+        except (OverflowError, RuntimeError, TypeError, ValueError) as err:
+            raise FoldError(
+                f"apply: lists[{i}] holds numbers torch cannot put in one tensor "
+                f"({type(err).__name__}: {err}); ints must fit in torch.long (int64). Fix: "
+                "pass smaller ints, or floats."
+            ) from None
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    if kind == "column":
+        return items.to(device, non_blocking=True)
+    return torch.cat([t.to(device, non_blocking=True) for t in items], 0)
+
+
+def bad_split(arrays: GraphArrays, node: int, n: int, m: int) -> FoldError:
+    """The FoldError for a handle of ``node`` made by ``split(n)`` (``n`` 0: the whole node)
+    where its op returned ``m`` outputs (0: the node has no value of its own)."""
+    op = op_name(arrays.op_of(node))
+    if m == 0:
+        return FoldError(
+            f"apply: node {node} ({op!r}) has no value here: a nobatch node can only be an "
+            "argument of the ops that read it whole, or an output of its own list."
+        )
+    if n == 0:
+        return FoldError(
+            f"apply: op {op!r} returned {m} outputs, but node {node} ({op!r}) is used whole, "
+            f"without split. Fix: use the handles of its split, h = f.add({op!r}, ...)"
+            f".split({m})."
+        )
+    return FoldError(
+        f"apply: node {node} ({op!r}) was split with .split({n}), but op {op!r} returned "
+        f"{m} output(s). Fix: call .split({m}), or return {n} tensors."
+    )
+
+
+def _describe_output(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        inner = ", ".join(type(x).__name__ for x in out)
+        return f"a {type(out).__name__} of ({inner})"
+    return f"a {type(out).__name__}"
