@@ -17,10 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import ID_MASK, INT, NODE, NUMBER_DTYPES, decode, depth_of, node_id
+from fold._encoding import (
+    ID_MASK,
+    INT,
+    NODE,
+    NUMBER_DTYPES,
+    decode,
+    depth_of,
+    is_tensor_kind,
+    node_id,
+)
 from fold.errors import FoldError, op_name
 
-__all__ = ["GraphArrays", "handles_array", "number_column", "numbers_tensor"]
+__all__ = ["GraphArrays", "handles_array", "literal_column", "number_column", "numbers_tensor"]
 
 
 # array typecode and torch dtype of what torch.tensor makes of a list of one number type
@@ -67,6 +76,15 @@ def number_column(op: Any, pos: int, kind: int, values: Any) -> np.ndarray:
             f"apply: op {op_name(op)!r}, argument {pos}: an int does not fit in torch.long "
             "(int64). Fix: pass a smaller int, or a float."
         ) from None
+
+
+def literal_column(op: Any, pos: int, kind: Any, values: Any) -> Any:
+    """One literal argument column as the executor takes it: literal tensors as a sequence
+    (concatenated by ``fold.ops.literal_value``), numbers as a numpy array of their kind's
+    dtype.  The one place a literal kind's column is converted."""
+    if is_tensor_kind(kind):
+        return values
+    return number_column(op, pos, kind, values)
 
 
 class GraphArrays:
@@ -265,14 +283,10 @@ class GraphArrays:
                     entry = (cols, node_js, hmat, np.stack(decode(hmat)))
             if entry is None:
                 raw = list(zip(*rows)) if kinds else []
-                cols: list[Any] = []
-                for j, k in enumerate(kinds):
-                    if k == NODE:
-                        cols.append(None)
-                    elif type(k) is tuple:
-                        cols.append(raw[j])
-                    else:
-                        cols.append(number_column(op, j, k, raw[j]))
+                cols: list[Any] = [
+                    None if k == NODE else literal_column(op, j, k, raw[j])
+                    for j, k in enumerate(kinds)
+                ]
                 hmat = (
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )

@@ -29,7 +29,7 @@ from fold._encoding import (
     out_index,
     split_count,
 )
-from fold.arrays import GraphArrays, handles_array, number_column
+from fold.arrays import GraphArrays, handles_array, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.ops import (
     bad_split,
@@ -245,9 +245,7 @@ class Executor:
                 values.append(self._input(src))
                 plans.append((Arg.INPUT, None))
                 continue
-            column = [r[j] for r in rows]
-            if not is_tensor_kind(k):
-                column = number_column(op, j, k, column)
+            column = literal_column(op, j, k, [r[j] for r in rows])
             values.append(self._literal(k, column))
             plans.append((Arg.NUMBERS, None))
         outs = self._call(step, op, values, plans, n, False)
