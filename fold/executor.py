@@ -51,12 +51,13 @@ class ModelBatched:
     """What ``apply`` needs of an object that runs N models at once, one row per model in
     every node value (:class:`fold.batched_ops.BatchModule` implements it).
 
-    ``batch`` is N.  ``merged(op)`` is the op for rows of (node, model) pairs, model index
-    fastest; ``fold_chunk()`` how many models one executor pass runs; ``chunks(size)``
+    ``batch`` is N; ``template`` one model (whose methods name the ops).  ``merged(op)`` is
+    the op for rows of (node, model) pairs, model index fastest; ``fold_chunk()`` how many models one executor pass runs; ``chunks(size)``
     yields a slice of models per pass, each selected while the pass runs.
     """
 
     batch: int
+    template: Any
 
     def merged(self, op: str) -> Callable[..., Any]:
         raise NotImplementedError

@@ -129,7 +129,7 @@ _THIS_FOLD = object()
 
 
 def _recorder_factory(kinds: list[Any], exact: list[bool], outputs: int | None) -> Any:
-    """``make(**state)`` -> a recorder for this argument pattern over one Fold's state.
+    """``make(*state)`` -> a recorder for this argument pattern over one Fold's state.
 
     Compiled once per pattern and process; a Fold's recorder is then one closure, cheap
     enough for a training loop that records a new Fold every step."""

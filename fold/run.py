@@ -91,7 +91,7 @@ def check_limit_ops(signatures: list[Any], obj: Any, max_rows: Mapping[Any, int]
     """Every key of a ``max_rows`` dict names an op: of ``obj``, or recorded here."""
     ops = {op for op, _ in signatures}
     ops |= {op_name(op) for op in ops}
-    model = getattr(obj, "template", obj)  # a BatchModule: the model's own methods
+    model = obj.template if isinstance(obj, ModelBatched) else obj  # the model's own methods
     for key in max_rows:
         if key in ops or (type(key) is str and callable(getattr(model, key, None))):
             continue
