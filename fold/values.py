@@ -169,12 +169,17 @@ class Values:
     def fill_table(self, c: int) -> None:
         """Copy every source of class ``c`` not yet in its value table into it.
 
-        The table is preallocated (for the rows of this class so far plus an estimate of those
-        still to come) and written in place, one ``copy_`` per call; it is only ever read by
-        ``index_select``, which saves its index and not its input for backward, so the
-        in-place writes never invalidate a tensor autograd saved.  Sources are copied lazily,
-        when a column first needs rows of several of them: a chain of single-source gathers
-        (an RNN) never copies anything.
+        The table is preallocated and written in place, one ``copy_`` per call.  Its size
+        follows the rows it holds: the rows of this class so far plus an estimate of those
+        still to come (the plan's remaining nodes times this class's outputs per node), but
+        at most twice the rows so far, growing by doubling past that.  Every gather's
+        backward fills a gradient of the table's whole size, so a table sized for nodes of
+        other shapes (a few per-example memories among thousands of decoder nodes) would
+        make backward cost follow the graph instead of the rows read.  The table is only
+        ever read by ``index_select``, which saves its index and not its input for backward,
+        so the in-place writes never invalidate a tensor autograd saved.  Sources are copied
+        lazily, when a column first needs rows of several of them: a chain of single-source
+        gathers (an RNN) never copies anything.
         """
         srcs = self.class_srcs[c]
         k = self.in_table[c]
@@ -187,7 +192,7 @@ class Values:
         table = self.tables[c]
         if table is None or table.shape[0] < need:
             last = sources[srcs[-1]]
-            cap = need + self.rows_left * self.outs_per_row[c] * m
+            cap = min(need + self.rows_left * self.outs_per_row[c] * m, 2 * need)
             grown = last.new_empty((cap, *last.shape[1:]))
             if table is not None:
                 grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))

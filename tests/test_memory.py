@@ -123,3 +123,57 @@ def test_limit_equal_to_the_largest_group() -> None:
     torch.testing.assert_close(h, ref_h)
     for k in ref_g:
         torch.testing.assert_close(g[k], ref_g[k])
+
+
+class _Memories(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+
+    def mem_a(self, k):  # two ops make memories of one shape: rows of two sources
+        return (self.w * k[:, None, None]).unsqueeze(1).expand(-1, 50, -1, -1)[:, 0]
+
+    def mem_b(self, k):
+        return (self.w + k[:, None, None])
+
+    def step(self, memory, k):  # reads a memory, gives a vector of another shape
+        return memory.sum(1) * k[:, None]
+
+    def next(self, h, memory):
+        return h + memory.mean(1)
+
+
+def test_value_tables_hold_the_rows_of_their_own_shape_only() -> None:
+    """8 per-example memories of shape (16, 16) read by a long chain of decoder steps of
+    another shape: the memories' value table holds about their rows (at most twice), not a
+    row for every node left in the plan (its backward would fill a gradient that size per
+    gather); values and gradients equal Unfold's."""
+    from fold.executor import Executor
+
+    def record(f):
+        mems = [f.add("mem_a" if i % 2 else "mem_b", float(i)) for i in range(8)]
+        outs = []
+        for i, m in enumerate(mems):
+            h = f.add("step", m, 1.0)
+            for t in range(20 + 5 * i):  # decoders of different lengths read their memory
+                h = f.add("next", h, mems[(i + t) % 8])
+            outs.append(h)
+        return outs
+
+    model = _Memories()
+    f = fold.Fold()
+    outs = record(f)
+    ex = Executor(f.snapshot(), model)
+    ex.run(f.plan())
+    memory_tables = [t for t in ex.values.tables if t is not None and t.dim() == 3]
+    assert memory_tables and all(t.shape[0] <= 16 for t in memory_tables), [
+        t.shape for t in memory_tables
+    ]
+    assert len(f) > 200  # the plan had many more nodes than memories
+    (got,) = f.apply(model, [outs])
+    (g,) = torch.autograd.grad(got.sum(), model.w)
+    u = fold.Unfold(model)
+    (want,) = u.apply(model, [record(u)])
+    (g_want,) = torch.autograd.grad(want.sum(), model.w)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g, g_want)
