@@ -134,7 +134,7 @@ class _Memories(torch.nn.Module):
         return (self.w * k[:, None, None]).unsqueeze(1).expand(-1, 50, -1, -1)[:, 0]
 
     def mem_b(self, k):
-        return (self.w + k[:, None, None])
+        return self.w + k[:, None, None]
 
     def step(self, memory, k):  # reads a memory, gives a vector of another shape
         return memory.sum(1) * k[:, None]
