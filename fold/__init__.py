@@ -20,9 +20,10 @@ from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
 from fold.node import Node as Node
+from fold.ragged import Ragged as Ragged
 from fold.unfold import Unfold as Unfold
 
-__all__ = ["Fold", "FoldError", "FoldModule", "Node", "Unfold"]
+__all__ = ["Fold", "FoldError", "FoldModule", "Node", "Ragged", "Unfold"]
 __version__ = "0.1.0"
 
 # Submodules reachable as attributes after a plain ``import fold`` (``fold.optim.Adam``),

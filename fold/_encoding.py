@@ -41,6 +41,7 @@ __all__ = [
     "ID_SHIFT",
     "INT",
     "KIND_NAMES",
+    "LIST",
     "LOW_MASK",
     "MAX_SPLIT",
     "NODE",
@@ -71,17 +72,27 @@ __all__ = [
 # ---------------------------------------------------------------- argument kinds
 # A node's signature is (op, kinds): one kind per argument.  A literal tensor's kind is the
 # tuple (shape[1:], dtype), so nodes whose literal tensors differ in shape never share a group.
-NODE, INT, FLOAT, BOOL = 0, 1, 2, 3
+NODE, INT, FLOAT, BOOL, LIST = 0, 1, 2, 3, 4
 TENSOR = "tensor"  # a literal tensor's kind before its shape is known (in recorders only)
-KIND_NAMES = {NODE: "node", INT: "int", FLOAT: "float", BOOL: "bool", TENSOR: "tensor"}
+KIND_NAMES = {
+    NODE: "node",
+    INT: "int",
+    FLOAT: "float",
+    BOOL: "bool",
+    LIST: "list",
+    TENSOR: "tensor",
+}
 SCALAR_KINDS: dict[type, int] = {int: INT, float: FLOAT, bool: BOOL}
 # The memo key a generated recorder keeps for an argument ``{a}`` of each kind, when its
 # type is the kind's own (a Node of the Fold, int, float, bool): node handles as plain ints
 # (untracked by the garbage collector), -0.0 as its own key (see float_key), a literal
 # tensor as its id (the graph keeps the tensor itself).  Other types of a kind (numpy
-# numbers) are converted by ``CONVERT`` first.
+# numbers) are converted by ``convert`` first.  A list of nodes (a variable-length argument,
+# received by the op as a ``fold.Ragged``) is kept as a tuple of plain-int handles, its
+# elements checked by the recorder's ``l{i}`` (this Fold's nodes, or a FoldError).
 KEY_SOURCE = {
     NODE: "{a} | 0",
+    LIST: "l{i}({a})",
     INT: "{a}",
     BOOL: "{a}",
     FLOAT: "{a} if {a} else fk({a})",
@@ -105,6 +116,8 @@ def classify(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
                 "marked .nobatch()."
             )
         return tensor_kind(a), a
+    if type(a) is list:  # its elements are the caller's to check (they are handles)
+        return LIST, a
     if isinstance(a, (bool, np.bool_)):  # numpy's bool is no numbers.Integral
         return BOOL, bool(a)
     if isinstance(a, numbers.Integral):
@@ -116,9 +129,9 @@ def classify(op: Any, pos: int, a: Any) -> tuple[Any, Any]:
         shown = shown[:57] + "..."
     raise FoldError(
         f"Fold.add({op_name(op)!r}, ...): argument {pos} is a {type(a).__name__} ({shown}); "
-        "expected a Node of this Fold, an int/float/bool, or a batch-of-one torch.Tensor of "
-        "shape (1, ...). Fix: convert it to a tensor, or give the op's object an attribute "
-        "holding it."
+        "expected a Node of this Fold, a list of them, an int/float/bool, or a batch-of-one "
+        "torch.Tensor of shape (1, ...). Fix: convert it to a tensor, or give the op's object "
+        "an attribute holding it."
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from fold._encoding import (
     ID_MASK,
     INT,
+    LIST,
     NODE,
     NUMBER_DTYPES,
     decode,
@@ -128,8 +129,8 @@ class GraphArrays:
 
     @property
     def flat(self) -> bool:
-        """Whether no node has node arguments (every node is at depth 0)."""
-        return not any(NODE in kinds for _, kinds in self.signatures)
+        """Whether no node has node arguments or list arguments (all nodes at depth 0)."""
+        return not any(NODE in kinds or LIST in kinds for _, kinds in self.signatures)
 
     # ------------------------------------------------------------ per signature
     def handles(self, sid: int) -> list[int]:
@@ -201,11 +202,24 @@ class GraphArrays:
         return node_id(handles_array(self._memos[sid].values()))
 
     def edges(self) -> tuple[np.ndarray, np.ndarray]:
-        """(source, consumer) node ids: one edge per distinct node argument of a consumer,
-        signature after signature."""
+        """(source, consumer) node ids: one edge per distinct node argument (or list
+        element) of a consumer, signature after signature."""
         srcs, dsts = [], []
         for sid in range(len(self.count)):
-            _cols, node_js, _hmat, decoded = self.columns(sid)
+            cols, node_js, _hmat, decoded = self.columns(sid)
+            list_js = [j for j, k in enumerate(self.signatures[sid][1]) if k == LIST]
+            if list_js:  # elements of lists too; distinct pairs by sorting
+                ids = self.ids(sid)
+                src_parts = [decoded[0].ravel()] if node_js else []
+                dst_parts = [np.repeat(ids, len(node_js))] if node_js else []
+                for j in list_js:
+                    lengths = np.fromiter(map(len, cols[j]), np.int64, len(cols[j]))
+                    src_parts.append(node_id(handles_array(itertools.chain.from_iterable(cols[j]))))
+                    dst_parts.append(np.repeat(ids, lengths))
+                pair = np.unique(np.concatenate(dst_parts) * self.n + np.concatenate(src_parts))
+                srcs.append(pair % self.n)
+                dsts.append(pair // self.n)
+                continue
             if not node_js:
                 continue
             src = decoded[0]  # count x node positions
@@ -284,7 +298,11 @@ class GraphArrays:
             if entry is None:
                 raw = list(zip(*rows)) if kinds else []
                 cols: list[Any] = [
-                    None if k == NODE else literal_column(op, j, k, raw[j])
+                    None
+                    if k == NODE
+                    else raw[j]  # a list argument: per node, its elements' handles
+                    if k == LIST
+                    else literal_column(op, j, k, raw[j])
                     for j, k in enumerate(kinds)
                 ]
                 hmat = (

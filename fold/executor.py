@@ -15,6 +15,7 @@ The executor reads the snapshot and the plan only: never the Fold that recorded 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from fold._encoding import (
+    LIST,
     LOW_MASK,
     NODE,
     is_tensor_kind,
@@ -40,9 +42,10 @@ from fold.ops import (
     op_failed,
     resolve_op,
 )
+from fold.ragged import Ragged
 from fold.scheduler.chain import in_order
 from fold.scheduler.plan import Input, Plan
-from fold.values import Values
+from fold.values import Recipe, Values
 
 __all__ = ["Executor", "ModelBatched"]
 
@@ -77,6 +80,7 @@ class Arg(enum.Enum):
     INPUT = 2  # an earlier group's output as it is (a tensor)
     TENSORS = 3  # literal tensors, concatenated
     NUMBERS = 4  # literal numbers, as a 1-D tensor
+    RAGGED = 5  # a list argument: its elements gathered by one Recipe, and the lengths
 
 
 class Executor:
@@ -176,6 +180,10 @@ class Executor:
                 plans.append(
                     (Arg.TENSORS, cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
                 )
+            elif k == LIST:  # below, after the node columns
+                plans.append(
+                    (Arg.RAGGED, cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
+                )
             else:
                 plans.append((Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos]))
         v = self.values
@@ -212,6 +220,9 @@ class Executor:
                     return
                 for j, r in zip(gathered, recipes):
                     plans[j] = (Arg.GATHER, r)
+        for j, k in enumerate(kinds):
+            if k == LIST:  # every element of the group's lists: one gather
+                plans[j] = (Arg.RAGGED, self._plan_list(op, j, plans[j][1], idx))
 
         # Phase 2: index tensors, then the argument values.
         itensors = v.index_tensors(idx)
@@ -221,10 +232,55 @@ class Executor:
                 values.append(v.gather(p, itensors))
             elif what is Arg.WHOLE:
                 values.append(v.sources[p])
+            elif what is Arg.RAGGED:
+                recipe, lengths = p
+                flat = v.gather(recipe, itensors) if recipe is not None else torch.zeros(0)
+                lengths = torch.tensor(lengths, dtype=torch.long)
+                values.append(Ragged(flat, lengths.to(flat.device, non_blocking=True)))
             else:
                 values.append(self._literal(k, p))
         outs = self._call(step, op, values, plans, n, alone)
         v.add_sources(outs, alone, members)
+
+    def _plan_list(
+        self, op: Any, j: int, lists: list[tuple[int, ...]], idx: list[np.ndarray]
+    ) -> tuple[Recipe | None, list[int]]:
+        """The gather of a list column: every element of every list, in order, by one
+        recipe; and the lists' lengths."""
+        lengths = list(map(len, lists))
+        if self.model_dim:
+            raise FoldError(
+                f"apply: op {op_name(op)!r}, argument {j} is a list of nodes; list arguments "
+                "are not supported with a BatchModule yet. Fix: apply each model separately, "
+                "or pass the elements as separate arguments."
+            )
+        flat = handles_array(itertools.chain.from_iterable(lists))
+        if not len(flat):
+            return None, lengths
+        v = self.values
+        if self.nobatch and not self.nobatch.isdisjoint(node_id(flat).tolist()):
+            raise FoldError(
+                f"apply: op {op_name(op)!r}, argument {j}: a list holds a nobatch node; list "
+                "elements are gathered by rows. Fix: pass the nobatch node as an argument of "
+                "its own."
+            )
+        rows = v.rows(flat[:, None])
+        (recipe,) = v.recipes(rows, idx)
+        if recipe is None:
+            classes = Values.class_of(rows[:, 0])
+            metas = [v.class_meta[c][:2] for c in classes.tolist()]
+            bad = next(i for i, m in enumerate(metas) if m != metas[0])
+            ends = np.cumsum(lengths)
+            which = int(np.searchsorted(ends, bad, side="right"))
+            elem = bad - (int(ends[which - 1]) if which else 0)
+            raise FoldError(
+                f"apply: op {op_name(op)!r}, argument {j}: element {elem} of the list of the "
+                f"group's node {which} has rows of {describe(*metas[bad], always_dtype=True)}, "
+                f"the group's first element {describe(*metas[0], always_dtype=True)}; the "
+                "elements of list arguments are concatenated, so they must agree in shape and "
+                "dtype. Fix: make the listed nodes' ops return one shape and dtype."
+            )
+        return recipe, lengths
 
     def _literal(self, kind: Any, column: Any) -> torch.Tensor:
         t = literal_value(kind, column, self.device)
@@ -281,7 +337,8 @@ class Executor:
             raise op_failed(op, step, n, values, err) from err
         outs = check_outputs(op, step, n * self.models, out, alone)
         # Shapes are kept raw; summaries format them only when asked.
-        self.report.append((step, op_name(op), n, tuple([(v.shape, v.dtype) for v in values])))
+        metas = [(v.values if type(v) is Ragged else v) for v in values]
+        self.report.append((step, op_name(op), n, tuple([(t.shape, t.dtype) for t in metas])))
         return outs
 
     def _limit(self, op: Any, values: list[torch.Tensor], plans: list[Any], n: int) -> int:
@@ -293,11 +350,13 @@ class Executor:
         if rows is not None:
             limit = min(limit, rows)
         if self.max_bytes is not None:
-            per_node = sum(
-                v[: self.models].numel() * v.element_size()
-                for v, (what, _) in zip(values, plans)
-                if what is not Arg.WHOLE
-            )
+            per_node = 0
+            for v, (what, _) in zip(values, plans):
+                if what is Arg.RAGGED:  # the average list's elements
+                    t = v.values
+                    per_node += -(-t.numel() * t.element_size() // max(len(v), 1))
+                elif what is not Arg.WHOLE:
+                    per_node += v[: self.models].numel() * v.element_size()
             if per_node > self.max_bytes:
                 raise FoldError(
                     f"apply: op {op_name(op)!r} needs {per_node} bytes of arguments for a single "
@@ -325,7 +384,11 @@ class Executor:
         for start in range(0, n, limit):
             size = min(limit, n - start)
             args = [
-                v if what is Arg.WHOLE else v.narrow(0, start * m, size * m)
+                v
+                if what is Arg.WHOLE
+                else v.lists(start, size)
+                if what is Arg.RAGGED
+                else v.narrow(0, start * m, size * m)
                 for v, (what, _) in zip(values, plans)
             ]
             parts.append(fn(*args))

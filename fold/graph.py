@@ -25,6 +25,7 @@ from fold._encoding import (
     DEPTH_AFTER,
     ID_SHIFT,
     KEY_SOURCE,
+    LIST,
     MAX_SPLIT,
     NODE,
     SCALAR_KINDS,
@@ -50,8 +51,9 @@ _MISSING = object()
 def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -> str:
     """The source of a recorder for one argument pattern: THE recording logic.
 
-    ``kinds`` per argument: NODE, INT, FLOAT, BOOL or TENSOR; ``exact[i]`` whether its
-    type needs no conversion (a Node of this Fold, an ``int``/``float``/``bool``, a tensor).  The
+    ``kinds`` per argument: NODE, INT, FLOAT, BOOL, LIST or TENSOR; ``exact[i]`` whether its
+    type needs no conversion (a Node of this Fold, an ``int``/``float``/``bool``, a list, a
+    tensor).  The
     function checks the argument types (anything else goes to ``generic``, which classifies
     it or raises), builds the memo key (node handles as plain ints: a tuple of plain ints is
     untracked by the garbage collector at its first collection, while one holding Nodes
@@ -65,7 +67,7 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     k = len(kinds)
     names = [f"a{i}" for i in range(k)]
     lines: list[str] = []
-    keys, vals, nodes, tensors = [], [], [], []
+    keys, vals, nodes, lists, tensors = [], [], [], [], []
     for i, (kind, ex) in enumerate(zip(kinds, exact)):
         a = names[i]
         if kind == TENSOR:
@@ -75,15 +77,19 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
             vals.append(f"key[{i}]")
         if kind == NODE:
             nodes.append(i)
+        elif kind == LIST:
+            lists.append(i)
         # The key is built inline, in one tuple display: no local per argument.
-        keys.append(KEY_SOURCE[kind].format(a=a) if ex else f"n{i}({a})")
-    if not nodes:
+        keys.append(KEY_SOURCE[kind].format(a=a, i=i) if ex else f"n{i}({a})")
+    # Depth: one step after the deepest node argument or list element (an empty list adds
+    # nothing: DEPTH_AFTER of -1 is 0).
+    parts = [f"key[{i}]" for i in nodes] + [f"max(key[{i}], default=-1)" for i in lists]
+    if not parts:
         depth = "0"
     elif len(nodes) == k:  # node arguments only: the deepest is the max of the key
         depth = DEPTH_AFTER.format("max(key)" if k > 1 else "key[0]")
     else:
-        deepest = ", ".join(f"key[{i}]" for i in nodes)
-        depth = DEPTH_AFTER.format(f"max({deepest})" if len(nodes) > 1 else deepest)
+        depth = DEPTH_AFTER.format(f"max({', '.join(parts)})" if len(parts) > 1 else parts[0])
     if tensors:  # the signature depends on the tensors' shapes: found per call by shape
         skey = ", ".join(f"{a}.shape, {a}.dtype" for a in tensors)
         lines += [
@@ -109,6 +115,7 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     body = "\n".join("            " + line for line in lines)
     free = ["_MISSING", "ids", "T", "code", "generic", "fk"]
     free += [f"t{i}" for i in range(k)] + [f"n{i}" for i, ex in enumerate(exact) if not ex]
+    free += [f"l{i}" for i in lists]
     free += ["sigs", "new_sig"] if tensors else ["memo"]
     return (
         f"def make({', '.join(free)}):\n"
@@ -285,7 +292,8 @@ class Fold:
             self._check_op(op)
             kinds = [self._classify(op, pos, a) for pos, a in enumerate(args)]
             exact = [
-                type(a) is T or type(a) in SCALAR_KINDS or k == TENSOR for a, k in zip(args, kinds)
+                type(a) is T or type(a) in SCALAR_KINDS or k in (TENSOR, LIST)
+                for a, k in zip(args, kinds)
             ]
             convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
             pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs)
@@ -305,10 +313,9 @@ class Fold:
         else:
             tail = (self._memos[self._signature(op, tuple(kinds))],)
         code = 0 if outputs is None else split_code(outputs)
+        checks = tuple(self._list_key(op, i) for i, k in enumerate(kinds) if k == LIST)
         # The state, in the order of make's parameters (see _recorder_source).
-        fn = make(
-            _MISSING, self._ids, self._node_type, code, generic, float_key, *types, *convs, *tail
-        )
+        fn = make(_MISSING, self._ids, T, code, generic, float_key, *types, *convs, *checks, *tail)
         fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
@@ -318,6 +325,30 @@ class Fold:
             self._by_op.setdefault(op, fn)
         return fn
 
+    def _list_key(self, op: Any, pos: int) -> Callable[[list[Any]], tuple[int, ...]]:
+        """The memo key of a list argument at ``pos``: its handles as plain ints, once every
+        element is checked to be a node of this Fold (a FoldError names the element)."""
+        T = self._node_type
+
+        def list_key(a: list[Any]) -> tuple[int, ...]:
+            if a and set(map(type, a)) != {T}:
+                for j, x in enumerate(a):
+                    if type(x) is not T:
+                        what = (
+                            "a Node of another Fold"
+                            if isinstance(x, Node)
+                            else f"of type {type(x).__name__}"
+                        )
+                        raise FoldError(
+                            f"Fold.add({op_name(op)!r}, ...): argument {pos} is a list whose "
+                            f"element {j} is {what}; a list argument holds nodes of this Fold "
+                            "(any number, 0 included), received by the op as a fold.Ragged. "
+                            "Fix: pass the nodes this Fold's add() returned."
+                        )
+            return tuple([x | 0 for x in a])
+
+        return list_key
+
     def _classify(self, op: Any, pos: int, a: Any) -> Any:
         """The kind of argument ``a``, TENSOR for any literal tensor; FoldError if bad."""
         t = type(a)
@@ -325,6 +356,9 @@ class Fold:
             return NODE
         if t in SCALAR_KINDS:
             return SCALAR_KINDS[t]
+        if t is list:
+            self._list_key(op, pos)(a)  # raises for an element that is no node of this Fold
+            return LIST
         if isinstance(a, Node):
             raise foreign_node(op, pos, a)
         kind, _ = classify(op, pos, a)  # raises for anything fold cannot take
@@ -441,9 +475,16 @@ class Fold:
         return self.signatures[self.sig[nid]][0]
 
     def node_args(self, nid: int) -> list[tuple[int, int]]:
-        """(argument position, handle) of every node argument of node ``nid``."""
+        """(argument position, handle) of every node argument of node ``nid``, list elements
+        included (one entry per element)."""
         kinds = self.signatures[self.sig[nid]][1]
-        return [(pos, a) for pos, (a, k) in enumerate(zip(self.args[nid], kinds)) if k == NODE]
+        out = []
+        for pos, (a, k) in enumerate(zip(self.args[nid], kinds)):
+            if k == NODE:
+                out.append((pos, a))
+            elif k == LIST:
+                out.extend((pos, x) for x in a)
+        return out
 
     # ------------------------------------------------------------------ running
     def plan(self) -> Plan:

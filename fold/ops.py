@@ -12,6 +12,7 @@ import torch
 from fold._encoding import FLOAT
 from fold.arrays import GraphArrays, numbers_tensor
 from fold.errors import FoldError, describe, op_name
+from fold.ragged import Ragged
 
 __all__ = [
     "bad_split",
@@ -43,6 +44,8 @@ def device_of(obj: Any) -> torch.device:
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return describe(t.shape, t.dtype)
+    if type(t) is Ragged:
+        return f"Ragged of {len(t)} lists, values {describe(t.values.shape, t.values.dtype)}"
     return type(t).__name__
 
 

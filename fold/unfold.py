@@ -11,6 +11,7 @@ from fold._encoding import classify
 from fold.errors import FoldError, op_name
 from fold.node import Node, UnfoldNode, foreign_node
 from fold.ops import device_of, literal_output
+from fold.ragged import Ragged
 from fold.run import NODES, classify_lists
 
 __all__ = ["Unfold"]
@@ -47,6 +48,9 @@ class Unfold:
                 continue
             if isinstance(a, Node):
                 raise foreign_node(op, pos, a)
+            if type(a) is list:  # a list argument: a Ragged of one list
+                vals.append(self._ragged(op, pos, a))
+                continue
             value = a if type(a) in (int, float, bool) else classify(op, pos, a)[1]
             if isinstance(value, torch.Tensor):
                 vals.append(value.to(self.device))
@@ -68,6 +72,24 @@ class Unfold:
         if isinstance(out, list):
             out = tuple(out)
         return UnfoldNode(self, out, op)
+
+    def _ragged(self, op: Any, pos: int, items: list[Any]) -> Ragged:
+        values = []
+        for j, x in enumerate(items):
+            if type(x) is not UnfoldNode or x.unfold is not self:
+                raise FoldError(
+                    f"Unfold.add({op_name(op)!r}, ...): argument {pos} is a list whose element "
+                    f"{j} is not a Node of this Unfold. Fix: pass the nodes its add() returned."
+                )
+            values.append(x.get())
+        metas = {(tuple(v.shape[1:]), v.dtype) for v in values}
+        if len(metas) > 1:
+            raise FoldError(
+                f"Unfold.add({op_name(op)!r}, ...): argument {pos} is a list whose elements "
+                "differ in shape or dtype; they are concatenated into one Ragged. Fix: make the "
+                "listed nodes' ops return one shape and dtype."
+            )
+        return Ragged.from_lists([values])
 
     def apply(self, obj: Any, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
         """Concatenate the values of each list, as :meth:`Fold.apply` returns them."""

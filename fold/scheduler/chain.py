@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fold._encoding import NODE, low_bits, out_index, split_count
+from fold._encoding import LIST, NODE, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
 __all__ = ["SignatureNodes", "chain_plan", "in_order"]
@@ -74,6 +74,8 @@ def chain_plan(a: RecordedView) -> Plan | None:
     # sequences) fail here, before any column is read whole.
     heads: list[tuple[Input | None, ...]] = []
     for s, (_op, kinds) in enumerate(a.signatures):
+        if LIST in kinds:  # list arguments are gathered, never a whole output
+            return None
         if NODE not in kinds:
             heads.append((None,) * len(kinds))
             continue

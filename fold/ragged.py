@@ -1,0 +1,154 @@
+"""``fold.Ragged``: a list argument of variable length, as an op receives it.
+
+A Python list of nodes is ONE argument of any length (0 included): ``f.add("node", x,
+[c1, c2, c3])``.  Nodes whose lists differ in length share a group, and the op receives the
+group's lists as one :class:`Ragged`: the elements of every list, list after list, in one
+tensor, with their lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fold.errors import FoldError
+
+__all__ = ["Ragged"]
+
+
+class Ragged:
+    """``n`` lists of values, stored flat: ``values`` is ``(total, *feature)``, the lists one
+    after another in the group's node order; ``lengths`` is ``(n,)`` int64.
+
+    Where every list of the group is empty, nothing tells the elements' shape or dtype:
+    ``values`` is ``(0,)`` in the default dtype, and the reductions and ``padded`` take them
+    from their ``feature=`` and ``dtype=`` arguments (``children.sum(feature=(hidden,),
+    dtype=torch.float64)``); where any list has values, those arguments are ignored.
+    """
+
+    __slots__ = ("values", "lengths", "_offsets", "_segments")
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        if lengths.dim() != 1 or lengths.dtype != torch.long:
+            raise FoldError(
+                f"Ragged(values, lengths): lengths must be a 1-D int64 tensor, got shape "
+                f"{tuple(lengths.shape)} {lengths.dtype}."
+            )
+        self.values = values
+        self.lengths = lengths
+        self._offsets: torch.Tensor | None = None
+        self._segments: torch.Tensor | None = None
+
+    @classmethod
+    def from_lists(cls, lists: list[list[torch.Tensor]]) -> Ragged:
+        """A Ragged of lists of batch-of-one tensors (each ``(1, *feature)``)."""
+        lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
+        flat = [t for x in lists for t in x]
+        values = torch.cat(flat, 0) if flat else torch.zeros(0)
+        return cls(values, lengths.to(values.device))
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"Ragged({len(self)} lists, {self.values.shape[0]} values of shape "
+            f"{tuple(self.values.shape[1:])})"
+        )
+
+    def lists(self, start: int, length: int) -> Ragged:
+        """Lists ``start`` to ``start + length`` (out of place: a ``narrow`` of the values)."""
+        lengths = self.lengths.narrow(0, start, length)
+        first = int(self.lengths[:start].sum()) if start else 0
+        return Ragged(self.values.narrow(0, first, int(lengths.sum())), lengths)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``(n + 1,)``: list i is ``values[offsets[i]:offsets[i + 1]]``."""
+        if self._offsets is None:
+            self._offsets = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+        return self._offsets
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        """``(total,)``: the list each value belongs to."""
+        if self._segments is None:
+            n = len(self)
+            self._segments = torch.repeat_interleave(
+                torch.arange(n, device=self.lengths.device),
+                self.lengths,
+                output_size=self.values.shape[0],
+            )
+        return self._segments
+
+    def _feature(self, feature: Any) -> tuple[int, ...]:
+        if self.values.shape[0] or feature is None:
+            return tuple(self.values.shape[1:])
+        return tuple(feature)
+
+    def _dtype(self, dtype: Any) -> torch.dtype:
+        return self.values.dtype if self.values.shape[0] or dtype is None else dtype
+
+    def _zeros(self, feature: Any, dtype: Any) -> torch.Tensor:
+        shape = (len(self), *self._feature(feature))
+        return self.values.new_zeros(shape, dtype=self._dtype(dtype))
+
+    def sum(self, feature: Any = None, dtype: Any = None) -> torch.Tensor:
+        """``(n, *feature)``: each list's sum; zeros for an empty list."""
+        out = self._zeros(feature, dtype)
+        if not self.values.shape[0]:
+            return out
+        return out.index_add(0, self.segment_ids, self.values)
+
+    def mean(self, feature: Any = None, dtype: Any = None) -> torch.Tensor:
+        """``(n, *feature)``: each list's mean; zeros for an empty list."""
+        total = self.sum(feature, dtype)
+        count = self.lengths.clamp(min=1).to(total.dtype)
+        return total / count.view(-1, *([1] * (total.dim() - 1)))
+
+    def amax(self, feature: Any = None, dtype: Any = None) -> torch.Tensor:
+        """``(n, *feature)``: each list's elementwise max; zeros for an empty list."""
+        out = self._zeros(feature, dtype)
+        if not self.values.shape[0]:
+            return out
+        index = self.segment_ids.view(-1, *([1] * (self.values.dim() - 1))).expand_as(self.values)
+        out = out.scatter_reduce(0, index, self.values, "amax", include_self=False)
+        return out
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``(n, L)`` bool, L the longest length: True where a list has a value."""
+        longest = int(self.lengths.max()) if len(self) else 0
+        steps = torch.arange(longest, device=self.lengths.device)
+        return steps[None, :] < self.lengths[:, None]
+
+    def padded(self, fill: float = 0.0, feature: Any = None, dtype: Any = None) -> torch.Tensor:
+        """``(n, L, *feature)``: the lists padded with ``fill`` to the longest; see ``mask``."""
+        mask = self.mask
+        shape = (*mask.shape, *self._feature(feature))
+        out = self.values.new_full(shape, fill, dtype=self._dtype(dtype))
+        if not self.values.shape[0]:
+            return out
+        return out.index_put((mask.nonzero(as_tuple=True)), self.values)
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(total,)`` scores -> ``(total,)`` weights: a softmax within each list."""
+        if scores.shape[:1] != self.values.shape[:1]:
+            raise FoldError(
+                f"Ragged.softmax(scores): scores has shape {tuple(scores.shape)}; expected one "
+                f"score per value, ({self.values.shape[0]}, ...)."
+            )
+        if not scores.shape[0]:
+            return scores
+        seg = self.segment_ids
+        index = seg.view(-1, *([1] * (scores.dim() - 1))).expand_as(scores)
+        top = scores.new_full((len(self), *scores.shape[1:]), float("-inf"))
+        top = top.scatter_reduce(0, index, scores, "amax", include_self=True)
+        e = (scores - top[seg]).exp()
+        total = e.new_zeros((len(self), *scores.shape[1:])).index_add(0, seg, e)
+        return e / total[seg]
+
+    def nested(self) -> torch.Tensor:
+        """The same data as a ``torch.nested`` jagged tensor ``(n, j, *feature)``."""
+        return torch.nested.nested_tensor_from_jagged(self.values, offsets=self.offsets)

@@ -1,0 +1,215 @@
+"""Variable-length list arguments: ``fold.Ragged`` against per-list loops, random graphs with
+list arguments against Unfold (values and gradients), and their bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fold
+
+W = 4
+
+
+def _lists(lengths: list[int], feature: tuple[int, ...] = (3,)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(sum(lengths) + len(lengths))
+    return [torch.randn(n, *feature, generator=g, dtype=torch.double) for n in lengths]
+
+
+@pytest.mark.parametrize("lengths", [[2, 0, 3, 1], [0, 0], [1], [4, 4]])
+def test_ragged_methods_equal_per_list_loops(lengths: list[int]) -> None:
+    parts = _lists(lengths)
+    values = torch.cat(parts) if sum(lengths) else torch.zeros(0, 3, dtype=torch.double)
+    r = fold.Ragged(values, torch.tensor(lengths))
+    assert len(r) == len(lengths)
+    assert r.offsets.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert r.segment_ids.tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
+    zeros = torch.zeros(3, dtype=torch.double)
+    torch.testing.assert_close(r.sum(), torch.stack([p.sum(0) for p in parts]))
+    torch.testing.assert_close(
+        r.mean(), torch.stack([p.mean(0) if len(p) else zeros for p in parts])
+    )
+    torch.testing.assert_close(
+        r.amax(), torch.stack([p.amax(0) if len(p) else zeros for p in parts])
+    )
+    longest = max(lengths)
+    padded = r.padded(-1.0)
+    assert padded.shape == (len(lengths), longest, 3)
+    for i, p in enumerate(parts):
+        torch.testing.assert_close(padded[i, : len(p)], p)
+        assert (padded[i, len(p) :] == -1).all()
+        assert r.mask[i].tolist() == [j < len(p) for j in range(longest)]
+    scores = values.sum(1)
+    weights = r.softmax(scores)
+    want = [torch.softmax(p.sum(1), 0) for p in parts]
+    torch.testing.assert_close(weights, torch.cat(want) if sum(lengths) else scores)
+    part = r.lists(1, len(lengths) - 1)
+    torch.testing.assert_close(part.sum(), r.sum()[1:])
+    if sum(lengths):
+        nested = r.nested()
+        for i, p in enumerate(parts):
+            torch.testing.assert_close(nested[i], p)
+
+
+def test_an_all_empty_group_takes_its_feature_from_the_argument() -> None:
+    r = fold.Ragged(torch.zeros(0), torch.tensor([0, 0, 0]))
+    assert r.sum(feature=(5,)).shape == (3, 5) and not r.sum(feature=(5,)).any()
+    assert r.mean(feature=(5,)).shape == (3, 5)
+    assert r.sum(feature=(5,), dtype=torch.float64).dtype == torch.float64
+    assert r.padded(feature=(5,)).shape == (3, 0, 5)
+    full = fold.Ragged(torch.ones(2, 4), torch.tensor([2, 0]))
+    assert full.sum(feature=(9,)).shape == (2, 4)  # the values' own shape wins
+
+
+class Pool(nn.Module):
+    """A child-sum node over a list of any length, attention over the list, two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.table = nn.Parameter(torch.randn(7, W, generator=g, dtype=torch.double))
+        self.proj = nn.Parameter(torch.randn(W, W, generator=g, dtype=torch.double) / 2)
+        self.query = nn.Parameter(torch.randn(W, generator=g, dtype=torch.double))
+
+    def embed(self, i: torch.Tensor) -> torch.Tensor:
+        return self.table[i]
+
+    def pool(self, i: torch.Tensor, children: fold.Ragged) -> torch.Tensor:
+        d = self.proj.dtype  # an all-empty group knows no dtype: say it
+        total = children.sum(feature=(W,), dtype=d) @ self.proj
+        scores = children.values @ self.query if children.values.dim() == 2 else children.values
+        weights = children.softmax(scores)
+        attended = fold.Ragged(children.values * weights.unsqueeze(-1), children.lengths)
+        peak = children.amax(feature=(W,), dtype=d)
+        read = attended.sum(feature=(W,), dtype=d)
+        return torch.tanh(self.table[i] + total + read + 0.5 * peak)
+
+    def fork(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), x @ self.proj
+
+
+@st.composite
+def list_programs(draw: Any) -> list[tuple[Any, ...]]:
+    """Steps: ("leaf", word) | ("pool", word, [refs]) | ("fork", ref); a ref is (step, k)
+    with k None for a whole node or the output index of a fork."""
+    prog: list[tuple[Any, ...]] = [("leaf", draw(st.integers(0, 6)))]
+    for _ in range(draw(st.integers(1, 14))):
+        refs = [
+            (s, k)
+            for s, step in enumerate(prog)
+            for k in ((0, 1) if step[0] == "fork" else (None,))
+        ]
+        kind = draw(st.sampled_from(["leaf", "pool", "pool", "pool", "fork"]))
+        if kind == "leaf":
+            prog.append(("leaf", draw(st.integers(0, 6))))
+        elif kind == "fork":
+            whole = [r for r in refs if r[1] is None]
+            prog.append(("fork", draw(st.sampled_from(whole))))
+        else:  # empty lists, repeated elements, elements from different depths
+            prog.append(
+                ("pool", draw(st.integers(0, 6)), draw(st.lists(st.sampled_from(refs), max_size=5)))
+            )
+    return prog
+
+
+def _replay(f: Any, prog: list[tuple[Any, ...]]) -> list[Any]:
+    made: list[Any] = []
+    for step in prog:
+        if step[0] == "leaf":
+            made.append(f.add("embed", step[1]))
+        elif step[0] == "fork":
+            made.append(f.add("fork", made[step[1][0]]).split(2))
+        else:
+            made.append(f.add("pool", step[1], [_ref(made, r) for r in step[2]]))
+    return [_ref(made, (s, None)) for s, step in enumerate(prog) if step[0] != "fork"]
+
+
+def _ref(made: list[Any], ref: tuple[int, Any]) -> Any:
+    s, k = ref
+    return made[s] if k is None else made[s][k]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(list_programs(), st.sampled_from(["depth", "agenda"]), st.sampled_from([None, 2]))
+def test_random_graphs_with_list_arguments_fold_equals_unfold(
+    prog: list[tuple[Any, ...]], strategy: str, max_rows: int | None
+) -> None:
+    model = Pool()
+    f = fold.Fold(strategy)
+    (got,) = f.apply(model, [_replay(f, prog)], max_rows=max_rows)
+    u = fold.Unfold(model)
+    (want,) = u.apply(model, [_replay(u, prog)])
+    torch.testing.assert_close(got, want)
+    params = list(model.parameters())
+    g = torch.autograd.grad(got.square().sum(), params, allow_unused=True)
+    w = torch.autograd.grad(want.square().sum(), params, allow_unused=True)
+    for a, b in zip(g, w):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b)
+
+
+def test_list_arguments_count_in_depth_and_share_groups_across_lengths() -> None:
+    f = fold.Fold()
+    leaves = [f.add("embed", i) for i in range(4)]
+    a = f.add("pool", 0, leaves[:1])
+    b = f.add("pool", 1, leaves)  # another length, the same step: one group
+    c = f.add("pool", 2, [])
+    top = f.add("pool", 3, [a, c, leaves[0]])
+    assert (a.depth, b.depth, c.depth, top.depth) == (1, 1, 0, 2)
+    assert f.add("pool", 1, leaves) == b  # the same list: the same node
+    f.apply(Pool(), [[top, b]])
+    pool_groups = [r for r in f.last_run if r[1] == "pool"]
+    assert [r[2] for r in pool_groups] == [1, 2, 1]
+    assert (1, a) in f.node_args(top.id) and (1, leaves[0]) in f.node_args(top.id)
+
+
+def test_bad_list_arguments_name_the_op_argument_and_element() -> None:
+    f, other = fold.Fold(), fold.Fold()
+    x = f.add("embed", 1)
+    with pytest.raises(
+        fold.FoldError, match=r"'pool'.*argument 1 is a list whose element 1 is of type int"
+    ):
+        f.add("pool", 0, [x, 3])
+    with pytest.raises(fold.FoldError, match="element 0 is a Node of another Fold"):
+        f.add("pool", 0, [other.add("embed", 1)])
+    rec = f.op("pool")
+    rec(0, [x])  # the recorder's fast path checks elements too
+    with pytest.raises(fold.FoldError, match="element 2 is of type str"):
+        rec(0, [x, x, "x"])
+
+    class Shapes(Pool):
+        def wide(self, i):
+            return torch.cat([self.table[i], self.table[i]], 1)
+
+    g = fold.Fold()
+    a, b = g.add("embed", 1), g.add("wide", 2)
+    top = g.add("pool", 0, [a, b])
+    with pytest.raises(
+        fold.FoldError, match=r"'pool', argument 1: element 1 .* must agree in shape"
+    ):
+        g.apply(Shapes(), [[top]])
+    u = fold.Unfold(Shapes())
+    with pytest.raises(fold.FoldError, match="differ in shape"):
+        u.add("pool", 0, [u.add("embed", 1), u.add("wide", 2)])
+
+
+def test_list_arguments_with_a_batch_module_or_a_nobatch_element_are_refused() -> None:
+    from fold.batched_ops import BatchModule
+
+    f = fold.Fold()
+    top = f.add("pool", 0, [f.add("embed", 1)])
+    with pytest.warns(UserWarning, match="no batched layer"):
+        bm = BatchModule(Pool(), batch=2)
+    with pytest.raises(fold.FoldError, match="not supported with a BatchModule"):
+        f.apply(bm, [[top]])
+    g = fold.Fold()
+    shared = g.add("embed", 1).nobatch()
+    with pytest.raises(fold.FoldError, match="a list holds a nobatch node"):
+        g.apply(Pool(), [[g.add("pool", 0, [shared])]])
