@@ -234,7 +234,11 @@ class Executor:
                 values.append(v.sources[p])
             elif what is Arg.RAGGED:
                 recipe, lengths = p
-                flat = v.gather(recipe, itensors) if recipe is not None else torch.zeros(0)
+                flat = (
+                    v.gather(recipe, itensors)
+                    if recipe is not None
+                    else torch.zeros(0, device=self.device)
+                )
                 lengths = torch.tensor(lengths, dtype=torch.long)
                 values.append(Ragged(flat, lengths.to(flat.device, non_blocking=True)))
             else:
