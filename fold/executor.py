@@ -24,12 +24,9 @@ import torch
 
 from fold._encoding import (
     LIST,
-    LOW_MASK,
     NODE,
     is_tensor_kind,
     node_id,
-    out_index,
-    split_count,
 )
 from fold.arrays import GraphArrays, handles_array, literal_column
 from fold.errors import FoldError, describe, op_name
@@ -43,7 +40,7 @@ from fold.ops import (
     resolve_op,
 )
 from fold.ragged import Ragged
-from fold.scheduler.chain import in_order
+from fold.scheduler.chain import whole_output
 from fold.scheduler.plan import Input, Plan
 from fold.values import Recipe, Values
 
@@ -423,16 +420,9 @@ class Executor:
                 "returned by this Fold's add()."
             )
         if self._by_sig:  # a whole plan: a list that is a whole output is that output
-            a = self.arrays
-            h0 = int(items[0])
-            low = h0 & LOW_MASK
-            sid = a.first_nodes().get(h0 - low)
-            if (
-                sid is not None
-                and a.count[sid] == len(items)
-                and in_order(items, a.handles(sid), low)
-            ):
-                return self._model_major(self._input(Input(sid, out_index(low), split_count(low))))
+            src = whole_output(self.arrays, items)
+            if src is not None:
+                return self._model_major(self._input(src))
             self._index_rows()
         v = self.values
         nobatch = self.nobatch

@@ -356,12 +356,11 @@ class Fold:
             return NODE
         if t in SCALAR_KINDS:
             return SCALAR_KINDS[t]
-        if t is list:
-            self._list_key(op, pos)(a)  # raises for an element that is no node of this Fold
-            return LIST
         if isinstance(a, Node):
             raise foreign_node(op, pos, a)
         kind, _ = classify(op, pos, a)  # raises for anything fold cannot take
+        if kind == LIST:
+            self._list_key(op, pos)(a)  # raises for an element that is no node of this Fold
         return TENSOR if is_tensor_kind(kind) else kind
 
     def _tensor_signatures(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fold._encoding import classify
+from fold._encoding import LIST, classify
 from fold.errors import FoldError, op_name
 from fold.node import Node, UnfoldNode, foreign_node
 from fold.ops import device_of, literal_output
@@ -48,10 +48,13 @@ class Unfold:
                 continue
             if isinstance(a, Node):
                 raise foreign_node(op, pos, a)
-            if type(a) is list:  # a list argument: a Ragged of one list
-                vals.append(self._ragged(op, pos, a))
-                continue
-            value = a if type(a) in (int, float, bool) else classify(op, pos, a)[1]
+            if type(a) in (int, float, bool):
+                value = a
+            else:
+                kind, value = classify(op, pos, a)
+                if kind == LIST:  # a list argument: a Ragged of one list
+                    vals.append(self._ragged(op, pos, a))
+                    continue
             if isinstance(value, torch.Tensor):
                 vals.append(value.to(self.device))
             elif isinstance(value, bool):

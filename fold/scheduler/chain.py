@@ -21,7 +21,7 @@ import numpy as np
 from fold._encoding import LIST, NODE, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
-__all__ = ["SignatureNodes", "chain_plan", "in_order"]
+__all__ = ["SignatureNodes", "chain_plan", "in_order", "whole_output"]
 
 
 def _head(h: Any, first: dict[int, int]) -> Input | None:
@@ -38,6 +38,15 @@ def in_order(col: Any, handles: list[int], low: int) -> bool:
     # The nodes' own handles have no low bits, so the column equals theirs after subtracting
     # the first one's low bits only if all of its handles carry the same low bits.
     return (list(col) if low == 0 else list(map(int.__sub__, col, repeat(low)))) == handles
+
+
+def whole_output(a: RecordedView, items: list[Any]) -> Input | None:
+    """The Input a list of handles is, where it is a whole output (every node of one
+    signature, in order, whole or output k of one split); else None."""
+    src = _head(items[0], a.first_nodes())
+    if src is None or a.count[src.sid] != len(items):
+        return None
+    return src if in_order(items, a.handles(src.sid), low_bits(int(items[0]))) else None
 
 
 class SignatureNodes:
