@@ -305,7 +305,7 @@ class Executor:
                 continue
             column = literal_column(op, j, k, [r[j] for r in rows])
             values.append(self._literal(k, column))
-            plans.append((Arg.NUMBERS, None))
+            plans.append((Arg.TENSORS if is_tensor_kind(k) else Arg.NUMBERS, None))
         outs = self._call(step, op, values, plans, n, False)
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
