@@ -1,4 +1,7 @@
-"""Binary trees in the Penn-treebank bracket format that SST uses, and a bundled treebank.
+"""Trees for the examples and benchmarks: binary constituency trees and dependency trees.
+
+Binary trees come in the Penn-treebank bracket format that SST uses; dependency trees (any
+number of children per word) in CoNLL-U, read with the ``conllu`` parser.
 
 A line such as ``(3 (2 it) (4 (2 is) (4 great)))`` is one tree: every constituent has a label,
 leaves hold a word.  :func:`load_treebank` reads SST's ``train.txt`` / ``dev.txt`` /
@@ -17,7 +20,19 @@ from typing import Any
 
 from fold.errors import FoldError
 
-__all__ = ["Tree", "Vocab", "bundled_treebank", "load_treebank", "parse_tree", "random_tree"]
+__all__ = [
+    "DepTree",
+    "Tree",
+    "Vocab",
+    "bundled_dependency_treebank",
+    "bundled_treebank",
+    "load_treebank",
+    "parse_conllu",
+    "parse_tree",
+    "random_dep_tree",
+    "random_tree",
+    "read_conllu",
+]
 
 SPLITS = ("train", "dev", "test")
 
@@ -164,3 +179,139 @@ def random_tree(rng: random.Random, leaves: int, vocab: int) -> Tree:
         i = rng.randrange(len(nodes) - 1)
         nodes[i : i + 2] = [Tree(0, left=nodes[i], right=nodes[i + 1])]
     return nodes[0]
+
+
+@dataclass(slots=True, eq=False)
+class DepTree:
+    """A dependency tree node: a ``word``, its ``children`` (any number, 0 for a leaf, in
+    sentence order) and a ``label``."""
+
+    word: Any
+    children: list[DepTree]
+    label: Any = 0
+
+    def postorder(self) -> list[DepTree]:
+        """Nodes children-first (children left to right, then the node), without recursion."""
+        out: list[DepTree] = []
+        stack: list[DepTree] = [self]
+        while stack:
+            t = stack.pop()
+            out.append(t)
+            stack.extend(t.children)
+        out.reverse()
+        return out
+
+    def __len__(self) -> int:
+        return len(self.postorder())
+
+    def depth(self) -> int:
+        """Nodes on the longest root-to-leaf path (1 for a single word)."""
+        height: dict[int, int] = {}
+        for t in self.postorder():
+            height[id(t)] = 1 + max((height[id(c)] for c in t.children), default=0)
+        return height[id(self)]
+
+    def map(self, word: Any = None, label: Any = None) -> DepTree:
+        """A copy with ``word(t.word)`` and ``label(t.label)`` (either left as is if None)."""
+        copies: dict[int, DepTree] = {}
+        for t in self.postorder():
+            copies[id(t)] = DepTree(
+                t.word if word is None else word(t.word),
+                [copies[id(c)] for c in t.children],
+                t.label if label is None else label(t.label),
+            )
+        return copies[id(self)]
+
+
+def random_dep_tree(
+    rng: random.Random, words: int, vocab: int, max_children: int = 5, labels: int = 1
+) -> DepTree:
+    """A random dependency tree of ``words`` nodes with at most ``max_children`` children
+    each: word i attaches to a random earlier word that still has room (so 0 to
+    ``max_children`` children per node, a few levels deep, like parsed sentences)."""
+    if words < 1 or max_children < 1:
+        raise FoldError(
+            f"random_dep_tree: words={words}, max_children={max_children}; both must be >= 1."
+        )
+    nodes = [DepTree(rng.randrange(vocab), [], rng.randrange(labels)) for _ in range(words)]
+    open_ = [0]
+    for i in range(1, words):
+        j = rng.randrange(len(open_))
+        parent = nodes[open_[j]]
+        parent.children.append(nodes[i])
+        if len(parent.children) == max_children:
+            open_[j] = open_[-1]
+            open_.pop()
+        open_.append(i)
+    return nodes[0]
+
+
+def read_conllu(path: str | Path, label: str = "deprel") -> list[DepTree]:
+    """Read the sentences of a CoNLL-U file as dependency trees (see :func:`parse_conllu`)."""
+    path = Path(path)
+    if not path.exists():
+        raise FoldError(f"read_conllu: {path} does not exist; expected a CoNLL-U file.")
+    return parse_conllu(path.read_text(encoding="utf-8"), label)
+
+
+def parse_conllu(text: str, label: str = "deprel") -> list[DepTree]:
+    """The sentences of CoNLL-U text as dependency trees.
+
+    Words are the FORM column; each node's ``label`` is the column ``label`` names
+    (``"deprel"``, ``"upos"``, ...) or, as ``"misc:KEY"``, the value of ``KEY`` in the MISC
+    column.  Multiword-token lines and empty nodes are skipped, as the basic tree does.
+    Needs the ``conllu`` package (``pip install -e ".[examples]"``).
+    """
+    try:
+        import conllu
+    except ImportError:
+        raise FoldError(
+            'parse_conllu needs the conllu package: pip install -e ".[examples]".'
+        ) from None
+    column, _, key = label.partition(":")
+    trees = []
+    for sent in conllu.parse(text):
+        tokens = [t for t in sent if isinstance(t["id"], int)]
+        where = sent.metadata.get("sent_id", len(trees) + 1)
+        nodes: dict[int, DepTree] = {}
+        for t in tokens:
+            value = (t["misc"] or {}).get(key) if column == "misc" else t.get(column)
+            if value is None:
+                raise FoldError(
+                    f"parse_conllu: sentence {where}, word {t['id']} ({t['form']!r}) has no "
+                    f"{label!r}; pass another label= (a column name or 'misc:KEY')."
+                )
+            nodes[t["id"]] = DepTree(t["form"], [], value)
+        roots = []
+        for t in tokens:
+            head = t["head"]
+            if head == 0:
+                roots.append(nodes[t["id"]])
+            elif head in nodes:
+                nodes[head].children.append(nodes[t["id"]])
+            else:
+                raise FoldError(
+                    f"parse_conllu: sentence {where}, word {t['id']} has head {head!r}, which "
+                    "is no word of the sentence."
+                )
+        if len(roots) != 1:
+            raise FoldError(
+                f"parse_conllu: sentence {where} has {len(roots)} roots (words with head 0); "
+                "a dependency tree has exactly one."
+            )
+        if len(roots[0]) != len(nodes):  # words on a cycle are not reachable from the root
+            raise FoldError(f"parse_conllu: sentence {where} has a cycle in its heads.")
+        trees.append(roots[0])
+    return trees
+
+
+def bundled_dependency_treebank(label: str = "misc:sentiment") -> dict[str, list[DepTree]]:
+    """The bundled synthetic treebank as dependency trees (``fold/data/*.conllu``, made from
+    the bracketed trees by ``scripts/make_treebank.py``); each word's ``misc:sentiment``
+    label is the sentiment of the phrase it heads, as an int."""
+    data = Path(__file__).parent / "data"
+    out = {}
+    for split in SPLITS:
+        trees = read_conllu(data / f"{split}.conllu", label)
+        out[split] = [t.map(label=int) for t in trees] if label == "misc:sentiment" else trees
+    return out

@@ -1,4 +1,5 @@
-"""Generate the small synthetic sentiment treebank bundled with fold (fold/data/*.txt).
+"""Generate the small synthetic sentiment treebank bundled with fold (fold/data/*.txt, and
+the same sentences as dependency trees in fold/data/*.conllu).
 
     python scripts/make_treebank.py            # deterministic: same files every time
 
@@ -8,6 +9,13 @@ carry a polarity, intensifiers double the phrase they modify, negators flip it, 
 by "and" add up, and after "but"/"yet" the second clause counts twice.  Labels depend on
 words *and* structure, so a TreeLSTM's accuracy climbs visibly as it learns, and a bag of
 words cannot reach 100%.
+
+The CoNLL-U files hold each sentence as a dependency tree, converted by head rules: a phrase's
+head is its right part's head (the noun of "the plot", the adjective of "was good", the
+predicate of a clause), except that a clause joined by a conjunction hangs off the first
+clause.  Each word's MISC ``sentiment`` is the label of the largest phrase it heads, so the
+root word carries the sentence's label, and a child-sum TreeLSTM over the dependency tree
+has the same targets as the binary TreeLSTM over the constituents.
 """
 
 from __future__ import annotations
@@ -97,14 +105,56 @@ def sentence(rng: random.Random) -> Tree:
     return s[0]
 
 
+UPOS = {
+    **dict.fromkeys(POLARITY, "ADJ"),
+    **dict.fromkeys(NOUNS, "NOUN"),
+    **dict.fromkeys(DETS, "DET"),
+    **dict.fromkeys(VERBS, "AUX"),
+    **dict.fromkeys(NEGATORS, "PART"),
+    **dict.fromkeys(INTENSIFIERS, "ADV"),
+    **dict.fromkeys(CONJ, "CCONJ"),
+}
+DEPREL = {"ADJ": "amod", "NOUN": "nsubj", "DET": "det", "AUX": "cop", "PART": "advmod"}
+DEPREL.update({"ADV": "advmod", "CCONJ": "cc"})
+
+
+def to_conllu(tree: Tree, sent_id: str) -> str:
+    """One sentence in CoNLL-U, by the head rules of the module docstring."""
+    words: list[Tree] = []
+    head_of: dict[int, int] = {}  # constituent id -> index of its head word
+    attach: dict[int, tuple[int, str]] = {}  # word index -> (head word index, deprel)
+    sentiment: dict[int, int] = {}  # word index -> label of the largest phrase it heads
+    for t in tree.postorder():
+        if t.left is None:
+            words.append(t)
+            head_of[id(t)] = len(words) - 1
+        else:
+            left, right = head_of[id(t.left)], head_of[id(t.right)]
+            conj = t.right.left is not None and t.right.left.word in CONJ
+            head, dep = (left, right) if conj else (right, left)
+            rel = "conj" if conj else DEPREL[UPOS[words[dep].word]]
+            attach[dep] = (head, rel)
+            head_of[id(t)] = head
+        sentiment[head_of[id(t)]] = t.label
+    lines = [f"# sent_id = {sent_id}", f"# text = {' '.join(w.word for w in words)}"]
+    for i, w in enumerate(words):
+        head, rel = attach.get(i, (-1, "root"))
+        misc = f"sentiment={sentiment[i]}"
+        lines.append(f"{i + 1}\t{w.word}\t_\t{UPOS[w.word]}\t_\t_\t{head + 1}\t{rel}\t_\t{misc}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     out = Path(__file__).resolve().parents[1] / "fold" / "data"
     out.mkdir(exist_ok=True)
     rng = random.Random(20261122)
     for split, n in (("train", 2000), ("dev", 300), ("test", 300)):
-        lines = [sentence(rng).to_string() for _ in range(n)]
+        trees = [sentence(rng) for _ in range(n)]
+        lines = [t.to_string() for t in trees]
         (out / f"{split}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        print(f"wrote {n} trees to {out / (split + '.txt')}")
+        conll = [to_conllu(t, f"{split}-{i + 1}") for i, t in enumerate(trees)]
+        (out / f"{split}.conllu").write_text("\n".join(conll) + "\n", encoding="utf-8")
+        print(f"wrote {n} trees to {out / (split + '.txt')} and {split}.conllu")
 
 
 if __name__ == "__main__":
