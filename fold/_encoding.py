@@ -42,6 +42,8 @@ __all__ = [
     "INT",
     "KIND_NAMES",
     "LIST",
+    "list_handles",
+    "list_lengths",
     "LOW_MASK",
     "MAX_SPLIT",
     "NODE",
@@ -88,8 +90,10 @@ SCALAR_KINDS: dict[type, int] = {int: INT, float: FLOAT, bool: BOOL}
 # (untracked by the garbage collector), -0.0 as its own key (see float_key), a literal
 # tensor as its id (the graph keeps the tensor itself).  Other types of a kind (numpy
 # numbers) are converted by ``convert`` first.  A list of nodes (a variable-length argument,
-# received by the op as a ``fold.Ragged``) is kept as a tuple of plain-int handles, its
-# elements checked by the recorder's ``l{i}`` (this Fold's nodes, or a FoldError).
+# received by the op as a ``fold.Ragged``) is kept as the bytes of its int64 handles (see
+# ``list_handles``), its elements checked by the recorder's ``l{i}`` (this Fold's nodes, or
+# a FoldError): bytes are never tracked by the garbage collector, where a tuple nested in
+# the key tuple can leave the key tracked into the oldest generation.
 KEY_SOURCE = {
     NODE: "{a} | 0",
     LIST: "l{i}({a})",
@@ -248,3 +252,14 @@ def float_key(x: Any) -> float:
     NaNs need nothing: a NaN equals no other float, so each NaN object is its own node."""
     x = float(x)
     return _NEG_ZERO if x == 0.0 and math.copysign(1.0, x) < 0 else x
+
+
+def list_handles(keys: Any) -> np.ndarray:
+    """The handles of list arguments' memo keys (bytes of int64 handles, see ``KEY_SOURCE``),
+    all lists one after another, as one int64 array."""
+    return np.frombuffer(b"".join(keys), dtype=np.int64)
+
+
+def list_lengths(keys: Any) -> list[int]:
+    """The number of elements of each list argument's memo key."""
+    return [len(k) >> 3 for k in keys]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import itertools
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ from fold._encoding import (
     decode,
     depth_of,
     is_tensor_kind,
+    list_handles,
+    list_lengths,
     node_id,
 )
 from fold.errors import FoldError, op_name
@@ -213,9 +216,8 @@ class GraphArrays:
                 src_parts = [decoded[0].ravel()] if node_js else []
                 dst_parts = [np.repeat(ids, len(node_js))] if node_js else []
                 for j in list_js:
-                    lengths = np.fromiter(map(len, cols[j]), np.int64, len(cols[j]))
-                    src_parts.append(node_id(handles_array(itertools.chain.from_iterable(cols[j]))))
-                    dst_parts.append(np.repeat(ids, lengths))
+                    src_parts.append(node_id(list_handles(cols[j])))
+                    dst_parts.append(np.repeat(ids, list_lengths(cols[j])))
                 pair = np.unique(np.concatenate(dst_parts) * self.n + np.concatenate(src_parts))
                 srcs.append(pair % self.n)
                 dsts.append(pair // self.n)
@@ -296,11 +298,14 @@ class GraphArrays:
                     hmat = np.ascontiguousarray(flat[:, node_js])
                     entry = (cols, node_js, hmat, np.stack(decode(hmat)))
             if entry is None:
-                raw = list(zip(*rows)) if kinds else []
+                # Column by column: zip(*rows) would make an iterator per row, thousands of
+                # short-lived tracked objects that a collection can promote to the oldest
+                # generation (and so bring its full collection nearer).
+                raw = [list(map(itemgetter(j), rows)) for j in range(len(kinds))]
                 cols: list[Any] = [
                     None
                     if k == NODE
-                    else raw[j]  # a list argument: per node, its elements' handles
+                    else raw[j]  # a list argument: per node, its key (see list_handles)
                     if k == LIST
                     else literal_column(op, j, k, raw[j])
                     for j, k in enumerate(kinds)

@@ -15,7 +15,6 @@ The executor reads the snapshot and the plan only: never the Fold that recorded 
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -26,6 +25,8 @@ from fold._encoding import (
     LIST,
     NODE,
     is_tensor_kind,
+    list_handles,
+    list_lengths,
     node_id,
 )
 from fold.arrays import GraphArrays, handles_array, literal_column
@@ -244,18 +245,18 @@ class Executor:
         v.add_sources(outs, alone, members)
 
     def _plan_list(
-        self, op: Any, j: int, lists: list[tuple[int, ...]], idx: list[np.ndarray]
+        self, op: Any, j: int, lists: list[bytes], idx: list[np.ndarray]
     ) -> tuple[Recipe | None, list[int]]:
-        """The gather of a list column: every element of every list, in order, by one
-        recipe; and the lists' lengths."""
-        lengths = list(map(len, lists))
+        """The gather of a list column (the lists' memo keys, see ``list_handles``): every
+        element of every list, in order, by one recipe; and the lists' lengths."""
+        lengths = list_lengths(lists)
         if self.model_dim:
             raise FoldError(
                 f"apply: op {op_name(op)!r}, argument {j} is a list of nodes; list arguments "
                 "are not supported with a BatchModule yet. Fix: apply each model separately, "
                 "or pass the elements as separate arguments."
             )
-        flat = handles_array(itertools.chain.from_iterable(lists))
+        flat = list_handles(lists)
         if not len(flat):
             return None, lengths
         v = self.values

@@ -12,6 +12,7 @@ computed until :meth:`Fold.apply` (``fold.run``); ``summary``/``to_networkx``/``
 
 from __future__ import annotations
 
+import array
 import itertools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from fold._encoding import (
     depth_of,
     float_key,
     is_tensor_kind,
+    list_handles,
     node_id,
     split_code,
 )
@@ -83,7 +85,7 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
         keys.append(KEY_SOURCE[kind].format(a=a, i=i) if ex else f"n{i}({a})")
     # Depth: one step after the deepest node argument or list element (an empty list adds
     # nothing: DEPTH_AFTER of -1 is 0).
-    parts = [f"key[{i}]" for i in nodes] + [f"max(key[{i}], default=-1)" for i in lists]
+    parts = [f"key[{i}]" for i in nodes] + [f"max({names[i]}, default=-1)" for i in lists]
     if not parts:
         depth = "0"
     elif len(nodes) == k:  # node arguments only: the deepest is the max of the key
@@ -325,27 +327,32 @@ class Fold:
             self._by_op.setdefault(op, fn)
         return fn
 
-    def _list_key(self, op: Any, pos: int) -> Callable[[list[Any]], tuple[int, ...]]:
-        """The memo key of a list argument at ``pos``: its handles as plain ints, once every
-        element is checked to be a node of this Fold (a FoldError names the element)."""
-        T = self._node_type
+    def _list_key(self, op: Any, pos: int) -> Callable[[list[Any]], bytes]:
+        """The memo key of a list argument at ``pos``: the bytes of its int64 handles (see
+        ``KEY_SOURCE``), once every element is checked to be a node of this Fold (a
+        FoldError names the element)."""
+        ok = frozenset((self._node_type,))
 
-        def list_key(a: list[Any]) -> tuple[int, ...]:
-            if a and set(map(type, a)) != {T}:
-                for j, x in enumerate(a):
-                    if type(x) is not T:
-                        what = (
-                            "a Node of another Fold"
-                            if isinstance(x, Node)
-                            else f"of type {type(x).__name__}"
-                        )
-                        raise FoldError(
-                            f"Fold.add({op_name(op)!r}, ...): argument {pos} is a list whose "
-                            f"element {j} is {what}; a list argument holds nodes of this Fold "
-                            "(any number, 0 included), received by the op as a fold.Ragged. "
-                            "Fix: pass the nodes this Fold's add() returned."
-                        )
-            return tuple([x | 0 for x in a])
+        def list_key(a: list[Any]) -> bytes:
+            if ok.issuperset(map(type, a)):
+                try:
+                    return array.array("q", a).tobytes()
+                except OverflowError:  # as handles_array: a graph deeper than int64 holds
+                    raise FoldError(
+                        f"Fold.add({op_name(op)!r}, ...): argument {pos}: the graph is deeper "
+                        "than int64 handles can describe (about 500k steps). Fix: split the "
+                        "computation into several Folds."
+                    ) from None
+            j, x = next((j, x) for j, x in enumerate(a) if type(x) not in ok)
+            what = (
+                "a Node of another Fold" if isinstance(x, Node) else f"of type {type(x).__name__}"
+            )
+            raise FoldError(
+                f"Fold.add({op_name(op)!r}, ...): argument {pos} is a list whose element {j} "
+                f"is {what}; a list argument holds nodes of this Fold (any number, 0 "
+                "included), received by the op as a fold.Ragged. Fix: pass the nodes this "
+                "Fold's add() returned."
+            )
 
         return list_key
 
@@ -482,7 +489,7 @@ class Fold:
             if k == NODE:
                 out.append((pos, a))
             elif k == LIST:
-                out.extend((pos, x) for x in a)
+                out.extend((pos, x) for x in list_handles([a]).tolist())
         return out
 
     # ------------------------------------------------------------------ running

@@ -7,8 +7,10 @@ memory limits, offload, and model chunks of an object that runs N models.
 
 from __future__ import annotations
 
+import gc
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,28 @@ def plan_of(arrays: GraphArrays, strategy: str) -> Plan:
     return plan
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the body with Python's cyclic garbage collector off (if it was on).
+
+    An apply allocates tracked objects by the thousand (tensors, plan steps, argument lists)
+    and frees them all when it returns; a collection in the middle finds them alive and
+    promotes them, and every promotion to the oldest generation brings a full collection of
+    the whole heap nearer (about 0.1 s with torch imported), so a training loop would pay one
+    every few dozen steps that hand-written code never pays.  Nothing an apply makes is
+    cyclic garbage, so deferring the collection to its end costs nothing; an op's own cyclic
+    garbage is collected then.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def apply(
     fold: Any,
     obj: Any,
@@ -42,7 +66,20 @@ def apply(
     max_bytes: int | None = None,
     offload: str | None = None,
 ) -> list[torch.Tensor]:
-    """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`."""
+    """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`.  Runs with the cyclic
+    garbage collector paused (see :func:`collector_paused`)."""
+    with collector_paused():
+        return _apply(fold, obj, lists, max_rows, max_bytes, offload)
+
+
+def _apply(
+    fold: Any,
+    obj: Any,
+    lists: Sequence[Sequence[Any]],
+    max_rows: int | Mapping[Any, int] | None,
+    max_bytes: int | None,
+    offload: str | None,
+) -> list[torch.Tensor]:
     arrays = fold.snapshot()
     if max_rows is not None or max_bytes is not None or offload is not None:
         check_limits(max_rows, max_bytes, offload)
@@ -50,7 +87,7 @@ def apply(
             check_limit_ops(arrays.signatures, obj, max_rows)
         if offload == "cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return apply(fold, obj, lists, max_rows, max_bytes)
+                return _apply(fold, obj, lists, max_rows, max_bytes, None)
     specs = classify_lists(lists)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
