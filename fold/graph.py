@@ -177,13 +177,15 @@ class Fold:
     Every node recorded in the Fold runs on ``apply``, whether or not an output list names it.
 
     Args:
-        strategy: the scheduler. ``"depth"`` (default) groups same-signature nodes at equal
-            depth; ``"agenda"`` runs ready nodes DyNet-style, merging same-signature nodes of
-            different depths (e.g. a classifier on sequences of different lengths) into fewer
-            groups, at a higher planning cost.  See ``fold.scheduler``.
+        strategy: the scheduler. ``"auto"`` (default) takes the depth schedule, or the
+            agenda's where that makes fewer groups (see ``fold.scheduler.auto``);
+            ``"depth"`` groups same-signature nodes at equal depth; ``"agenda"`` runs ready
+            nodes DyNet-style, merging same-signature nodes of different depths (e.g. a
+            classifier on sequences of different lengths) into fewer groups, at a higher
+            planning cost.  See ``fold.scheduler``.
     """
 
-    def __init__(self, strategy: str = "depth") -> None:
+    def __init__(self, strategy: str = "auto") -> None:
         if strategy not in SCHEDULERS:
             raise FoldError(
                 f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."

@@ -212,7 +212,9 @@ def test_exception_inside_an_op_is_chained_and_the_fold_stays_usable() -> None:
 
 
 def test_unknown_strategy() -> None:
-    with pytest.raises(FoldError, match=r"unknown strategy; expected one of \['agenda', 'depth'\]"):
+    with pytest.raises(
+        FoldError, match=r"unknown strategy; expected one of \['agenda', 'auto', 'depth'\]"
+    ):
         fold.Fold(strategy="magic")
 
 

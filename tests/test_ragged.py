@@ -156,7 +156,7 @@ def test_random_graphs_with_list_arguments_fold_equals_unfold(
 
 
 def test_list_arguments_count_in_depth_and_share_groups_across_lengths() -> None:
-    f = fold.Fold()
+    f = fold.Fold(strategy="depth")
     leaves = [f.add("embed", i) for i in range(4)]
     a = f.add("pool", 0, leaves[:1])
     b = f.add("pool", 1, leaves)  # another length, the same step: one group

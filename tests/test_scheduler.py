@@ -12,7 +12,15 @@ from torch import nn
 import fold
 from fold._encoding import node_id
 from fold.models import TreeLSTM, record_tree
-from fold.scheduler import SCHEDULERS, ArrayGraph, agenda_schedule, chain_plan, depth_schedule
+from fold.scheduler import (
+    SCHEDULERS,
+    ArrayGraph,
+    Plan,
+    agenda_schedule,
+    auto_schedule,
+    chain_plan,
+    depth_schedule,
+)
 from fold.treebank import random_tree
 
 
@@ -152,6 +160,8 @@ def test_schedulers_plan_a_graph_built_by_hand_without_a_fold() -> None:
         [(1, [5])],
         [(2, [6, 7])],
     ]
+    # auto: the agenda's plan, which has fewer groups (5 against 6).
+    assert _groups(auto_schedule(g)) == _groups(agenda_schedule(g))
     # Group keys given by hand (as nobatch nodes make them) split what signatures would join.
     keyed = ArrayGraph(sig, depth, src, dst, group_keys=[0, ("own", 1), 1, 1, 1, 1, 2, 2])
     assert _groups(depth_schedule(keyed))[0] == [(0, [0]), (("own", 1), [1])]
@@ -176,3 +186,47 @@ def test_chain_plan_only_for_chains_of_whole_outputs() -> None:
     g.add("loss", xs[1], 0)  # reads one node of four: no whole output
     assert chain_plan(g.snapshot()) is None
     assert depth_schedule(g.snapshot()).num_groups == 2
+
+
+def test_auto_plans_the_agenda_only_where_depth_leaves_groups_to_merge(monkeypatch) -> None:
+    """auto takes depth's plan without planning the agenda where depth has one group per
+    signature; where the agenda only ties depth's group count, depth's plan."""
+    from fold.scheduler import auto
+
+    def refuse(graph):
+        raise AssertionError("the agenda was planned")
+
+    monkeypatch.setattr(auto, "agenda_schedule", refuse)
+    tree = ArrayGraph(sig=[0, 0, 0, 1], depth=[0, 0, 0, 1], src=[0, 1, 2], dst=[3, 3, 3])
+    assert _groups(auto_schedule(tree)) == _groups(depth_schedule(tree))
+    # A chain: 4 groups for 2 signatures, so the agenda is planned; a tie keeps depth.
+    chain = ArrayGraph(sig=[0, 1, 1, 1], depth=[0, 1, 2, 3], src=[0, 1, 2], dst=[1, 2, 3])
+    depth_plan = depth_schedule(chain)
+    tie = Plan(list(reversed(depth_plan.steps)))  # the same number of groups
+    monkeypatch.setattr(auto, "agenda_schedule", lambda graph: tie)
+    assert _groups(auto_schedule(chain)) == _groups(depth_plan)
+    fewer = Plan(depth_plan.steps[:3])
+    monkeypatch.setattr(auto, "agenda_schedule", lambda graph: fewer)
+    assert auto_schedule(chain) is fewer
+
+
+def test_auto_is_the_default_and_matches_depth_values() -> None:
+    """Fold() schedules with auto; a TreeLSTM batch gives depth's values and gradients."""
+    assert fold.Fold().strategy == "auto"
+    torch.manual_seed(0)
+    model = TreeLSTM(50, 8).double()
+    rng = random.Random(3)
+    trees = [random_tree(rng, rng.randint(2, 9), 50) for _ in range(6)]
+    results = []
+    for strategy in ("auto", "depth"):
+        f = fold.Fold(strategy=strategy)
+        roots = [record_tree(f, t) for t in trees]
+        model.zero_grad()
+        (h,) = f.apply(model, [roots])
+        (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
+        results.append(
+            (h.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        )
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

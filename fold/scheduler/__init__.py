@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fold.scheduler.agenda import agenda_schedule as agenda_schedule
+from fold.scheduler.auto import auto_schedule as auto_schedule
 from fold.scheduler.chain import chain_plan as chain_plan
 from fold.scheduler.depth import depth_schedule as depth_schedule
 from fold.scheduler.plan import ArrayGraph as ArrayGraph
@@ -21,6 +22,7 @@ from fold.scheduler.plan import RecordedView as RecordedView
 from fold.scheduler.plan import Step as Step
 
 SCHEDULERS: dict[str, Callable[[GraphView], Plan]] = {
+    "auto": auto_schedule,
     "depth": depth_schedule,
     "agenda": agenda_schedule,
 }
@@ -43,6 +45,7 @@ __all__ = [
     "RecordedView",
     "Step",
     "agenda_schedule",
+    "auto_schedule",
     "chain_plan",
     "depth_schedule",
     "make_plan",
