@@ -139,3 +139,55 @@ def test_ddp_example_runs_without_torchrun() -> None:
     out = run("examples/ddp_tree_lstm.py", "--epochs", "1")
     assert "not started by torchrun: running as 1 process" in out
     assert re.search(r"epoch 1: mean loss [\d.]+, dev root accuracy [\d.]+% \(1 ranks\)", out), out
+
+
+CONLLU = """# sent_id = {i}
+1\tthe\t_\tDET\t_\t_\t2\tdet\t_\t_
+2\tcat\t_\tNOUN\t_\t_\t3\tnsubj\t_\t_
+3\tsat\t_\tVERB\t_\t_\t0\troot\t_\t_
+4\ton\t_\tADP\t_\t_\t6\tcase\t_\t_
+5\tthe\t_\tDET\t_\t_\t6\tdet\t_\t_
+6\tmat\t_\tNOUN\t_\t_\t3\tobl\t_\t_
+
+"""
+
+
+def test_childsum_example_learns_on_bundled_trees_and_reads_conllu(tmp_path: Path) -> None:
+    out = run(
+        "examples/childsum_tree_lstm.py",
+        "--epochs",
+        "2",
+        "--train-size",
+        "400",
+        "--speed-trees",
+        "20",
+        "--lr",
+        "0.01",
+    )
+    before = float(re.search(r"before training: ([\d.]+)%", out).group(1))
+    last = float(re.findall(r"dev root accuracy ([\d.]+)%", out)[-1])
+    assert last > before + 10, out
+    assert re.search(r"eager \d+ trees/s, fold \d+ trees/s", out)
+    for split in ("train", "dev", "test"):
+        text = "".join(CONLLU.format(i=i) for i in range(20))
+        (tmp_path / f"xx_{split}.conllu").write_text(text)
+    out = run(
+        "examples/childsum_tree_lstm.py",
+        "--data",
+        str(tmp_path),
+        "--label",
+        "upos",
+        "--epochs",
+        "1",
+        "--speed-trees",
+        "5",
+    )
+    assert "train 20, dev 20, test 20 trees" in out and "4 labels, 0-2 children" in out, out
+
+
+def test_gnn_example_learns() -> None:
+    out = run("examples/gnn.py", "--graphs", "600", "--epochs", "3", "--speed-graphs", "32")
+    first = float(re.search(r"before training: ([\d.]+)%", out).group(1))
+    last = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
+    assert last > max(first, 50.0) + 25, out
+    assert re.search(r"eager \d+ graphs/s, fold \d+ graphs/s", out)

@@ -62,3 +62,55 @@ def test_load_treebank_reports_missing_files(tmp_path) -> None:
 def test_random_tree_has_the_requested_leaves() -> None:
     t = random_tree(random.Random(0), 17, 50)
     assert isinstance(t, Tree) and len(t.leaves()) == 17 and len(t) == 33
+
+
+def test_conllu_trees_and_their_errors() -> None:
+    from fold.treebank import DepTree, parse_conllu
+
+    text = (
+        "# sent_id = a\n"
+        "1\tit\t_\tPRON\t_\t_\t2\tnsubj\t_\ttone=2\n"
+        "2-3\tworks\t_\t_\t_\t_\t_\t_\t_\t_\n"
+        "2\twork\t_\tVERB\t_\t_\t0\troot\t_\ttone=3\n"
+        "3\ts\t_\tPART\t_\t_\t2\tdep\t_\ttone=2\n"
+        "3.1\tx\t_\tX\t_\t_\t_\t_\t_\t_\n\n"
+    )
+    (root,) = parse_conllu(text, "misc:tone")
+    assert isinstance(root, DepTree) and root.word == "work" and root.label == "3"
+    assert [c.word for c in root.children] == ["it", "s"]  # sentence order; ranges skipped
+    assert [t.word for t in root.postorder()] == ["it", "s", "work"]
+    assert root.depth() == 2 and len(root) == 3
+    assert parse_conllu(text)[0].label == "root"
+    two_roots = text.replace("2\tdep", "0\tdep")
+    with pytest.raises(FoldError, match="sentence a has 2 roots"):
+        parse_conllu(two_roots)
+    cycle = "1\ta\t_\tX\t_\t_\t0\troot\t_\t_\n2\tb\t_\tX\t_\t_\t3\tdep\t_\t_\n3\tc\t_\tX\t_\t_\t2\tdep\t_\t_\n\n"
+    with pytest.raises(FoldError, match="cycle"):
+        parse_conllu(cycle)
+    with pytest.raises(FoldError, match="has no 'misc:nope'"):
+        parse_conllu(text, "misc:nope")
+
+
+def test_bundled_dependency_treebank_matches_the_bracketed_one() -> None:
+    """Same sentences; each root carries its sentence's label; every word a phrase's."""
+    from fold.treebank import bundled_dependency_treebank, bundled_treebank
+
+    deps, trees = bundled_dependency_treebank(), bundled_treebank()
+    for split in ("train", "dev", "test"):
+        assert len(deps[split]) == len(trees[split])
+        for d, t in zip(deps[split][:50], trees[split][:50]):
+            assert sorted(n.word for n in d.postorder()) == sorted(t.leaves())
+            assert d.label == t.label
+            assert len(d) == len(t.leaves())
+
+
+def test_random_dep_tree_respects_the_child_limit() -> None:
+    from fold.treebank import random_dep_tree
+
+    rng = random.Random(0)
+    for n in (1, 2, 7, 40):
+        t = random_dep_tree(rng, n, 100, max_children=3)
+        nodes = t.postorder()
+        assert len(nodes) == n and max(len(x.children) for x in nodes) <= 3
+    with pytest.raises(FoldError, match="words=0"):
+        random_dep_tree(rng, 0, 10)
