@@ -230,3 +230,30 @@ def test_auto_is_the_default_and_matches_depth_values() -> None:
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_auto_remembers_its_choice_per_model(monkeypatch) -> None:
+    """A graph of the same signatures takes the schedule chosen before without planning the
+    other, until RECHECK graphs have passed; then both are planned again."""
+    from fold.scheduler import auto
+
+    monkeypatch.setattr(auto, "_CHOSEN", {})
+    rng = random.Random(0)
+
+    def graph():
+        f = fold.Fold()
+        for t in [random_tree(rng, rng.randint(2, 9), 50) for _ in range(6)]:
+            record_tree(f, t)
+        return f.snapshot()
+
+    auto_schedule(graph())
+    ((chosen, since),) = auto._CHOSEN.values()
+    assert chosen is depth_schedule and since == 0  # trees: the agenda is no better
+    planned = []
+    real = auto.agenda_schedule
+    monkeypatch.setattr(auto, "agenda_schedule", lambda g: planned.append(1) or real(g))
+    for _ in range(auto.RECHECK):
+        auto_schedule(graph())
+    assert planned == []
+    auto_schedule(graph())  # the RECHECK-th graph after the choice: both planned again
+    assert planned == [1]
