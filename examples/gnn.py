@@ -35,7 +35,9 @@ def make_graph(rng: random.Random) -> tuple[Graph, int]:
         size = rng.randint(8, 24)
         kinds = [rng.randrange(TYPES) for _ in range(size)]
         kinds[0], kinds[1] = 0, 1  # both types in every graph
-        nbrs = [rng.sample([u for u in range(size) if u != v], rng.randint(1, 4)) for v in range(size)]
+        nbrs = [
+            rng.sample([u for u in range(size) if u != v], rng.randint(1, 4)) for v in range(size)
+        ]
         label = int(any(kinds[u] == 0 for v, nb in enumerate(nbrs) if kinds[v] == 1 for u in nb))
         if label == target:
             return (kinds, nbrs), label
