@@ -151,7 +151,7 @@ class Attention(nn.Module):
     def dec_step(self, h: torch.Tensor, y: torch.Tensor, memory: fold.Ragged) -> torch.Tensor:
         q = self.query(h).index_select(0, memory.segment_ids)
         weights = memory.softmax((memory.values * q).sum(1))
-        ctx = fold.Ragged(weights[:, None] * memory.values, memory.lengths).sum()
+        ctx = memory.with_values(weights[:, None] * memory.values).sum()
         return self._decode(h, y, ctx)
 
     def dec_step_padded(
@@ -588,12 +588,14 @@ def check(spec: dict[str, Any], hidden: int, data: Any, variants: dict[str, Call
             )
 
 
-def strategies() -> tuple[str, ...]:
-    try:
-        fold.Fold(strategy="auto")
-    except fold.FoldError:
-        return ("depth", "agenda")
-    return STRATEGIES
+def train_step(model: nn.Module, fn: Callable[..., torch.Tensor], data: Any) -> Callable[[], None]:
+    """One timed step: forward and backward of a sum over ``fn(model, data)``."""
+
+    def go() -> None:
+        model.zero_grad(set_to_none=True)
+        fn(model, data).sum().backward()
+
+    return go
 
 
 def main() -> None:
@@ -609,7 +611,7 @@ def main() -> None:
         spec = MODELS[name]
         data = spec["data"](random.Random(0), args.examples)
         variants = {"hand": spec["hand"]}
-        for strategy in strategies():
+        for strategy in STRATEGIES:
             variants[f"ragged/{strategy}"] = spec["fold"](True, strategy)
             if name != "spinn":
                 variants[f"without/{strategy}"] = spec["fold"](False, strategy)
@@ -618,15 +620,11 @@ def main() -> None:
             torch.manual_seed(0)
             model = spec["make"](hidden)
 
-            def step(fn, model=model, data=data):
-                def go() -> None:
-                    model.zero_grad(set_to_none=True)
-                    fn(model, data).sum().backward()
-
-                return go
-
-            times = interleaved({k: step(v) for k, v in variants.items()}, args.reps)
-            times.update(interleaved({"eager": step(spec["eager"])}, args.eager_reps, warmup=0))
+            times = interleaved(
+                {k: train_step(model, v, data) for k, v in variants.items()}, args.reps
+            )
+            eager = train_step(model, spec["eager"], data)
+            times.update(interleaved({"eager": eager}, args.eager_reps, warmup=0))
             med = {k: median(v) for k, v in times.items()}
             row: dict[str, Any] = {"model": name, "hidden": hidden, "hand ms": 1e3 * med["hand"]}
             row["eager/hand"] = med["eager"] / med["hand"]

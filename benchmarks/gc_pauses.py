@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import parser, setup, table, write_json  # noqa: E402
-from dynamic import MODELS  # noqa: E402
+from dynamic import MODELS, train_step  # noqa: E402
 
 
 def full_collections(step: Any, steps: int) -> tuple[int, float]:
@@ -64,12 +64,7 @@ def main() -> None:
         model = spec["make"](args.hidden)
         row: dict[str, Any] = {"model": name, "steps": args.steps}
         for label, fn in (("fold", spec["fold"](True, "agenda")), ("hand", spec["hand"])):
-
-            def step(fn=fn, model=model, data=data) -> None:
-                model.zero_grad(set_to_none=True)
-                fn(model, data).sum().backward()
-
-            n, secs = full_collections(step, args.steps)
+            n, secs = full_collections(train_step(model, fn, data), args.steps)
             row[f"{label} full GCs"] = n
             row[f"{label} GC ms"] = 1e3 * secs
         rows.append(row)

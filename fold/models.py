@@ -178,8 +178,8 @@ class ChildSumTreeLSTM(nn.Module):
         f = torch.sigmoid(
             x[:, 3 * hid :].index_select(0, children.segment_ids) + self.forget_from_child(h)
         )
-        fc = Ragged(f * c, children.lengths).sum()
-        return self._combine(x, Ragged(h, children.lengths).sum(), fc)
+        fc = children.with_values(f * c).sum()
+        return self._combine(x, children.with_values(h).sum(), fc)
 
     def node_fixed(self, word: torch.Tensor, *children: torch.Tensor) -> torch.Tensor:
         """(n,) word ids and k child states, each (n, 2 * hidden) -> (n, 2 * hidden)."""

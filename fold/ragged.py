@@ -57,6 +57,18 @@ class Ragged:
             f"{tuple(self.values.shape[1:])})"
         )
 
+    def with_values(self, values: torch.Tensor) -> Ragged:
+        """The same lists holding other ``values`` (one row per value, e.g. a function of
+        ``self.values``), sharing this Ragged's offsets and segment ids once computed."""
+        if values.shape[:1] != self.values.shape[:1]:
+            raise FoldError(
+                f"Ragged.with_values(values): values has shape {tuple(values.shape)}; expected "
+                f"one row per value, ({self.values.shape[0]}, ...)."
+            )
+        out = Ragged(values, self.lengths)
+        out._offsets, out._segments = self._offsets, self._segments
+        return out
+
     def lists(self, start: int, length: int) -> Ragged:
         """Lists ``start`` to ``start + length`` (out of place: a ``narrow`` of the values)."""
         lengths = self.lengths.narrow(0, start, length)

@@ -213,3 +213,14 @@ def test_list_arguments_with_a_batch_module_or_a_nobatch_element_are_refused() -
     shared = g.add("embed", 1).nobatch()
     with pytest.raises(fold.FoldError, match="a list holds a nobatch node"):
         g.apply(Pool(), [[g.add("pool", 0, [shared])]])
+
+
+def test_with_values_shares_the_lists_and_checks_the_rows() -> None:
+    r = fold.Ragged(torch.arange(10.0).view(5, 2), torch.tensor([2, 0, 3]))
+    seg = r.segment_ids
+    doubled = r.with_values(2 * r.values)
+    assert doubled.segment_ids is seg  # computed once for both
+    torch.testing.assert_close(doubled.sum(), 2 * r.sum())
+    torch.testing.assert_close(doubled.lengths, r.lengths)
+    with pytest.raises(fold.FoldError, match=r"with_values\(values\): values has shape \(4, 2\)"):
+        r.with_values(torch.zeros(4, 2))
