@@ -19,11 +19,13 @@ from typing import Any
 from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
+from fold.lazy import autobatch as autobatch
+from fold.lazy import batchable as batchable
 from fold.node import Node as Node
 from fold.ragged import Ragged as Ragged
 from fold.unfold import Unfold as Unfold
 
-__all__ = ["Fold", "FoldError", "FoldModule", "Node", "Ragged", "Unfold"]
+__all__ = ["Fold", "FoldError", "FoldModule", "Node", "Ragged", "Unfold", "autobatch", "batchable"]
 __version__ = "0.1.0"
 
 # Submodules reachable as attributes after a plain ``import fold`` (``fold.optim.Adam``),

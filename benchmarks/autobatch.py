@@ -1,0 +1,252 @@
+"""fold.autobatch against explicit fold, eager per example and plain batched code.
+
+    python benchmarks/autobatch.py                   # TreeLSTM h150 and h32, MNIST, recording
+    python benchmarks/autobatch.py --hidden 32 --reps 11 --save
+
+- TreeLSTM, 256 random binary trees, forward+backward: the per-example code of
+  ``examples/autobatch_tree_lstm.py`` run by ``fold.autobatch``, with ``@fold.batchable``
+  cells and with no annotation at all (every torch op and module call a node), against the
+  explicit fold of ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
+- Per-sample MNIST MLP training step written as a plain per-example loss, autobatch against
+  the plain batched step.
+- Recording cost per lazy op, at growing graph sizes (it must stay linear).
+
+Every variant is checked against eager per example (values and gradients, float64) first.
+Runs are interleaved, one process, medians; ratios are of medians.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
+
+import fold  # noqa: E402
+from fold.models import TreeLSTM, record_tree  # noqa: E402
+from fold.treebank import Tree, random_tree  # noqa: E402
+
+
+class Cells(nn.Module):
+    """The TreeLSTM of fold.models written for ONE example (no batch dim), on its weights."""
+
+    def __init__(self, model: TreeLSTM) -> None:
+        super().__init__()
+        self.m = model
+
+    def leaf(self, word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i, o, u = self.m.leaf_gates(self.m.embed(word)).chunk(3)
+        c = torch.sigmoid(i) * torch.tanh(u)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    def node(self, lh, lc, rh, rc):  # type: ignore[no-untyped-def]
+        i, o, u, fl, fr = self.m.node_gates(torch.cat([lh, rh])).chunk(5)
+        c = torch.sigmoid(i) * torch.tanh(u) + torch.sigmoid(fl) * lc + torch.sigmoid(fr) * rc
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class BatchableCells(Cells):
+    leaf = fold.batchable(Cells.leaf)
+    node = fold.batchable(Cells.node)
+
+
+def encode(cells: Cells, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain recursive eager code over one tree."""
+    if tree.left is None:
+        return cells.leaf(torch.tensor(tree.word))
+    (lh, lc), (rh, rc) = encode(cells, tree.left), encode(cells, tree.right)
+    return cells.node(lh, lc, rh, rc)
+
+
+def autobatch_roots(cells: Cells, trees: list[Tree]) -> torch.Tensor:
+    return fold.autobatch(lambda t: encode(cells, t)[0], trees)
+
+
+def fold_roots(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
+    f = fold.Fold()
+    roots = [record_tree(f, t) for t in trees]
+    return f.apply(model, [roots])[0]
+
+
+def eager_roots(cells: Cells, trees: list[Tree]) -> torch.Tensor:
+    return torch.stack([encode(cells, t)[0] for t in trees])
+
+
+def check(model: TreeLSTM, trees: list[Tree], variants: dict) -> None:
+    """Every variant equals eager per example in float64, values and gradients."""
+    model = model.double()
+    params = [p for n, p in model.named_parameters() if not n.startswith("out.")]
+    ref = eager_roots(Cells(model), trees)
+    ref_g = torch.autograd.grad(ref.square().sum(), params)
+    for name, fn in variants.items():
+        out = fn(model, trees)
+        torch.testing.assert_close(out, ref, msg=f"{name}: values")
+        g = torch.autograd.grad(out.square().sum(), params)
+        for a, b in zip(g, ref_g):
+            torch.testing.assert_close(a, b, msg=f"{name}: gradients")
+    model.float()
+
+
+TREE_VARIANTS = {
+    "autobatch": lambda m, t: autobatch_roots(BatchableCells(m), t),
+    "autobatch, no annotation": lambda m, t: autobatch_roots(Cells(m), t),
+    "explicit fold": fold_roots,
+}
+
+
+def tree_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    rng = random.Random(0)
+    trees = [random_tree(rng, rng.randint(5, 35), args.vocab) for _ in range(args.trees)]
+    rows = []
+    for hidden in args.hidden:
+        torch.manual_seed(0)
+        model = TreeLSTM(args.vocab, hidden)
+        check(model, trees[:16], TREE_VARIANTS)
+
+        def step(fn, model=model):  # type: ignore[no-untyped-def]
+            def run() -> None:
+                model.zero_grad(set_to_none=True)
+                fn(model, trees).sum().backward()
+
+            return run
+
+        times = interleaved({k: step(v) for k, v in TREE_VARIANTS.items()}, args.reps)
+        times.update(
+            interleaved(
+                {"eager": step(lambda m, t: eager_roots(Cells(m), t))}, args.eager_reps, warmup=0
+            )
+        )
+        med = {k: median(v) for k, v in times.items()}
+        for name, t in med.items():
+            rows.append(
+                {
+                    "hidden": hidden,
+                    "method": name,
+                    "median_ms": 1e3 * t,
+                    "vs_fold": t / med["explicit fold"],
+                    "eager_speedup": med["eager"] / t,
+                    "reps": len(times[name]),
+                }
+            )
+    return rows
+
+
+def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    x = torch.randn(args.mnist_batch, 784)
+    y = torch.randint(0, 10, (args.mnist_batch,))
+
+    def per_example(img: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(img), label)
+
+    def autobatched() -> torch.Tensor:
+        return fold.autobatch(per_example, x, y).mean()
+
+    def batched() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def eager() -> torch.Tensor:
+        return torch.stack([per_example(a, b) for a, b in zip(x, y)]).mean()
+
+    params = list(model.parameters())
+    ref = torch.autograd.grad(eager(), params)
+    for name, fn in (("autobatch", autobatched), ("batched", batched)):
+        for a, b in zip(torch.autograd.grad(fn(), params), ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+    def step(fn):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            fn().backward()
+
+        return run
+
+    times = interleaved(
+        {"autobatch": step(autobatched), "plain batched": step(batched), "eager": step(eager)},
+        args.reps * 4,
+    )
+    med = {k: median(v) for k, v in times.items()}
+    return [
+        {
+            "method": k,
+            "median_ms": 1e3 * t,
+            "vs_batched": t / med["plain batched"],
+            "reps": len(times[k]),
+        }
+        for k, t in med.items()
+    ]
+
+
+def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Recording alone (no apply): us per lazy op for per-example chains of growing length,
+    the same total number of ops each time."""
+    from fold.lazy import record_examples
+
+    lin = nn.Linear(16, 16)
+
+    def chain(x: torch.Tensor, ops: int) -> torch.Tensor:
+        y = lin(x)
+        for _ in range(ops):
+            y = torch.tanh(y) * 0.5
+        return y
+
+    rows = []
+    for ops in (10, 100, 1000, 10000):
+        examples = [torch.randn(16) for _ in range(max(1, 20000 // ops))]
+        n_ops = (2 * ops + 1) * len(examples)
+        times = interleaved(
+            {"record": lambda ops=ops, ex=examples: record_examples(lambda x: chain(x, ops), ex)},
+            args.reps,
+        )
+        rows.append(
+            {
+                "ops per example": 2 * ops + 1,
+                "examples": len(examples),
+                "lazy ops": n_ops,
+                "us/op": 1e6 * median(times["record"]) / n_ops,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = parser(__doc__, device=False)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
+    ap.add_argument("--trees", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--eager-reps", type=int, default=3)
+    ap.add_argument("--mnist-batch", type=int, default=32)
+    ap.add_argument("--only", choices=["trees", "mnist", "recording"], nargs="+")
+    args = ap.parse_args()
+    setup(args)
+    out: dict = {"args": vars(args)}
+    parts = args.only or ["trees", "mnist", "recording"]
+    if "trees" in parts:
+        out["trees"] = tree_rows(args)
+        print(f"TreeLSTM, {args.trees} trees, forward+backward, {args.threads} thread(s)")
+        print(
+            table(
+                out["trees"], ["hidden", "method", "median_ms", "vs_fold", "eager_speedup", "reps"]
+            )
+        )
+    if "mnist" in parts:
+        out["mnist"] = mnist_rows(args)
+        print(f"\nPer-sample MNIST MLP, {args.mnist_batch} samples, one training step")
+        print(table(out["mnist"], ["method", "median_ms", "vs_batched", "reps"]))
+    if "recording" in parts:
+        out["recording"] = recording_rows(args)
+        print("\nRecording alone, per example a Linear then a chain of tanh and * 0.5")
+        print(table(out["recording"], ["ops per example", "examples", "lazy ops", "us/op"]))
+    print(f"wrote {write_json('autobatch', out)}")
+
+
+if __name__ == "__main__":
+    main()

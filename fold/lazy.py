@@ -1,0 +1,1168 @@
+"""``fold.autobatch``: run unchanged per-example eager code batched.
+
+The user's function is written for ONE example, with no batch dim, as under ``torch.vmap``::
+
+    def encode(model, tree):
+        if tree.is_leaf:
+            return model.leaf(torch.tensor(tree.word))
+        (lh, lc), (rh, rc) = encode(model, tree.left), encode(model, tree.right)
+        return model.cell(lh, lc, rh, rc)
+
+    h, c = fold.autobatch(lambda t: encode(model, t), trees)   # each (len(trees), hidden)
+
+:func:`autobatch` calls it once per example with recording on.  Values that depend on a
+recorded result are :class:`Lazy`: torch functions, tensor methods and operators on them
+record one node each into a :class:`fold.Fold`; a ``@batchable`` function and an
+``nn.Module`` call record one node per call.  Then the graph runs with fold's scheduler, every
+group of same-signature calls as ONE batched call, and the per-example results come back
+stacked along a new dim 0, values and gradients equal to running the function eagerly per
+example and stacking.
+
+How a call is recorded (the choices the contract leaves open):
+
+- **Arguments.**  A Lazy value, and a tensor made per example (``torch.tensor(word)``, an
+  image row), is a *batched* argument: the group receives the examples' values stacked along
+  a new dim 0 (0-dim int64, bool and default-dtype tensors travel as Python numbers).  A leaf
+  tensor that requires grad (a parameter) is *shared*: it is passed whole, and is part of
+  the op, like every other argument: numbers, dims, shapes, dtypes, modules.  Calls whose
+  shared arguments differ are different ops (``x * 0.5`` and ``x * 0.25`` never share a
+  group); calls are grouped by op, shared arguments and the batched arguments' shapes.
+- **What is recorded.**  A torch function, tensor method or operator is recorded when an
+  argument is Lazy; otherwise it runs at once.  Inside ``autobatch`` an ``nn.Module`` call or
+  a ``@batchable`` call is recorded whenever it has a batched argument, Lazy or made per
+  example: ``model.embed(torch.tensor(word))`` run once per example is exactly the
+  batch-of-one work autobatch removes.  A call with no batched argument runs at once.
+- **How a group runs.**  Calls known to be batch-polymorphic run directly on the stacked
+  arguments (elementwise ops, ``F.linear`` and ``nn.Linear``, ``nn.Embedding``, the RNN cells,
+  activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
+  dim, a ``BatchModule``'s rows merged into its batch); every other call runs under
+  ``torch.func.vmap`` (``randomness="different"``), which gives vmap's semantics.
+  ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
+  (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
+  :class:`fold.Ragged` (lists may differ in length across the group).
+- **Shapes.**  Every recorded call's output shapes are inferred once per signature on fake
+  tensors (no computation; a batch of one on zeros where fake tensors cannot run the op) and
+  cached, so ``x.shape``, ``x.size()`` and ``len(x)`` are known while recording.  A shape
+  error in the per-example code surfaces there, as a FoldError naming the line.
+- **Identical calls** on identical arguments share one node (fold memoises records): the
+  functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
+- **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
+  value need its value before any is computed: FoldError naming the read, the example and the
+  fix.  In-place ops on Lazy values are FoldErrors too.
+- A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
+  ``dtype``, ``device``, ``ndim`` and ``size()``.
+- Errors inside a batched call name the user's source line that first recorded that call.
+- Caches of ops and shapes live for the process (they hold the modules and parameters they
+  name); :func:`clear_cache` empties them.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+
+from fold.errors import FoldError, describe
+from fold.executor import ModelBatched
+from fold.graph import Fold
+from fold.ragged import Ragged
+from fold.run import collector_paused
+
+__all__ = ["Lazy", "autobatch", "batchable", "clear_cache"]
+
+
+class _Local(threading.local):
+    rec: _Recorder | None = None
+    # > 0 while a batched=True function runs on a batch (a group, or a batch of one): the
+    # batchable functions it calls run as they are, already on the batch.
+    running = 0
+
+
+_LOCAL = _Local()
+_MODULE_CALL = nn.Module.__call__
+_FOLD_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+# ---------------------------------------------------------------------------- metas
+class _Meta:
+    """The per-example shape, dtype and device of a batched value; one object per triple,
+    so keys compare them by identity."""
+
+    __slots__ = ("shape", "dtype", "device", "ndim")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.ndim = len(shape)
+
+    def __repr__(self) -> str:
+        return describe(self.shape, self.dtype)
+
+
+_METAS: dict[tuple[Any, ...], _Meta] = {}
+
+
+def _meta(shape: Any, dtype: torch.dtype, device: torch.device) -> _Meta:
+    key = (tuple(shape), dtype, device)
+    m = _METAS.get(key)
+    if m is None:
+        m = _METAS[key] = _Meta(torch.Size(key[0]), dtype, device)
+    return m
+
+
+# Key markers (tagged tuples in an op key; a bare tuple never appears in one).
+_PARAM = "shared tensor"
+_RAGGED = "list of lazy values"
+_KW = "keywords"
+_NUMBER_DTYPES = (torch.long, torch.bool)
+
+
+class _Slot:
+    """Where a batched argument goes in an op's argument template."""
+
+    __slots__ = ("i", "meta", "ragged")
+
+    def __init__(self, i: int, meta: _Meta | None, ragged: bool = False) -> None:
+        self.i = i
+        self.meta = meta
+        self.ragged = ragged
+
+
+def _fill(t: Any, values: Any) -> Any:
+    """The template ``t`` with its slots replaced by ``values[slot.i]``."""
+    tt = type(t)
+    if tt is _Slot:
+        return values[t.i]
+    if tt is tuple or tt is list or tt is torch.Size:
+        return tt([_fill(x, values) for x in t])
+    if tt is dict:
+        return {k: _fill(v, values) for k, v in t.items()}
+    if tt is slice:
+        return slice(_fill(t.start, values), _fill(t.stop, values), _fill(t.step, values))
+    return t
+
+
+def _slots(t: Any) -> list[_Slot]:
+    tt = type(t)
+    if tt is _Slot:
+        return [t]
+    if tt is tuple or tt is list or tt is torch.Size:
+        return [s for x in t for s in _slots(x)]
+    if tt is dict:
+        return [s for v in t.values() for s in _slots(v)]
+    return []
+
+
+def _tensors(t: Any) -> list[torch.Tensor]:
+    """The shared tensors in a template."""
+    if isinstance(t, torch.Tensor):
+        return [t]
+    if type(t) in (tuple, list, torch.Size):
+        return [s for x in t for s in _tensors(x)]
+    if type(t) is dict:
+        return [s for v in t.values() for s in _tensors(v)]
+    return []
+
+
+# ---------------------------------------------------------------------------- modes
+_DIRECT, _VMAP, _BATCHED, _MODELS = "direct", "vmap", "batched", "model-batched"
+
+
+def _functions(names: str, *spaces: Any) -> set[Any]:
+    out = set()
+    for name in names.split():
+        for space in spaces:
+            f = getattr(space, name, None)
+            if f is not None:
+                out.add(f)
+    return out
+
+
+_ELEMENTWISE = _functions(
+    "add sub mul div true_divide pow maximum minimum where clamp clip neg abs exp expm1 log "
+    "log1p log2 sqrt rsqrt square reciprocal sigmoid tanh relu sin cos erf sign floor ceil "
+    "round logical_not logical_and logical_or eq ne gt ge lt le float double half bfloat16 "
+    "long int bool to clone detach contiguous type_as nan_to_num atan2 fmod remainder "
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ "
+    "__rpow__ __neg__ __abs__ __eq__ __ne__ __gt__ __ge__ __lt__ __le__ __and__ __or__ "
+    "__xor__ __invert__ __floordiv__ __mod__",
+    torch,
+    torch.Tensor,
+) | _functions(
+    "relu gelu silu elu selu leaky_relu softplus softsign hardtanh tanh sigmoid logsigmoid "
+    "mish hardswish hardsigmoid relu6 dropout",
+    F,
+)
+
+# Ops with a dim argument: (position, keyword, default dim).  In direct mode a dim >= 0
+# moves one to the right, past the batch dim.
+_DIM_OPS: dict[Any, tuple[int, str, int | None]] = {}
+for _name, _pos, _default in (
+    ("cat", 1, 0),
+    ("concat", 1, 0),
+    ("stack", 1, 0),
+    ("chunk", 2, 0),
+    ("split", 2, 0),
+    ("unbind", 1, 0),
+    ("softmax", 1, None),
+    ("log_softmax", 1, None),
+    ("sum", 1, None),
+    ("mean", 1, None),
+    ("amax", 1, None),
+    ("amin", 1, None),
+    ("prod", 1, None),
+    ("cumsum", 1, None),
+    ("unsqueeze", 1, None),
+    ("squeeze", 1, None),
+    ("narrow", 1, None),
+    ("select", 1, None),
+    ("flip", 1, None),
+    ("norm", 2, None),
+):
+    for _f in _functions(_name, torch, torch.Tensor, F):
+        _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
+_MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
+_LOSSES = {F.cross_entropy, F.nll_loss}
+_POLYMORPHIC_MODULES: tuple[type, ...] = (
+    nn.Linear,
+    nn.Embedding,
+    nn.Identity,
+    nn.Dropout,
+    nn.LayerNorm,
+    nn.ReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.GELU,
+    nn.SiLU,
+    nn.ELU,
+    nn.LeakyReLU,
+    nn.Softplus,
+)
+_CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+
+
+def _shift_dim(d: Any) -> Any:
+    if type(d) is int:
+        return d + 1 if d >= 0 else d
+    if type(d) in (tuple, list) and all(type(x) is int for x in d):
+        return type(d)(_shift_dim(x) for x in d)
+    return _MISSING
+
+
+_MISSING = object()
+
+
+def _direct_template(
+    fn: Any, args: list[Any], kwargs: dict[str, Any], outs: list[_Meta]
+) -> tuple[list[Any], dict[str, Any]] | None:
+    """The arguments for running torch function ``fn`` directly on stacked values, or None
+    where only vmap is known to be right."""
+    slots = _slots((args, kwargs))
+    if not slots or any(s.ragged for s in slots):
+        return None
+    if fn in _ELEMENTWISE:
+        # Broadcasting aligns trailing dims: the batch dims line up only where every batched
+        # argument has the output's number of dims.
+        if len(outs) == 1 and all(s.meta.ndim == outs[0].ndim for s in slots):
+            return args, kwargs
+        return None
+    if fn in _MATMUL or fn is F.linear:
+        rest = [a for a in args[1:]] + list(kwargs.values())
+        if type(args[0]) is _Slot and not _slots(rest) and args[0].meta.ndim >= 1:
+            w = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+            if fn is F.linear or (isinstance(w, torch.Tensor) and w.dim() == 2):
+                return args, kwargs
+        return None
+    if fn in _LOSSES:
+        # One example's mean loss over a (classes,) input is its 'none' loss (without class
+        # weights, which a mean divides out); ignored targets are handled in _loss.
+        if (
+            len(args) >= 2
+            and type(args[0]) is _Slot
+            and args[0].meta.ndim == 1
+            and type(args[1]) is _Slot
+            and args[1].meta.ndim == 0
+            and kwargs.get("weight") is None
+            and kwargs.get("reduction", "mean") in ("mean", "sum")
+            and len(args) == 2
+        ):
+            return args, kwargs
+        return None
+    spec = _DIM_OPS.get(fn)
+    if spec is None:
+        return None
+    ndims = {s.meta.ndim for s in slots}
+    if len(ndims) != 1 or _tensors((args, kwargs)):
+        return None
+    pos, name, default = spec
+    args, kwargs = list(args), dict(kwargs)
+    if name in kwargs:
+        d = _shift_dim(kwargs[name])
+        if d is _MISSING:
+            return None
+        kwargs[name] = d
+    elif len(args) > pos:
+        d = _shift_dim(args[pos])
+        if d is _MISSING:
+            return None
+        args[pos] = d
+    elif default is not None:
+        kwargs[name] = default + 1
+    else:
+        return None
+    return args, kwargs
+
+
+def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> str:
+    slots = _slots((args, kwargs))
+    if isinstance(module, ModelBatched):
+        return _MODELS
+    if kwargs or _tensors(args):
+        return _VMAP
+    if _polymorphic_module(module) and len(args) == 1 and type(args[0]) is _Slot:
+        return _DIRECT
+    if isinstance(module, _CELLS) and all(s.meta.ndim == 1 for s in slots):
+        return _DIRECT
+    return _VMAP
+
+
+def _polymorphic_module(module: nn.Module) -> bool:
+    if isinstance(module, nn.Sequential):
+        return all(_polymorphic_module(m) for m in module)
+    return isinstance(module, _POLYMORPHIC_MODULES)
+
+
+# ---------------------------------------------------------------------------- ops
+class _Op:
+    """One recorded call signature: the function, its argument template (shared values in
+    place, slots for the batched ones), how its group runs, and its per-example outputs.
+
+    It is the op fold records (grouped by identity), and called by fold's executor with the
+    group's stacked values."""
+
+    def __init__(
+        self,
+        fn: Any,
+        kind: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        where: str,
+        name: str,
+    ) -> None:
+        self.fn = fn
+        self.kind = kind
+        self.args = args
+        self.kwargs = kwargs
+        self.where = where
+        self.__qualname__ = self.__name__ = f"{name} ({where})" if where else name
+        self.name = name
+        self.mode = _VMAP
+        self.run_args: tuple[list[Any], dict[str, Any]] = (args, kwargs)
+        self.outs: list[_Meta] = []
+        self.treedef: Any = None
+        self.single = True
+        self.wrap: Callable[[Any, Any], Any] = _no_wrap
+        self._vmapped: Callable[..., Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<autobatch op {self.__qualname__}>"
+
+    # -------------------------------------------------------------- per example
+    def per_example(self, *values: Any) -> Any:
+        args, kwargs = _fill((self.args, self.kwargs), values)
+        return self.fn(*args, **kwargs)
+
+    def __call__(self, *values: Any) -> Any:
+        try:
+            out = self._run(values)
+        except Exception as err:
+            raise _OpFailed(self, values) from err
+        if self.single:
+            return out
+        return tuple(pytree.tree_leaves(out))
+
+    def _run(self, values: tuple[Any, ...]) -> Any:
+        mode = self.mode
+        if mode is _BATCHED:
+            args, kwargs = _fill(self.run_args, values)
+            _LOCAL.running += 1
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                _LOCAL.running -= 1
+        if mode is _DIRECT:
+            args, kwargs = _fill(self.run_args, values)
+            if self.fn in _LOSSES:
+                return _loss(self.fn, args, kwargs)
+            return self.fn(*args, **kwargs)
+        if mode is _MODELS:
+            return self._models(values)
+        if self._vmapped is None:
+            self._vmapped = torch.func.vmap(self.per_example, randomness="different")
+        return self._vmapped(*values)
+
+    def _models(self, values: tuple[Any, ...]) -> Any:
+        """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
+        become (N, n * b, ...), one call, and back."""
+        n = values[0].shape[0]
+        merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
+        out = self.per_example(*merged)
+        return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
+
+
+def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _infer)
+    raise AssertionError("op used before its outputs were inferred")
+
+
+def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """A per-example mean/sum classification loss over a group, one value per example."""
+    kwargs = dict(kwargs)
+    kwargs["reduction"] = "none"
+    out = fn(*args, **kwargs)
+    target = args[1]
+    ignore = kwargs.get("ignore_index", -100)
+    # One example whose target is ignored averages nothing: nan, as eager gives.
+    return torch.where(target == ignore, torch.full_like(out, float("nan")), out)
+
+
+def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, Any], Any]:
+    """How an op's recorded node (or split nodes) becomes its Lazy outputs."""
+    if single:
+        m = metas[0]
+        return lambda node, rec: Lazy(node, m, rec)
+    if treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
+        return lambda nodes, rec: tuple([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
+    return lambda nodes, rec: pytree.tree_unflatten(
+        [Lazy(h, m, rec) for h, m in zip(nodes, metas)], treedef
+    )
+
+
+class _OpFailed(Exception):
+    """A batched call raised; carries the op for autobatch's message."""
+
+    def __init__(self, op: _Op, values: tuple[Any, ...]) -> None:
+        super().__init__(op.__qualname__)
+        self.op = op
+        self.values = values
+
+
+_OPS: dict[Any, _Op] = {}
+
+
+def clear_cache() -> None:
+    """Forget every recorded op signature and its inferred shapes (and the modules and
+    parameters they hold)."""
+    _OPS.clear()
+    _METAS.clear()
+
+
+def _source_line() -> str:
+    """``file:line`` of the innermost frame outside fold and torch (the user's call)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        if not (path.startswith(_FOLD_DIR) or path.startswith(_TORCH_DIR)):
+            text = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+            rel = os.path.relpath(path)
+            where = f"{path if rel.startswith('..') else rel}:{f.f_lineno}"
+            return f"{where}: {text}" if text else where
+        f = f.f_back
+    return ""
+
+
+def _fn_name(fn: Any, kind: str) -> str:
+    if kind == "module":
+        return f"{type(fn).__name__} call"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if getattr(fn, "__module__", None) == "torch.nn.functional":
+        return f"F.{name}"
+    if name.startswith("_VariableFunctionsClass."):
+        return f"torch.{name.split('.', 1)[1]}"
+    if name.startswith("TensorBase.") or name.startswith("Tensor."):
+        return f"Tensor.{name.split('.', 1)[1]}"
+    mod = getattr(fn, "__module__", None)
+    if mod in ("torch", "torch._C._VariableFunctions") or name in dir(torch):
+        return f"torch.{name}"
+    return name
+
+
+# ---------------------------------------------------------------------------- lazy values
+class Lazy:
+    """A value that depends on a recorded call: a node of the Fold autobatch is recording,
+    with its per-example shape, dtype and device.  Use it like a tensor; reading its data in
+    Python raises a FoldError."""
+
+    __slots__ = ("node", "meta", "rec")
+
+    def __init__(self, node: Any, meta: _Meta, rec: _Recorder) -> None:
+        self.node = node
+        self.meta = meta
+        self.rec = rec
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        rec = _LOCAL.rec
+        if rec is None or rec.paused:
+            raise FoldError(
+                f"{_fn_name(func, 'torch')}: a lazy value of autobatch was used outside the "
+                "function autobatch runs (kept from an earlier call, or used while its graph "
+                "runs). Fix: use the results autobatch returns."
+            )
+        return rec.record(func, "torch", args, kwargs or {})
+
+    # -------------------------------------------------------------- metadata
+    @property
+    def shape(self) -> torch.Size:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.meta.device
+
+    @property
+    def ndim(self) -> int:
+        return self.meta.ndim
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.meta.device.type == "cuda"
+
+    @property
+    def T(self) -> Lazy:  # noqa: N802  (torch's name)
+        return self.permute(*range(self.meta.ndim - 1, -1, -1))
+
+    @property
+    def mT(self) -> Lazy:  # noqa: N802
+        return self.transpose(-2, -1)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.meta.shape if dim is None else self.meta.shape[dim]
+
+    def dim(self) -> int:
+        return self.meta.ndim
+
+    def numel(self) -> int:
+        return self.meta.shape.numel()
+
+    nelement = numel
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.meta.dtype).element_size()
+
+    def is_floating_point(self) -> bool:
+        return self.meta.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        if not self.meta.ndim:
+            raise FoldError("len() of a 0-d lazy value: it has no dim 0. Fix: use .shape.")
+        return self.meta.shape[0]
+
+    def __iter__(self) -> Any:
+        if not self.meta.ndim:
+            raise FoldError("iterating over a 0-d lazy value. Fix: use .shape.")
+        return iter(self.unbind(0))
+
+    def __repr__(self) -> str:
+        return f"Lazy({describe(self.meta.shape, self.meta.dtype)}, example {self.rec.example})"
+
+    __hash__ = object.__hash__
+
+    # -------------------------------------------------------------- reads
+    def _read(self, what: str) -> Any:
+        rec = self.rec
+        raise FoldError(
+            f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
+            f"{describe(self.meta.shape, self.meta.dtype)}, which is computed only after every "
+            "example is recorded. Fix: branch on what is known while recording (the example's "
+            "structure, shapes), or compute the value outside autobatch and pass it in; "
+            "data-dependent control flow is not batched yet."
+        )
+
+    def __bool__(self) -> bool:
+        return self._read("bool()")
+
+    def __int__(self) -> int:
+        return self._read("int()")
+
+    def __float__(self) -> float:
+        return self._read("float()")
+
+    def __complex__(self) -> complex:
+        return self._read("complex()")
+
+    def __index__(self) -> int:
+        return self._read("using it as an index (__index__)")
+
+    def item(self) -> Any:
+        return self._read(".item()")
+
+    def tolist(self) -> Any:
+        return self._read(".tolist()")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        return self._read(".numpy()")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._read("numpy conversion")
+
+    def __contains__(self, item: Any) -> bool:
+        return self._read("`in`")
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise FoldError(
+            "autobatch: .backward() on a lazy value inside the per-example function. Fix: "
+            "return the loss; autobatch returns the losses stacked, call .backward() on them "
+            "(or their sum)."
+        )
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _inplace(self, "__setitem__ (x[...] = v)")
+
+
+def _inplace(self: Lazy, name: str) -> None:
+    raise FoldError(
+        f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
+        "values are immutable. Fix: use the out-of-place form (x = x.add(y), torch.where, "
+        "index_put without underscore)."
+    )
+
+
+def _method(func: Any) -> Callable[..., Any]:
+    def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
+        return self.rec.record(func, "torch", (self, *args), kwargs)
+
+    method.__name__ = func.__name__
+    return method
+
+
+def _inplace_method(name: str) -> Callable[..., Any]:
+    def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
+        _inplace(self, f".{name}()")
+
+    method.__name__ = name
+    return method
+
+
+_OPERATORS = (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
+    "__floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ "
+    "__neg__ __pos__ __abs__ __invert__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ "
+    "__lshift__ __rshift__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __getitem__"
+).split()
+for _name in _OPERATORS:
+    setattr(Lazy, _name, _method(getattr(torch.Tensor, _name)))
+# No __iadd__ and kin: ``x += y`` rebinds x to ``x + y``, out of place.
+for _name in dir(torch.Tensor):
+    if _name.startswith("_") or hasattr(Lazy, _name):
+        continue
+    _attr = getattr(torch.Tensor, _name, None)
+    if not callable(_attr):
+        continue
+    if _name.endswith("_") and not _name.endswith("__"):
+        setattr(Lazy, _name, _inplace_method(_name))
+    else:
+        setattr(Lazy, _name, _method(_attr))
+
+
+# ---------------------------------------------------------------------------- recording
+class _Recorder:
+    """One autobatch call: its Fold, the example being recorded, the device."""
+
+    def __init__(self) -> None:
+        self.fold = Fold()
+        self.example = 0
+        self.paused = False
+        self.device: torch.device | None = None
+        self._recorders: dict[_Op, Callable[..., Any]] = {}
+
+    def record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record ``fn(*args, **kwargs)``: look its op up by key (made on first sight), add
+        the node, and return its outputs as Lazy values.  The recording hot path."""
+        fargs: list[Any] = []
+        shared: list[torch.Tensor] = []
+        parts: list[Any] = [fn, kind]
+        append = parts.append
+        for a in args:
+            if type(a) is Lazy and a.rec is self:
+                fargs.append(a.node)
+                append(a.meta)
+            else:
+                append(self._part(a, fargs, shared, kind is _BATCHED))
+        if kwargs:
+            part = self._part
+            ragged = kind is _BATCHED
+            append(
+                (
+                    _KW,
+                    tuple(kwargs),
+                    tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
+                )
+            )
+        if not fargs:  # nothing batched: it runs now, as eager code
+            return self._eager(fn, kind, args, kwargs)
+        key = tuple(parts)
+        op = _OPS.get(key)
+        if op is None:
+            op = _OPS[key] = self._new_op(key, len(args), fn, kind, shared)
+        r = self._recorders.get(op)
+        if r is None:
+            r = self._recorders[op] = self.fold.op(op, None if op.single else len(op.outs))
+        return op.wrap(r(*fargs), self)
+
+    def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kind == "module":
+            return _MODULE_CALL(fn, *args, **kwargs)
+        if kind == _BATCHED:
+            return _batch_of_one(fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def _part(self, a: Any, fargs: list[Any], shared: list[Any], ragged: bool) -> Any:
+        """The key part of one argument; batched values go to ``fargs``, shared tensors to
+        ``shared`` (the key holds their ids)."""
+        t = type(a)
+        if t is Lazy:
+            if a.rec is not self:
+                raise FoldError(
+                    f"autobatch: example {self.example}: a lazy value from another autobatch "
+                    "call (or an earlier one) was passed in. Fix: return it from that call "
+                    "and pass the result as an input."
+                )
+            fargs.append(a.node)
+            return a.meta
+        if t is int or t is str or a is None:
+            return a
+        if t is float or t is bool:
+            return (t, a)
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad and a.is_leaf:
+                shared.append(a)
+                return (_PARAM, id(a))
+            if self.device is None:
+                self.device = a.device
+            if (
+                not a.ndim
+                and (a.dtype in _NUMBER_DTYPES or a.dtype is torch.get_default_dtype())
+                and not a.requires_grad
+            ):
+                fargs.append(a.item())
+            else:
+                fargs.append(a.unsqueeze(0))
+            return _meta(a.shape, a.dtype, a.device)
+        if t is tuple or t is list or t is torch.Size:
+            if ragged and t is list and all(type(x) is Lazy for x in a):
+                return self._ragged(a, fargs)
+            return (t, tuple([self._part(x, fargs, shared, ragged) for x in a]))
+        if t is dict:
+            return (
+                dict,
+                tuple(a),
+                tuple([self._part(v, fargs, shared, ragged) for v in a.values()]),
+            )
+        if t is slice:
+            return (slice, (a.start, a.stop, a.step))
+        try:
+            hash(a)
+        except TypeError:
+            raise FoldError(
+                f"autobatch: example {self.example}: an argument of type {t.__name__} cannot "
+                "be part of a recorded call (it is not hashable, so calls cannot be grouped "
+                "by it). Fix: pass tensors, numbers, tuples, lists or dicts of them."
+            ) from None
+        return a
+
+    def _ragged(self, items: list[Lazy], fargs: list[Any]) -> Any:
+        metas = {x.meta for x in items}
+        if len(metas) > 1:
+            first = items[0].meta
+            bad = next(i for i, x in enumerate(items) if x.meta is not first)
+            raise FoldError(
+                f"autobatch: example {self.example}: element {bad} of a list passed to a "
+                f"batched function is {items[bad].meta}, element 0 {first}; the elements of a "
+                "list argument are concatenated, so they must agree in shape and dtype."
+            )
+        for x in items:
+            if x.rec is not self:
+                raise FoldError(
+                    f"autobatch: example {self.example}: a list holds a lazy value from another "
+                    "autobatch call. Fix: pass values of this call."
+                )
+        fargs.append([x.node for x in items])
+        return (_RAGGED, items[0].meta if items else None)
+
+    # -------------------------------------------------------------- new ops
+    def _new_op(self, key: Any, nargs: int, fn: Any, kind: str, shared: list[Any]) -> _Op:
+        counter = [0]
+        shared_iter = iter(shared)
+        args = [self._template(p, counter, shared_iter) for p in key[2 : 2 + nargs]]
+        kwargs: dict[str, Any] = {}
+        if len(key) > 2 + nargs:
+            _, names, parts = key[-1]
+            kwargs = {n: self._template(p, counter, shared_iter) for n, p in zip(names, parts)}
+        where = _source_line()
+        op = _Op(fn, kind, args, kwargs, where, _fn_name(fn, kind))
+        self._infer(op)
+        if kind == "torch":
+            direct = _direct_template(fn, args, kwargs, op.outs)
+            if direct is not None:
+                op.mode, op.run_args = _DIRECT, direct
+        elif kind == "module":
+            op.mode = _module_mode(fn, args, kwargs)
+            if op.mode is _MODELS and not self._merges_models(op):
+                op.mode = _VMAP
+        elif kind == _BATCHED:
+            op.mode = _BATCHED
+        if any(s.ragged for s in _slots((args, kwargs))) and op.mode is not _BATCHED:
+            raise FoldError(  # pragma: no cover  (lists become Ragged only for batched fns)
+                f"autobatch: {op.__qualname__}: a list argument needs @fold.batchable(batched=True)."
+            )
+        return op
+
+    def _template(self, p: Any, counter: list[int], shared: Any) -> Any:
+        if type(p) is _Meta:
+            s = _Slot(counter[0], p)
+            counter[0] += 1
+            return s
+        if type(p) is tuple:
+            tag = p[0]
+            if tag is _PARAM:
+                return next(shared)
+            if tag is _RAGGED:
+                s = _Slot(counter[0], p[1], ragged=True)
+                counter[0] += 1
+                return s
+            if tag is float or tag is bool:
+                return p[1]
+            if tag is slice:
+                return slice(*p[1])
+            if tag is dict:
+                return {k: self._template(v, counter, shared) for k, v in zip(p[1], p[2])}
+            return tag([self._template(x, counter, shared) for x in p[1]])
+        return p
+
+    def _merges_models(self, op: _Op) -> bool:
+        slots = _slots((op.args, op.kwargs))
+        if op.kwargs or _tensors(op.args) or not slots:
+            return False
+        rows = {s.meta.shape[1] if s.meta.ndim >= 2 else None for s in slots}
+        rows |= {m.shape[1] if m.ndim >= 2 else None for m in op.outs}
+        return len(rows) == 1 and None not in rows
+
+    def _infer(self, op: _Op) -> None:
+        """The op's per-example outputs, on fake tensors (a batch of one on zeros where
+        fake tensors cannot run it); a FoldError naming the line where the call fails."""
+        slots = _slots((op.args, op.kwargs))
+        self.paused = True
+        running = op.kind == _BATCHED
+        _LOCAL.running += running
+        try:
+            try:
+                out = self._run_fake(op, slots)
+            except Exception:
+                out = self._run_zeros(op, slots)
+        except Exception as err:
+            raise FoldError(
+                f"autobatch: example {self.example}: {op.name} at {op.where or '?'} fails on "
+                f"one example's shapes ({', '.join(repr(s.meta) for s in slots)}): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        finally:
+            self.paused = False
+            _LOCAL.running -= running
+        leaves, treedef = pytree.tree_flatten(out)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise FoldError(
+                f"autobatch: {op.name} at {op.where or '?'} returns "
+                f"{type(out).__name__}, not tensors; a recorded call must return a tensor or "
+                "a structure of tensors. Fix: compute Python values outside the recorded call."
+            )
+        if op.mode is _BATCHED or op.kind == _BATCHED:
+            bad = [t for t in leaves if t.dim() == 0 or t.shape[0] != 1]
+            if bad:
+                raise FoldError(
+                    f"autobatch: {op.name} at {op.where or '?'} is batchable(batched=True) but "
+                    f"returned {tuple(bad[0].shape)} for a batch of one; a batched function keeps "
+                    "the batch in dim 0. Fix: keep dim 0, or drop batched=True."
+                )
+            metas = [_meta(t.shape[1:], t.dtype, t.device) for t in leaves]
+        else:
+            metas = [_meta(t.shape, t.dtype, t.device) for t in leaves]
+        op.outs = metas
+        op.treedef = treedef
+        op.single = isinstance(out, torch.Tensor)
+        op.wrap = _wrapper(op.single, metas, treedef)
+
+    def _inputs(self, op: _Op, slots: list[_Slot], make: Callable[..., Any]) -> list[Any]:
+        values: list[Any] = [None] * len(slots)
+        batched = op.kind == _BATCHED
+        for s in slots:
+            if s.ragged:
+                m = s.meta
+                values[s.i] = (
+                    Ragged(make((1, *m.shape), m.dtype, m.device), torch.ones(1, dtype=torch.long))
+                    if m is not None
+                    else Ragged(
+                        make((0,), torch.get_default_dtype(), None),
+                        torch.zeros(1, dtype=torch.long),
+                    )
+                )
+            else:
+                shape = (1, *s.meta.shape) if batched else s.meta.shape
+                values[s.i] = make(shape, s.meta.dtype, s.meta.device)
+        return values
+
+    def _run_fake(self, op: _Op, slots: list[_Slot]) -> Any:
+        if any(s.ragged for s in slots):
+            raise NotImplementedError("lists run on zeros")
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            values = self._inputs(
+                op, slots, lambda sh, dt, dev: torch.empty(sh, dtype=dt, device=dev)
+            )
+            return op.per_example(*values)
+
+    def _run_zeros(self, op: _Op, slots: list[_Slot]) -> Any:
+        with torch.no_grad():
+            values = self._inputs(
+                op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
+            )
+            return op.per_example(*values)
+
+    # -------------------------------------------------------------- modules
+    def module_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.record(module, "module", args, kwargs)
+
+
+def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    rec = _LOCAL.rec
+    if rec is None or rec.paused:
+        return _MODULE_CALL(self, *args, **kwargs)
+    return rec.record(self, "module", args, kwargs)
+
+
+# ---------------------------------------------------------------------------- batchable
+class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
+    """Mark a function or method as one recorded node per call inside :func:`autobatch`.
+
+    ``@fold.batchable`` on code written for ONE example (no batch dim): a group runs it
+    under ``torch.func.vmap``.  ``@fold.batchable(batched=True)`` on code written for a batch
+    in dim 0, like an explicit fold op: a group runs it directly, a ``list`` of Lazy values
+    arrives as a :class:`fold.Ragged`, and a call outside autobatch gets a batch of one (its
+    tensors unsqueezed, lists as a one-list Ragged, outputs squeezed).  Outside autobatch the
+    per-example form is the plain function.
+    """
+
+    def __init__(self, fn: Callable[..., Any] | None = None, *, batched: bool = False) -> None:
+        self.batched = batched
+        self.fn = fn
+        if fn is not None:
+            functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:  # @batchable(batched=True) receiving the function
+            (fn,) = args
+            return batchable(fn, batched=self.batched)
+        rec = _LOCAL.rec
+        if rec is None or rec.paused or _LOCAL.running:
+            if self.batched and not _LOCAL.running:
+                return _batch_of_one(self.fn, args, kwargs)
+            return self.fn(*args, **kwargs)
+        return rec.record(self.fn, _BATCHED if self.batched else "per-example", args, kwargs)
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        return types.MethodType(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<fold.batchable {getattr(self.fn, '__qualname__', self.fn)!r}>"
+
+
+def _batch_of_one(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A ``batched=True`` function called on one example: tensors unsqueezed, lists of
+    tensors as a one-list Ragged, outputs squeezed."""
+    args, kwargs = pytree.tree_map(_one, (args, kwargs), is_leaf=_is_list_of_tensors)
+    _LOCAL.running += 1
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        _LOCAL.running -= 1
+    return pytree.tree_map(_unbatch, out)
+
+
+def _is_list_of_tensors(x: Any) -> bool:
+    return type(x) is list and all(isinstance(t, torch.Tensor) for t in x)
+
+
+def _one(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.unsqueeze(0)
+    if _is_list_of_tensors(x):
+        if not x:  # no elements, so no shape: as fold gives a group of empty lists
+            return Ragged(torch.zeros(0), torch.zeros(1, dtype=torch.long))
+        return Ragged(torch.stack(x), torch.tensor([len(x)]))
+    return x
+
+
+def _unbatch(x: Any) -> Any:
+    return x.squeeze(0) if isinstance(x, torch.Tensor) else x
+
+
+# ---------------------------------------------------------------------------- autobatch
+class _DeviceAnchor(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("anchor", torch.empty(0, device=device))
+
+
+def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any]) -> Any:
+    """Run ``fn`` once per example (the zip of ``iterables``) with recording on, then the
+    recorded graph batched; returns the per-example results stacked along a new dim 0, in
+    ``fn``'s output structure (tensor, tuple, list, dict).  See :mod:`fold.lazy`.
+
+    Records with the cyclic garbage collector paused, as ``Fold.apply`` runs: recording
+    makes a few tracked objects per call (Lazy values, tuples), enough to set off full
+    collections of the whole heap; they are freed by reference counting.
+    """
+    if _LOCAL.rec is not None:
+        raise FoldError(
+            "autobatch: called inside a function autobatch is running. Fix: call the inner "
+            "function directly; it is recorded into the same graph."
+        )
+    rec, results, spec = record_examples(fn, *iterables)
+    return pytree.tree_unflatten(_stack(rec, results), spec)
+
+
+def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[Any, ...]:
+    """The recording half of :func:`autobatch`: ``(recorder, per-example flat results,
+    their structure)``; ``recorder.fold`` is the graph.  For benchmarks and inspection."""
+    rec = _Recorder()
+    results: list[list[Any]] = []
+    spec = None
+    _LOCAL.rec = rec
+    nn.Module.__call__ = _recording_module_call  # type: ignore[method-assign]
+    try:
+        with collector_paused():
+            for i, example in enumerate(zip(*iterables)):
+                rec.example = i
+                leaves, s = pytree.tree_flatten(fn(*example))
+                if spec is None:
+                    spec = s
+                elif s != spec:
+                    raise FoldError(
+                        f"autobatch: example {i} returned a structure {s} but example 0 "
+                        f"returned {spec}; results are stacked per position, so every example "
+                        "must return the same structure."
+                    )
+                results.append(leaves)
+    finally:
+        nn.Module.__call__ = _MODULE_CALL  # type: ignore[method-assign]
+        _LOCAL.rec = None
+    if spec is None:
+        raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")
+    return rec, results, spec
+
+
+def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
+    """Per output position, the examples' values stacked: lazy ones through one apply."""
+    columns = list(zip(*results)) if results[0] else []
+    lists: list[list[Any]] = []
+    where: list[int | None] = []
+    out: list[Any] = []
+    for j, col in enumerate(columns):
+        if all(type(v) is Lazy for v in col):
+            where.append(len(lists))
+            lists.append([v.node for v in col])
+            out.append(None)
+        elif all(isinstance(v, torch.Tensor) for v in col):
+            where.append(None)
+            out.append(torch.stack(col))
+        elif all(isinstance(v, (torch.Tensor, Lazy)) for v in col):
+            where.append(len(lists))
+            lists.append(
+                [v.node if type(v) is Lazy else rec.fold.add(_same, v.unsqueeze(0)) for v in col]
+            )
+            out.append(None)
+        elif all(v is None for v in col):
+            where.append(None)
+            out.append(None)
+        elif all(type(v) in (int, float, bool) for v in col):
+            where.append(None)
+            out.append(torch.tensor(col))
+        else:
+            bad = next(v for v in col if not isinstance(v, (torch.Tensor, Lazy)))
+            raise FoldError(
+                f"autobatch: output {j} holds a {type(bad).__name__}; results are stacked, so "
+                "they must be tensors (or numbers, or None throughout)."
+            )
+    if lists:
+        device = _device(rec)
+        obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
+        try:
+            values = rec.fold.apply(obj, lists)
+        except FoldError as err:
+            raise _explained(err) from err.__cause__
+        for j, w in enumerate(where):
+            if w is not None:
+                out[j] = values[w]
+    return out
+
+
+def _device(rec: _Recorder) -> torch.device | None:
+    """Where the graph's literals go: the device of the recorded calls' parameters (of
+    modules called, or shared tensors), else of the tensors made per example."""
+    for op, _ in rec.fold.signatures:
+        if type(op) is _Op:
+            for t in _tensors((op.args, op.kwargs)):
+                return t.device
+            for x in (op.fn, *op.args):
+                if isinstance(x, nn.Module):
+                    for t in x.parameters():
+                        return t.device
+    return rec.device
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _explained(err: FoldError) -> FoldError:
+    cause = err.__cause__
+    if not isinstance(cause, _OpFailed):
+        return err
+    op, orig = cause.op, cause.__cause__
+    shapes = ", ".join(
+        describe(v.shape, v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+        for v in cause.values
+    )
+    how = {
+        _DIRECT: "directly on the stacked values",
+        _VMAP: "under torch.func.vmap",
+        _BATCHED: "directly (batched=True)",
+        _MODELS: "with the models' rows merged",
+    }[op.mode]
+    return FoldError(
+        f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "
+        f"{cause.values[0].shape[0] if cause.values and isinstance(cause.values[0], torch.Tensor) else '?'} "
+        f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. Fix: run "
+        "the function eagerly on one example (outside autobatch) to debug it; under vmap, "
+        "per-example code must not read values (.item()) or change tensors in place."
+    )

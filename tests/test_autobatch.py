@@ -1,0 +1,418 @@
+"""fold.autobatch: unchanged per-example code, batched; every result against eager per
+example (values and gradients, float64), and the errors it gives for bad use."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fold
+from fold.lazy import _OPS, Lazy
+from fold.models import ChildSumTreeLSTM, TreeLSTM
+from fold.treebank import Tree, random_dep_tree, random_tree
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Float64 throughout, so that batched and eager agree to tight tolerances."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def eager_stack(fn, *iterables):
+    """The reference: fn eagerly per example, stacked per output position."""
+    outs = [fn(*ex) for ex in zip(*iterables)]
+    leaves = [torch.utils._pytree.tree_flatten(o) for o in outs]
+    spec = leaves[0][1]
+    cols = [torch.stack([lv[0][j] for lv in leaves]) for j in range(len(leaves[0][0]))]
+    return torch.utils._pytree.tree_unflatten(cols, spec)
+
+
+def assert_same(fn, params, *iterables, loss=lambda out: out):
+    """autobatch(fn) equals eager per example: values and gradients of params."""
+    got = fold.autobatch(fn, *iterables)
+    want = eager_stack(fn, *iterables)
+    torch.testing.assert_close(got, want)
+    flat_got = torch.utils._pytree.tree_leaves(got)
+    flat_want = torch.utils._pytree.tree_leaves(want)
+    weights = [torch.randn_like(t) for t in flat_want]
+    lg = sum((w * t).sum() for w, t in zip(weights, flat_got))
+    lw = sum((w * t).sum() for w, t in zip(weights, flat_want))
+    gg = torch.autograd.grad(lg, params, allow_unused=True)
+    gw = torch.autograd.grad(lw, params, allow_unused=True)
+    for p, a, b in zip(params, gg, gw):
+        # A parameter that no output depends on: None in eager, zeros where the batched
+        # graph reaches it through a gather of rows it does not use.
+        torch.testing.assert_close(
+            torch.zeros_like(p) if a is None else a, torch.zeros_like(p) if b is None else b
+        )
+    return got
+
+
+# ---------------------------------------------------------------------------- TreeLSTM
+class Cells(nn.Module):
+    """The TreeLSTM written for ONE example (no batch dim)."""
+
+    def __init__(self, vocab: int = 30, hidden: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.leaf_gates = nn.Linear(hidden, 3 * hidden)
+        self.node_gates = nn.Linear(2 * hidden, 5 * hidden)
+
+    def leaf(self, word):
+        i, o, u = self.leaf_gates(self.embed(word)).chunk(3)
+        c = torch.sigmoid(i) * torch.tanh(u)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    def node(self, lh, lc, rh, rc):
+        i, o, u, fl, fr = self.node_gates(torch.cat([lh, rh])).chunk(5)
+        c = torch.sigmoid(i) * torch.tanh(u) + torch.sigmoid(fl) * lc + torch.sigmoid(fr) * rc
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class BatchableCells(Cells):
+    leaf = fold.batchable(Cells.leaf)
+    node = fold.batchable(Cells.node)
+
+
+def encode(cells, tree: Tree):
+    if tree.left is None:
+        return cells.leaf(torch.tensor(tree.word))
+    (lh, lc), (rh, rc) = encode(cells, tree.left), encode(cells, tree.right)
+    return cells.node(lh, lc, rh, rc)
+
+
+def trees(n: int = 12, seed: int = 0) -> list[Tree]:
+    rng = random.Random(seed)
+    return [random_tree(rng, rng.randint(1, 9), 30) for _ in range(n)]
+
+
+@pytest.mark.parametrize("cls", [BatchableCells, Cells], ids=["batchable", "no annotation"])
+def test_tree_lstm_matches_eager(cls):
+    cells = cls()
+    h, c = assert_same(lambda t: encode(cells, t), list(cells.parameters()), trees())
+    assert h.shape == c.shape == (12, 6)
+
+
+def test_batchable_records_one_node_per_call():
+    cells = BatchableCells()
+    ts = trees(4)
+    f_nodes = []
+    orig = fold.Fold.apply
+
+    def spy(self, obj, lists, **kw):
+        f_nodes.append(len(self))
+        return orig(self, obj, lists, **kw)
+
+    fold.Fold.apply = spy
+    try:
+        fold.autobatch(lambda t: encode(cells, t), ts)
+    finally:
+        fold.Fold.apply = orig
+    # One node per tree node (identical leaves of equal words are one node).
+    distinct = set()
+
+    def walk(t, key=()):
+        if t.left is None:
+            distinct.add(("leaf", t.word))
+        else:
+            distinct.add(id(t))
+            walk(t.left)
+            walk(t.right)
+
+    for t in ts:
+        walk(t)
+    assert f_nodes == [len(distinct)]
+
+
+def test_fold_models_tree_lstm_with_batched_methods():
+    """fold.models.TreeLSTM's batched ops, marked batched=True, from per-example code."""
+    model = TreeLSTM(30, 5)
+    leaf = fold.batchable(model.leaf, batched=True)
+    node = fold.batchable(model.node, batched=True)
+
+    def enc(t):
+        if t.left is None:
+            return leaf(torch.tensor(t.word))
+        (lh, lc), (rh, rc) = enc(t.left), enc(t.right)
+        return node(lh, lc, rh, rc)
+
+    got = assert_same(lambda t: enc(t)[0], list(model.parameters())[:-2], trees())
+    # The same values as the explicit fold of fold.models.
+    f = fold.Fold()
+    from fold.models import record_tree
+
+    (want,) = f.apply(model, [[record_tree(f, t) for t in trees()]])
+    torch.testing.assert_close(got, want)
+
+
+def test_child_sum_tree_lstm_with_ragged_lists():
+    """A list of lazy values given to a batched=True function arrives as a fold.Ragged."""
+    model = ChildSumTreeLSTM(40, 5)
+    node = fold.batchable(model.node, batched=True)
+
+    def enc(t):
+        return node(torch.tensor(t.word), [enc(c) for c in t.children])
+
+    rng = random.Random(1)
+    ts = [random_dep_tree(rng, rng.randint(1, 9), 40) for _ in range(10)]
+    assert_same(enc, list(model.parameters())[:-2], ts)
+
+
+# ---------------------------------------------------------------------------- structures
+def test_output_structures_and_eager_leaves():
+    lin = nn.Linear(3, 4)
+
+    def fn(x):
+        y = lin(x)
+        return {"y": y, "pair": (y.sum(), torch.ones(2)), "list": [torch.relu(y)]}
+
+    xs = [torch.randn(3) for _ in range(5)]
+    out = assert_same(fn, list(lin.parameters()), xs)
+    assert out["y"].shape == (5, 4) and out["pair"][0].shape == (5,)
+    assert out["pair"][1].shape == (5, 2) and out["list"][0].shape == (5, 4)
+
+
+def test_mixed_lazy_and_eager_results_at_one_position():
+    lin = nn.Linear(2, 2)
+
+    def fn(x, use):
+        return lin(x) if use else x * 2
+
+    xs = [torch.randn(2) for _ in range(4)]
+    assert_same(fn, list(lin.parameters()), xs, [True, False, True, False])
+
+
+def test_numbers_in_results_become_a_tensor():
+    lin = nn.Linear(2, 2)
+    out = fold.autobatch(lambda x, k: (lin(x), k), [torch.randn(2)] * 3, [1, 2, 3])
+    assert torch.equal(out[1], torch.tensor([1, 2, 3]))
+
+
+def test_per_sample_mnist_loss():
+    model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 4))
+    x, y = torch.randn(6, 12), torch.randint(0, 4, (6,))
+    assert_same(lambda a, b: F.cross_entropy(model(a), b), list(model.parameters()), x, y)
+    op_modes = {op.name: op.mode for op in _OPS.values() if op.fn in (model, F.cross_entropy)}
+    assert op_modes == {"Sequential call": "direct", "F.cross_entropy": "direct"}
+
+
+def test_cross_entropy_ignored_target_is_nan_as_eager():
+    lin = nn.Linear(3, 4)
+    x, y = torch.randn(3, 3), torch.tensor([1, -100, 2])
+    got = fold.autobatch(lambda a, b: F.cross_entropy(lin(a), b), x, y)
+    want = torch.stack([F.cross_entropy(lin(a), b) for a, b in zip(x, y)])
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got[1].isnan()
+
+
+def test_batch_module_call_per_example():
+    from fold.batched_ops import BatchModule
+
+    bm = BatchModule(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)), batch=3)
+    xs = [torch.randn(3, 2, 4) for _ in range(5)]
+    out = assert_same(lambda x: bm(x).square(), list(bm.parameters()), xs)
+    assert out.shape == (5, 3, 2, 2)
+    assert any(op.fn is bm and op.mode == "model-batched" for op in _OPS.values())
+
+
+def test_batchable_outside_autobatch_is_plain_eager():
+    @fold.batchable
+    def per_example(x):
+        return torch.cat([x, x])
+
+    @fold.batchable(batched=True)
+    def batched(x, items):
+        return x * 2 + items.sum()
+
+    x = torch.randn(3)
+    torch.testing.assert_close(per_example(x), torch.cat([x, x]))
+    items = [torch.randn(3), torch.randn(3)]
+    torch.testing.assert_close(batched(x, items), x * 2 + items[0] + items[1])
+    torch.testing.assert_close(batched(x, []), x * 2)
+
+
+def test_batched_function_calling_a_batched_function_in_a_group():
+    @fold.batchable(batched=True)
+    def inner(x):
+        return x * 3
+
+    @fold.batchable(batched=True)
+    def outer(x):
+        return inner(x) + 1  # runs on the group's batch as it is
+
+    lin = nn.Linear(2, 2)
+    xs = [torch.randn(2) for _ in range(4)]
+    assert_same(lambda x: outer(lin(x)), list(lin.parameters()), xs)
+
+
+# ---------------------------------------------------------------------------- random programs
+UNARY = [torch.tanh, torch.sigmoid, lambda x: x * 0.5, lambda x: -x, torch.relu, torch.exp]
+
+
+@st.composite
+def programs(draw):
+    """A random per-example program: a list of steps over a growing pool of values, each
+    step an op of the menu on values of the pool; examples draw their own lengths."""
+    steps = draw(
+        st.lists(
+            st.tuples(st.integers(0, 9), st.integers(0, 1000), st.integers(0, 1000)),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    lengths = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
+    return steps, lengths
+
+
+class Menu(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.w = nn.Parameter(torch.randn(width, width) / width)
+
+    @fold.batchable
+    def mix(self, a, b):
+        return torch.stack([a, b]).mean(0) @ self.w
+
+    def run(self, steps, x):
+        pool = [self.lin(x)]
+        for kind, i, j in steps:
+            a, b = pool[i % len(pool)], pool[j % len(pool)]
+            if kind <= 1:
+                v = UNARY[(i + j) % len(UNARY)](a)
+            elif kind == 2:
+                v = a * b + 1
+            elif kind == 3:
+                v = self.lin(a)
+            elif kind == 4:
+                v = torch.cat([a, b]).view(2, -1).sum(0)  # under vmap (view)
+            elif kind == 5:
+                v = F.softmax(a, -1) + a[0]
+            elif kind == 6:
+                v = self.mix(a, b)
+            elif kind == 7:
+                p, q = a.chunk(2)
+                v = torch.cat([q, p])
+            elif kind == 8:
+                v = a @ self.w + b.sum()
+            else:
+                v = torch.where(a > 0, a, b)
+            pool.append(v)
+        return pool[-1], pool[len(pool) // 2]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_match_eager(program):
+    steps, lengths = program
+    torch.manual_seed(0)
+    menu = Menu(4)
+    # Per example a different program length: examples differ in structure.
+    examples = [(steps[: max(1, len(steps) - k)], torch.randn(4)) for k in lengths]
+    assert_same(lambda s, x: menu.run(s, x), list(menu.parameters()), *zip(*examples))
+
+
+# ---------------------------------------------------------------------------- errors
+def lazy_of(x):
+    return torch.tanh(nn.Linear(3, 3)(x))
+
+
+@pytest.mark.parametrize(
+    "read, what",
+    [
+        (lambda y: bool(y.sum() > 0), "bool()"),
+        (lambda y: y.sum().item(), ".item()"),
+        (lambda y: float(y.sum()), "float()"),
+        (lambda y: int(y[0]), "int()"),
+        (lambda y: y.tolist(), ".tolist()"),
+        (lambda y: y.numpy(), ".numpy()"),
+    ],
+)
+def test_reading_a_lazy_value_is_a_fold_error(read, what):
+    def fn(x, i):  # example 1 reads
+        y = lazy_of(x)
+        return read(y) if i == 1 else y
+
+    with pytest.raises(fold.FoldError, match=r"example 1: " + re.escape(what)) as e:
+        fold.autobatch(fn, [torch.randn(3)] * 2, [0, 1])
+    assert "Fix:" in str(e.value)
+
+
+def test_in_place_on_a_lazy_value_is_a_fold_error():
+    def fn(x):
+        y = lazy_of(x)
+        y.add_(1)
+        return y
+
+    with pytest.raises(fold.FoldError, match=r"in-place \.add_\(\)"):
+        fold.autobatch(fn, [torch.randn(3)])
+    with pytest.raises(fold.FoldError, match="in-place __setitem__"):
+        fold.autobatch(lambda x: lazy_of(x).__setitem__(0, 1.0), [torch.randn(3)])
+
+
+def test_error_inside_a_batched_call_names_the_source_line():
+    @fold.batchable
+    def reads(x):
+        return x * x.sum().item()  # fine on one example, not under vmap
+
+    lin = nn.Linear(3, 3)
+    with pytest.raises(fold.FoldError, match=r"test_autobatch\.py:\d+: .*reads\(lin\(x\)\)"):
+        fold.autobatch(lambda x: reads(lin(x)), [torch.randn(3), torch.randn(3)])
+
+
+def test_shape_error_while_recording_names_the_line():
+    lin = nn.Linear(3, 3)
+    with pytest.raises(fold.FoldError, match=r"torch\.cat at .*test_autobatch\.py:\d+.*fails"):
+        fold.autobatch(lambda x: torch.cat([lin(x), torch.ones(2, 2)]), [torch.randn(3)])
+
+
+def test_structure_mismatch_and_empty_input():
+    lin = nn.Linear(2, 2)
+    with pytest.raises(fold.FoldError, match="same structure"):
+        fold.autobatch(lambda x, k: (lin(x),) * k, [torch.randn(2)] * 2, [1, 2])
+    with pytest.raises(fold.FoldError, match="no examples"):
+        fold.autobatch(lambda x: lin(x), [])
+
+
+def test_lazy_values_do_not_escape():
+    lin = nn.Linear(2, 2)
+    kept = []
+    fold.autobatch(lambda x: kept.append(lin(x)) or lin(x), [torch.randn(2)])
+    assert isinstance(kept[0], Lazy)
+    with pytest.raises(fold.FoldError, match="outside the function autobatch runs"):
+        torch.tanh(kept[0])
+    with pytest.raises(fold.FoldError, match="inside a function autobatch is running"):
+        fold.autobatch(lambda x: fold.autobatch(lin, [x]), [torch.randn(2)])
+
+
+def test_list_elements_must_agree_for_a_batched_function():
+    @fold.batchable(batched=True)
+    def total(items):
+        return items.sum()
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 3)
+    with pytest.raises(fold.FoldError, match="element 1 of a list"):
+        fold.autobatch(lambda x: total([a(x), b(x)]), [torch.randn(2)])
+
+
+def test_lazy_metadata_is_known_while_recording():
+    lin = nn.Linear(3, 5)
+    seen = []
+
+    def fn(x):
+        y = lin(x)
+        seen.append((y.shape, y.dtype, y.dim(), y.size(0), len(y), y.ndim))
+        return torch.stack([*y])  # iteration unbinds
+
+    fold.autobatch(fn, [torch.randn(3)])
+    assert seen == [(torch.Size([5]), torch.float64, 1, 5, 5, 1)]
