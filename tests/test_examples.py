@@ -191,3 +191,38 @@ def test_gnn_example_learns() -> None:
     last = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
     assert last > max(first, 50.0) + 25, out
     assert re.search(r"eager \d+ graphs/s, fold \d+ graphs/s", out)
+
+
+def test_autobatch_tree_lstm_example_learns() -> None:
+    out = run(
+        "examples/autobatch_tree_lstm.py",
+        "--epochs",
+        "2",
+        "--train-size",
+        "800",
+        "--speed-trees",
+        "25",
+        "--hidden",
+        "32",
+        "--lr",
+        "0.01",
+    )
+    accs = [float(a) for a in re.findall(r"dev accuracy ([\d.]+)%", out)]
+    assert accs[-1] > accs[0] + 10 and accs[-1] > 60, out
+    assert re.search(r"eager \d+ trees/s, autobatch \d+ trees/s", out)
+
+
+def test_autobatch_mnist_example_learns(tmp_path: Path) -> None:
+    write_fake_mnist(tmp_path)
+    out = run(
+        "examples/autobatch_mnist.py",
+        "--data",
+        str(tmp_path),
+        "--epochs",
+        "3",
+        "--speed-steps",
+        "2",
+    )
+    acc = float(re.findall(r"test accuracy ([\d.]+)%", out)[-1])
+    assert acc > 50, out
+    assert "autobatch / batched" in out
