@@ -9,6 +9,7 @@
   explicit fold of ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
 - Per-sample MNIST MLP training step written as a plain per-example loss, autobatch against
   the plain batched step.
+- Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
 - Recording cost per lazy op, at growing graph sizes (it must stay linear).
 
 Every variant is checked against eager per example (values and gradients, float64) first.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -137,6 +139,66 @@ def tree_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+def phase_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Where the time goes: recording, apply and backward, autobatch against explicit fold
+    (medians of --reps runs), and the user's own tree walk with torch.tensor per leaf."""
+    from fold.lazy import _stack, record_examples
+
+    rng = random.Random(0)
+    trees = [random_tree(rng, rng.randint(5, 35), args.vocab) for _ in range(args.trees)]
+    rows = []
+    for hidden in args.hidden:
+        torch.manual_seed(0)
+        model = TreeLSTM(args.vocab, hidden)
+        cells = BatchableCells(model)
+        t: dict[str, list[float]] = {k: [] for k in ("record", "apply", "backward")}
+        e: dict[str, list[float]] = {k: [] for k in ("record", "apply", "backward")}
+        walk: list[float] = []
+
+        def plain(tree: Tree) -> torch.Tensor:
+            if tree.left is None:
+                return torch.tensor(tree.word)
+            plain(tree.left)
+            return plain(tree.right)
+
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            rec, results, _ = record_examples(lambda tr, c=cells: encode(c, tr)[0], trees)
+            t1 = time.perf_counter()
+            (out,) = _stack(rec, results)
+            t2 = time.perf_counter()
+            out.sum().backward()
+            t3 = time.perf_counter()
+            f = fold.Fold()
+            roots = [record_tree(f, tr) for tr in trees]
+            t4 = time.perf_counter()
+            (ref,) = f.apply(model, [roots])
+            t5 = time.perf_counter()
+            ref.sum().backward()
+            t6 = time.perf_counter()
+            for tr in trees:
+                plain(tr)
+            t7 = time.perf_counter()
+            for d, a, b, c in ((t, t1 - t0, t2 - t1, t3 - t2), (e, t4 - t3, t5 - t4, t6 - t5)):
+                d["record"].append(a)
+                d["apply"].append(b)
+                d["backward"].append(c)
+            walk.append(t7 - t6)
+        for name, d in (("autobatch", t), ("explicit fold", e)):
+            rows.append(
+                {"hidden": hidden, "method": name}
+                | {f"{k}_ms": 1e3 * median(v) for k, v in d.items()}
+            )
+        rows.append(
+            {
+                "hidden": hidden,
+                "method": "tree walk + torch.tensor",
+                "record_ms": 1e3 * median(walk),
+            }
+        )
+    return rows
+
+
 def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -224,11 +286,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--eager-reps", type=int, default=3)
     ap.add_argument("--mnist-batch", type=int, default=32)
-    ap.add_argument("--only", choices=["trees", "mnist", "recording"], nargs="+")
+    ap.add_argument("--only", choices=["trees", "phases", "mnist", "recording"], nargs="+")
     args = ap.parse_args()
     setup(args)
     out: dict = {"args": vars(args)}
-    parts = args.only or ["trees", "mnist", "recording"]
+    parts = args.only or ["trees", "phases", "mnist", "recording"]
     if "trees" in parts:
         out["trees"] = tree_rows(args)
         print(f"TreeLSTM, {args.trees} trees, forward+backward, {args.threads} thread(s)")
@@ -237,6 +299,11 @@ def main() -> None:
                 out["trees"], ["hidden", "method", "median_ms", "vs_fold", "eager_speedup", "reps"]
             )
         )
+    if "phases" in parts:
+        out["phases"] = phase_rows(args)
+        print("\nTreeLSTM phases (medians), autobatch with @fold.batchable cells")
+        cols = ["hidden", "method", "record_ms", "apply_ms", "backward_ms"]
+        print(table(out["phases"], cols))
     if "mnist" in parts:
         out["mnist"] = mnist_rows(args)
         print(f"\nPer-sample MNIST MLP, {args.mnist_batch} samples, one training step")
