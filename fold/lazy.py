@@ -829,10 +829,6 @@ class _Recorder:
                 op.mode = _VMAP
         elif kind == _BATCHED:
             op.mode = _BATCHED
-        if any(s.ragged for s in _slots((args, kwargs))) and op.mode is not _BATCHED:
-            raise FoldError(  # pragma: no cover  (lists become Ragged only for batched fns)
-                f"autobatch: {op.__qualname__}: a list argument needs @fold.batchable(batched=True)."
-            )
         return op
 
     def _template(self, p: Any, counter: list[int], shared: Any) -> Any:
@@ -945,10 +941,6 @@ class _Recorder:
                 op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
             )
             return op.per_example(*values)
-
-    # -------------------------------------------------------------- modules
-    def module_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.record(module, "module", args, kwargs)
 
 
 def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
