@@ -18,7 +18,6 @@ Runs are interleaved, one process, medians; ratios are of medians.
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,10 +28,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
+from tree_lstm import fold_forward, make_trees  # noqa: E402
 
 import fold  # noqa: E402
 from fold.models import TreeLSTM, record_tree  # noqa: E402
-from fold.treebank import Tree, random_tree  # noqa: E402
+from fold.treebank import Tree  # noqa: E402
 
 
 class Cells(nn.Module):
@@ -70,12 +70,6 @@ def autobatch_roots(cells: Cells, trees: list[Tree]) -> torch.Tensor:
     return fold.autobatch(lambda t: encode(cells, t)[0], trees)
 
 
-def fold_roots(model: TreeLSTM, trees: list[Tree]) -> torch.Tensor:
-    f = fold.Fold()
-    roots = [record_tree(f, t) for t in trees]
-    return f.apply(model, [roots])[0]
-
-
 def eager_roots(cells: Cells, trees: list[Tree]) -> torch.Tensor:
     return torch.stack([encode(cells, t)[0] for t in trees])
 
@@ -98,13 +92,12 @@ def check(model: TreeLSTM, trees: list[Tree], variants: dict) -> None:
 TREE_VARIANTS = {
     "autobatch": lambda m, t: autobatch_roots(BatchableCells(m), t),
     "autobatch, no annotation": lambda m, t: autobatch_roots(Cells(m), t),
-    "explicit fold": fold_roots,
+    "explicit fold": fold_forward,
 }
 
 
 def tree_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
-    rng = random.Random(0)
-    trees = [random_tree(rng, rng.randint(5, 35), args.vocab) for _ in range(args.trees)]
+    trees = make_trees(args.trees, 5, 35, args.vocab)
     rows = []
     for hidden in args.hidden:
         torch.manual_seed(0)
@@ -144,8 +137,7 @@ def phase_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     (medians of --reps runs), and the user's own tree walk with torch.tensor per leaf."""
     from fold.lazy import _stack, record_examples
 
-    rng = random.Random(0)
-    trees = [random_tree(rng, rng.randint(5, 35), args.vocab) for _ in range(args.trees)]
+    trees = make_trees(args.trees, 5, 35, args.vocab)
     rows = []
     for hidden in args.hidden:
         torch.manual_seed(0)

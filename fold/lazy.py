@@ -154,26 +154,25 @@ def _fill(t: Any, values: Any) -> Any:
     return t
 
 
-def _slots(t: Any) -> list[_Slot]:
-    tt = type(t)
-    if tt is _Slot:
+def _leaves(t: Any, kind: type) -> list[Any]:
+    """The values of type ``kind`` in a template, its containers walked in order."""
+    if isinstance(t, kind):
         return [t]
-    if tt is tuple or tt is list or tt is torch.Size:
-        return [s for x in t for s in _slots(x)]
-    if tt is dict:
-        return [s for v in t.values() for s in _slots(v)]
+    if type(t) in (tuple, list, torch.Size):
+        return [s for x in t for s in _leaves(x, kind)]
+    if type(t) is dict:
+        return [s for v in t.values() for s in _leaves(v, kind)]
     return []
+
+
+def _slots(t: Any) -> list[_Slot]:
+    """The batched arguments' slots in a template."""
+    return _leaves(t, _Slot)
 
 
 def _tensors(t: Any) -> list[torch.Tensor]:
     """The shared tensors in a template."""
-    if isinstance(t, torch.Tensor):
-        return [t]
-    if type(t) in (tuple, list, torch.Size):
-        return [s for x in t for s in _tensors(x)]
-    if type(t) is dict:
-        return [s for v in t.values() for s in _tensors(v)]
-    return []
+    return _leaves(t, torch.Tensor)
 
 
 # ---------------------------------------------------------------------------- modes
