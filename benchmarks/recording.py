@@ -11,6 +11,7 @@ per node up to 16 arguments.  Writes ``recording.json``.
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import time
@@ -25,8 +26,8 @@ import fold  # noqa: E402
 def per_node(k: int, nodes: int, as_list: bool, reps: int) -> float:
     rng = random.Random(k)
     picks = [[rng.randrange(64 + i) for _ in range(k)] for i in range(nodes)]
-    times = []
-    for _ in range(reps):
+
+    def record() -> float:
         f = fold.Fold()
         made = [f.add("leaf", i) for i in range(64)]
         add = f.add
@@ -34,16 +35,23 @@ def per_node(k: int, nodes: int, as_list: bool, reps: int) -> float:
         for p in picks:
             args = [made[j] for j in p]
             made.append(add("op", args) if as_list else add("op", *args))
-        times.append(time.perf_counter() - t0)
-    # The argument lists' own cost, measured alone and subtracted: what remains is fold's.
-    base = []
-    for _ in range(reps):
+        return time.perf_counter() - t0
+
+    def build() -> float:  # the argument lists alone: subtracted, what remains is fold's
         made = list(range(64 + nodes))
         t0 = time.perf_counter()
         for p in picks:
             args = [made[j] for j in p]
             made.append(args)
-        base.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    # Interleaved, each after a collection: a full collection inside one timing (20k
+    # tracked objects are made) would otherwise land on whichever run it hits.
+    times, base = [], []
+    for _ in range(reps):
+        for fn, out in ((record, times), (build, base)):
+            gc.collect()
+            out.append(fn())
     return 1e6 * (median(times) - median(base)) / nodes
 
 

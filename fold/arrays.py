@@ -27,9 +27,12 @@ from fold._encoding import (
     decode,
     depth_of,
     is_tensor_kind,
+    key_rows,
     list_handles,
     list_lengths,
     node_id,
+    packed,
+    packed_matrix,
 )
 from fold.errors import FoldError, op_name
 
@@ -158,12 +161,14 @@ class GraphArrays:
         """The recorded arguments of signature ``sid``'s nodes, in node order; node arguments
         as plain-int handles, literal tensors as themselves."""
         rows = self._targs[sid]
-        return list(self._memos[sid]) if rows is None else rows
+        return key_rows(self._memos[sid], self.signatures[sid][1]) if rows is None else rows
 
     def first_row(self, sid: int) -> tuple[Any, ...]:
         """The recorded arguments of signature ``sid``'s first node."""
         rows = self._targs[sid]
-        return next(iter(self._memos[sid])) if rows is None else rows[0]
+        if rows is None:
+            return key_rows([next(iter(self._memos[sid]))], self.signatures[sid][1])[0]
+        return rows[0]
 
     def op_of(self, nid: int) -> Any:
         """The op recorded as node ``nid``."""
@@ -275,14 +280,14 @@ class GraphArrays:
         entry = self._columns[sid]
         if entry is None:
             op, kinds = self.signatures[sid]
-            rows = self.rows(sid)
             node_js = [j for j, k in enumerate(kinds) if k == NODE]
-            if node_js and len(node_js) == len(kinds):  # node arguments only: one conversion
-                hmat = handles_array(itertools.chain.from_iterable(rows)).reshape(
-                    len(rows), len(kinds)
-                )
+            if packed(kinds):  # node arguments only: one buffer
+                hmat = packed_matrix(self._memos[sid], len(kinds))
                 entry = ([None] * len(kinds), node_js, hmat, np.stack(decode(hmat)))
-            elif node_js and all(k == INT for k in kinds if k != NODE):
+                self._columns[sid] = entry
+                return entry
+            rows = self.rows(sid)
+            if node_js and all(k == INT for k in kinds if k != NODE):
                 # Nodes and ints (an RNN step(h, word)): one int64 conversion for all of them.
                 try:
                     flat = np.frombuffer(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,8 +37,10 @@ from fold._encoding import (
     depth_of,
     float_key,
     is_tensor_kind,
+    key_rows,
     list_handles,
     node_id,
+    packed,
     split_code,
 )
 from fold.arrays import GraphArrays
@@ -88,8 +91,8 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     parts = [f"key[{i}]" for i in nodes] + [f"max({names[i]}, default=-1)" for i in lists]
     if not parts:
         depth = "0"
-    elif len(nodes) == k:  # node arguments only: the deepest is the max of the key
-        depth = DEPTH_AFTER.format("max(key)" if k > 1 else "key[0]")
+    elif len(nodes) == k:  # node arguments only
+        depth = DEPTH_AFTER.format(f"max({', '.join(names)})" if k > 1 else names[0])
     else:
         depth = DEPTH_AFTER.format(f"max({', '.join(parts)})" if len(parts) > 1 else parts[0])
     if tensors:  # the signature depends on the tensors' shapes: found per call by shape
@@ -100,8 +103,12 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
             f"    e = new_sig(({', '.join(tensors)},))",
             "memo, targs = e",
         ]
-    tup = "(" + ", ".join(keys) + ("," if k == 1 else "") + ")"
-    lines += [f"key = {tup}", "h = memo.get(key)", "if h is None:"]
+    if packed(kinds):  # one bytes object (see fold._encoding.packed)
+        args = ", ".join(names)
+        lines += ["try:", f"    key = pack({args})", "except Exception:", f"    deep({args})"]
+    else:
+        lines.append("key = (" + ", ".join(keys) + ("," if k == 1 else "") + ")")
+    lines += ["h = memo.get(key)", "if h is None:"]
     lines.append(f"    h = memo[key] = {depth} | next(ids) << {ID_SHIFT}")
     if tensors:
         lines.append("    targs.append((" + ", ".join(vals) + ("," if k == 1 else "") + "))")
@@ -113,18 +120,19 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
         lines += ["b = h | code", f"return tuple([T(b | j) for j in range({outputs})])"]
     checks = " and ".join([f"type({a}) is t{i}" for i, a in enumerate(names)] + ["not rest"])
     params = "".join(f"{a}=_MISSING, " for a in names)
-    packed = "(" + ", ".join(names) + ("," if k == 1 else "") + ")"
+    given = "(" + ", ".join(names) + ("," if k == 1 else "") + ")"
     body = "\n".join("            " + line for line in lines)
     free = ["_MISSING", "ids", "T", "code", "generic", "fk"]
     free += [f"t{i}" for i in range(k)] + [f"n{i}" for i, ex in enumerate(exact) if not ex]
     free += [f"l{i}" for i in lists]
     free += ["sigs", "new_sig"] if tensors else ["memo"]
+    free += ["pack", "deep"] if packed(kinds) else []
     return (
         f"def make({', '.join(free)}):\n"
         f"    def record({params}*rest):\n"
         f"        if {checks}:\n"
         f"{body}\n"
-        f"        return generic(*[a for a in {packed} if a is not _MISSING], *rest)\n"
+        f"        return generic(*[a for a in {given} if a is not _MISSING], *rest)\n"
         f"    return record\n"
     )
 
@@ -319,6 +327,8 @@ class Fold:
         code = 0 if outputs is None else split_code(outputs)
         checks = tuple(self._list_key(op, i) for i, k in enumerate(kinds) if k == LIST)
         # The state, in the order of make's parameters (see _recorder_source).
+        if packed(kinds):
+            tail += (struct.Struct(f"{len(kinds)}q").pack, _too_deep)
         fn = make(_MISSING, self._ids, T, code, generic, float_key, *types, *convs, *checks, *tail)
         fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
@@ -450,7 +460,9 @@ class Fold:
             handles = [0] * n
             for sid, memo in enumerate(self._memos):
                 rows = self._targs[sid]
-                for a, h in zip(memo if rows is None else rows, memo.values()):
+                if rows is None:
+                    rows = key_rows(memo, self.signatures[sid][1])
+                for a, h in zip(rows, memo.values()):
                     nid = node_id(h)
                     args[nid] = a
                     sig[nid] = sid
@@ -558,6 +570,14 @@ class Fold:
         Needs matplotlib (``pip install torch-fold[draw]``).
         """
         _inspect.draw(self, path)
+
+
+def _too_deep(*args: Any) -> None:
+    """Raised for node handles that do not fit a packed memo key (int64)."""
+    raise FoldError(
+        "Fold.add: the graph is deeper than int64 handles can describe (about 500k steps). "
+        "Fix: split the computation into several Folds."
+    )
 
 
 def _no_recorder() -> None:
