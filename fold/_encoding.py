@@ -54,6 +54,7 @@ __all__ = [
     "NSPLIT_SHIFT",
     "OUT_MASK",
     "KEY_SOURCE",
+    "LIST_INLINE",
     "NUMBER_DTYPES",
     "SCALAR_KINDS",
     "TENSOR",
@@ -95,8 +96,9 @@ SCALAR_KINDS: dict[type, int] = {int: INT, float: FLOAT, bool: BOOL}
 # numbers) are converted by ``convert`` first.  A list of nodes (a variable-length argument,
 # received by the op as a ``fold.Ragged``) is kept as the bytes of its int64 handles (see
 # ``list_handles``), its elements checked by the recorder's ``l{i}`` (this Fold's nodes, or
-# a FoldError): bytes are never tracked by the garbage collector, where a tuple nested in
-# the key tuple can leave the key tracked into the oldest generation.
+# a FoldError naming the element); recorders build it inline by ``LIST_INLINE`` and call
+# ``l{i}`` only where that fails.  Bytes are never tracked by the garbage collector, where a
+# tuple nested in the key tuple can leave the key tracked into the oldest generation.
 KEY_SOURCE = {
     NODE: "{a} | 0",
     LIST: "l{i}({a})",
@@ -111,6 +113,7 @@ KEY_SOURCE = {
 # 1.0 us per node against 2.1), and the executor reads a whole signature as one buffer.
 
 
+LIST_INLINE = "q('q', {a}).tobytes() if nodes_only(map(type, {a})) else l{i}({a})"
 # The numpy dtype of a column of number arguments of each kind.
 NUMBER_DTYPES = {INT: np.int64, FLOAT: np.float64, BOOL: np.bool_}
 

@@ -28,6 +28,7 @@ from fold._encoding import (
     ID_SHIFT,
     KEY_SOURCE,
     LIST,
+    LIST_INLINE,
     MAX_SPLIT,
     NODE,
     SCALAR_KINDS,
@@ -72,7 +73,7 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     k = len(kinds)
     names = [f"a{i}" for i in range(k)]
     lines: list[str] = []
-    keys, vals, nodes, lists, tensors = [], [], [], [], []
+    keys, fast, vals, nodes, lists, tensors = [], [], [], [], [], []
     for i, (kind, ex) in enumerate(zip(kinds, exact)):
         a = names[i]
         if kind == TENSOR:
@@ -86,9 +87,12 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
             lists.append(i)
         # The key is built inline, in one tuple display: no local per argument.
         keys.append(KEY_SOURCE[kind].format(a=a, i=i) if ex else f"n{i}({a})")
+        fast.append(LIST_INLINE.format(a=a, i=i) if kind == LIST else keys[-1])
     # Depth: one step after the deepest node argument or list element (an empty list adds
     # nothing: DEPTH_AFTER of -1 is 0).
-    parts = [f"key[{i}]" for i in nodes] + [f"max({names[i]}, default=-1)" for i in lists]
+    # (max's default= keyword costs more than the test of an empty list.)
+    parts = [f"key[{i}]" for i in nodes]
+    parts += [f"(max({names[i]}) if {names[i]} else -1)" for i in lists]
     if not parts:
         depth = "0"
     elif len(nodes) == k:  # node arguments only
@@ -103,11 +107,17 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
             f"    e = new_sig(({', '.join(tensors)},))",
             "memo, targs = e",
         ]
+    # The key: built the fast way; where that raises (an element that is no node of this
+    # Fold, a handle beyond int64), the checked way, which raises a FoldError.
+    comma = "," if k == 1 else ""
     if packed(kinds):  # one bytes object (see fold._encoding.packed)
-        args = ", ".join(names)
-        lines += ["try:", f"    key = pack({args})", "except Exception:", f"    deep({args})"]
+        key, checked = f"pack({', '.join(names)})", f"deep({', '.join(names)})"
     else:
-        lines.append("key = (" + ", ".join(keys) + ("," if k == 1 else "") + ")")
+        key, checked = f"({', '.join(fast)}{comma})", f"({', '.join(keys)}{comma})"
+    if key == checked:
+        lines.append(f"key = {key}")
+    else:
+        lines += ["try:", f"    key = {key}", "except Exception:", f"    key = {checked}"]
     lines += ["h = memo.get(key)", "if h is None:"]
     lines.append(f"    h = memo[key] = {depth} | next(ids) << {ID_SHIFT}")
     if tensors:
@@ -124,7 +134,7 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     body = "\n".join("            " + line for line in lines)
     free = ["_MISSING", "ids", "T", "code", "generic", "fk"]
     free += [f"t{i}" for i in range(k)] + [f"n{i}" for i, ex in enumerate(exact) if not ex]
-    free += [f"l{i}" for i in lists]
+    free += [f"l{i}" for i in lists] + (["nodes_only", "q"] if lists else [])
     free += ["sigs", "new_sig"] if tensors else ["memo"]
     free += ["pack", "deep"] if packed(kinds) else []
     return (
@@ -325,7 +335,11 @@ class Fold:
         else:
             tail = (self._memos[self._signature(op, tuple(kinds))],)
         code = 0 if outputs is None else split_code(outputs)
-        checks = tuple(self._list_key(op, i) for i, k in enumerate(kinds) if k == LIST)
+        checks: tuple[Any, ...] = tuple(
+            self._list_key(op, i) for i, k in enumerate(kinds) if k == LIST
+        )
+        if checks:  # the inline list key's type test and array constructor
+            checks += (frozenset((T,)).issuperset, array.array)
         # The state, in the order of make's parameters (see _recorder_source).
         if packed(kinds):
             tail += (struct.Struct(f"{len(kinds)}q").pack, _too_deep)

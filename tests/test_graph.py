@@ -271,10 +271,28 @@ def test_the_graph_keeps_plain_ints_not_node_objects() -> None:
     f.add("mix", a, b)  # add
     f.add("mix", a, 2)  # add, mixed kinds
     f.add("image", torch.ones(1, 2), a)  # literal tensor with a node argument
-    kept = [k for memo in f._memos for key in memo for k in key]
+    keys = [key for memo in f._memos for key in memo]
+    packed = [key for key in keys if type(key) is bytes]  # node arguments only: int64 bytes
+    kept = [k for key in keys if type(key) is tuple for k in key]
     kept += [k for targs in f._targs if targs for args in targs for k in args]
-    assert roots and kept
+    assert roots and kept and packed
     assert not [k for k in kept if isinstance(k, fold.Node)]
+    assert len(keys) == len(packed) + sum(type(key) is tuple for key in keys)
+
+
+def test_handles_beyond_int64_are_a_fold_error_when_recorded() -> None:
+    """Packed memo keys and list keys hold int64 handles: a graph too deep for them (about
+    500k steps) is refused where it is recorded, never cut short."""
+    f = fold.Fold()
+    x = f.add("leaf", 1)
+    deep = type(x)(1 << 63)  # the handle of a node half a million steps deep
+    for record in (lambda: f.add("pair", x, deep), lambda: f.add("pool", [x, deep])):
+        with pytest.raises(fold.FoldError, match="deeper than int64"):
+            record()
+    rec = f.op("pair")
+    rec(x, x)  # the specialised recorder: the same check
+    with pytest.raises(fold.FoldError, match="deeper than int64"):
+        rec(deep, x)
 
 
 def test_a_recorder_kept_by_the_caller_reaches_its_specialised_version(monkeypatch) -> None:
