@@ -442,6 +442,9 @@ def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, A
         m = metas[0]
         return lambda node, rec: Lazy(node, m, rec)
     if treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
+        if len(metas) == 2:  # an LSTM cell's (h, c): unrolled
+            m0, m1 = metas
+            return lambda nodes, rec: (Lazy(nodes[0], m0, rec), Lazy(nodes[1], m1, rec))
         return lambda nodes, rec: tuple([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
     return lambda nodes, rec: pytree.tree_unflatten(
         [Lazy(h, m, rec) for h, m in zip(nodes, metas)], treedef
@@ -682,6 +685,47 @@ for _name in dir(torch.Tensor):
 
 
 # ---------------------------------------------------------------------------- recording
+_MISS = object()
+
+
+def _fast_source(k: int) -> str:
+    """A fast recorder for calls of ``k`` positional arguments, every one a lazy value of
+    the recorder but the first, which may be a module (a batchable method's ``self``, or a
+    module's submodule): the op key is the function, the kind, the module and the lazy
+    values' metas, looked up in the recorder's ``_fast`` table, filled by ``record``'s slow
+    path; ``_MISS`` where the call does not fit or the key is new."""
+    names = [f"a{i}" for i in range(k)]
+    lazy = " and ".join(f"type({a}) is Lazy and {a}.rec is rec" for a in names[1:]) or "True"
+    metas = "".join(f", {a}.meta" for a in names[1:])
+    nodes = ", ".join(f"{a}.node" for a in names[1:])
+    return (
+        "def make(Lazy, Module, MISS):\n"
+        "    def fast(rec, fn, kind, args):\n"
+        f"        {', '.join(names)}, = args\n"
+        f"        if {lazy}:\n"
+        "            if type(a0) is Lazy and a0.rec is rec:\n"
+        f"                e = rec._fast.get((fn, kind, a0.meta{metas}))\n"
+        "                if e is not None:\n"
+        f"                    return e(a0.node{', ' if nodes else ''}{nodes})\n"
+        "            elif isinstance(a0, Module):\n"
+        f"                e = rec._fast.get((fn, kind, a0{metas}))\n"
+        "                if e is not None:\n"
+        f"                    return e({nodes})\n"
+        "        return MISS\n"
+        "    return fast\n"
+    )
+
+
+def _make_fast(k: int) -> Callable[..., Any]:
+    env: dict[str, Any] = {}
+    exec(compile(_fast_source(k), f"<autobatch fast recorder {k}>", "exec"), env)
+    return env["make"](Lazy, nn.Module, _MISS)
+
+
+def _emitter(r: Callable[..., Any], wrap: Callable[[Any, Any], Any], rec: Any) -> Any:
+    return lambda *nodes: wrap(r(*nodes), rec)
+
+
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
@@ -691,18 +735,30 @@ class _Recorder:
         self.paused = False
         self.device: torch.device | None = None
         self._recorders: dict[_Op, Callable[..., Any]] = {}
+        # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
+        self._fast: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Record ``fn(*args, **kwargs)``: look its op up by key (made on first sight), add
-        the node, and return its outputs as Lazy values.  The recording hot path."""
+        the node, and return its outputs as Lazy values.  The recording hot path: a call
+        seen before whose arguments are all lazy values (a method's module first, perhaps)
+        goes through ``_fast``; others build their key here."""
+        if not kwargs:
+            fast = _FAST.get(len(args))
+            if fast is not None:
+                out = fast(self, fn, kind, args)
+                if out is not _MISS:
+                    return out
         fargs: list[Any] = []
         shared: list[torch.Tensor] = []
         parts: list[Any] = [fn, kind]
         append = parts.append
+        lazies = 0
         for a in args:
             if type(a) is Lazy and a.rec is self:
                 fargs.append(a.node)
                 append(a.meta)
+                lazies += 1
             else:
                 append(self._part(a, fargs, shared, kind is _BATCHED))
         if kwargs:
@@ -722,9 +778,26 @@ class _Recorder:
         if op is None:
             op = _OPS[key] = self._new_op(key, len(args), fn, kind, shared)
         r = self._recorders.get(op)
-        if r is None:
-            r = self._recorders[op] = self.fold.op(op, None if op.single else len(op.outs))
-        return op.wrap(r(*fargs), self)
+        if r is None:  # the first call specialises Fold.op's recorder: keep that one
+            outputs = None if op.single else len(op.outs)
+            nodes = self.fold.op(op, outputs)(*fargs)
+            r = self._recorders[op] = self.fold.op(op, outputs)
+            out = op.wrap(nodes, self)
+        else:
+            out = op.wrap(r(*fargs), self)
+        k = len(args)
+        if (
+            k in _FAST
+            and not kwargs
+            and (
+                lazies == k
+                or (
+                    lazies == k - 1 and type(args[0]) is not Lazy and isinstance(args[0], nn.Module)
+                )
+            )
+        ):  # every argument lazy (but a module first): later calls take the fast path
+            self._fast[key] = _emitter(r, op.wrap, self)
+        return out
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":
@@ -751,20 +824,24 @@ class _Recorder:
         if t is float or t is bool:
             return (t, a)
         if isinstance(a, torch.Tensor):
-            if a.requires_grad and a.is_leaf:
+            grad = a.requires_grad
+            if grad and a.is_leaf:
                 shared.append(a)
                 return (_PARAM, id(a))
+            dtype, device = a.dtype, a.device
             if self.device is None:
-                self.device = a.device
+                self.device = device
             if (
-                not a.ndim
-                and (a.dtype in _NUMBER_DTYPES or a.dtype is torch.get_default_dtype())
-                and not a.requires_grad
+                not grad
+                and not a.ndim
+                and (dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype())
             ):
                 fargs.append(a.item())
             else:
                 fargs.append(a.unsqueeze(0))
-            return _meta(a.shape, a.dtype, a.device)
+            return _meta(a.shape, dtype, device)
+        if isinstance(a, nn.Module):  # hashable by identity: a module, a method's self
+            return a
         if t is tuple or t is list or t is torch.Size:
             if ragged and t is list and all(type(x) is Lazy for x in a):
                 return self._ragged(a, fargs)
@@ -940,6 +1017,9 @@ class _Recorder:
                 op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
             )
             return op.per_example(*values)
+
+
+_FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}
 
 
 def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -134,6 +134,38 @@ def test_batchable_records_one_node_per_call():
     assert f_nodes == [len(distinct)]
 
 
+def test_repeated_calls_take_the_fast_path_and_keep_shapes_apart():
+    """Calls of lazy arguments only (a module first, perhaps) seen before skip the key
+    building; the key still holds each argument's shape, so calls of one function on other
+    shapes are other ops, and a module or a lazy value first are told apart."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    @fold.batchable
+    def mix(a, b):  # its output's shape depends on both arguments' shapes
+        return torch.cat([a * b.sum(), b.mean() - b])
+
+    class Pair(nn.Module):
+        def forward(self, a, b):
+            return a - b.flip(0)
+
+    pair = Pair()
+
+    def fn(x, y):
+        s, t = lin(x), lin(y)  # lazy values of shape (3,)
+        wide = torch.cat([s, t])  # (6,)
+        out = [mix(s, t), mix(t, s), mix(wide, wide), mix(s, wide), pair(s, t), pair(wide, wide)]
+        out += [mix(mix(s, t), s), mix(wide, s)]
+        # Shapes come from each op's inferred outputs: a call given another op's shapes
+        # would report them here.
+        assert [tuple(o.shape) for o in out] == [(6,), (6,), (12,), (9,), (3,), (6,), (9,), (9,)]
+        return torch.cat(out)
+
+    xs, ys = torch.randn(5, 3), torch.randn(5, 3)
+    with_fast = assert_same(fn, list(lin.parameters()), xs, ys)
+    assert with_fast.shape == (5, 6 + 6 + 12 + 9 + 3 + 6 + 9 + 9)
+
+
 def test_fold_models_tree_lstm_with_batched_methods():
     """fold.models.TreeLSTM's batched ops, marked batched=True, from per-example code."""
     model = TreeLSTM(30, 5)
