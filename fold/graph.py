@@ -61,9 +61,10 @@ def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -
     type needs no conversion (a Node of this Fold, an ``int``/``float``/``bool``, a list, a
     tensor).  The
     function checks the argument types (anything else goes to ``generic``, which classifies
-    it or raises), builds the memo key (node handles as plain ints: a tuple of plain ints is
-    untracked by the garbage collector at its first collection, while one holding Nodes
-    would stay in the oldest generation and set off full collections of the heap; ``-0.0``
+    it or raises), builds the memo key (node handles as plain ints, or, where every argument
+    is a node, all of them packed into one bytes object: a tuple of plain ints is untracked
+    by the garbage collector at its first collection, while one holding Nodes would stay in
+    the oldest generation and set off full collections of the heap; ``-0.0``
     as its own key; a literal tensor as its id, the tensor itself kept in ``targs``), looks
     the node up, records it if new (depth: one step after the deepest node argument), and
     returns the handle, whole or split.  The source uses fixed templates and integer
