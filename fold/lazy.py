@@ -72,6 +72,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+from fold._encoding import float_key
 from fold.errors import FoldError, describe
 from fold.executor import ModelBatched
 from fold.graph import Fold
@@ -821,7 +822,9 @@ class _Recorder:
             return a.meta
         if t is int or t is str or a is None:
             return a
-        if t is float or t is bool:
+        if t is float:  # -0.0 keyed apart from 0.0 (1 / x tells them apart)
+            return (t, float_key(a))
+        if t is bool:
             return (t, a)
         if isinstance(a, torch.Tensor):
             grad = a.requires_grad
@@ -920,7 +923,9 @@ class _Recorder:
                 s = _Slot(counter[0], p[1], ragged=True)
                 counter[0] += 1
                 return s
-            if tag is float or tag is bool:
+            if tag is float:
+                return float(p[1])  # a plain float again (see fold._encoding.float_key)
+            if tag is bool:
                 return p[1]
             if tag is slice:
                 return slice(*p[1])

@@ -166,6 +166,23 @@ def test_repeated_calls_take_the_fast_path_and_keep_shapes_apart():
     assert with_fast.shape == (5, 6 + 6 + 12 + 9 + 3 + 6 + 9 + 9)
 
 
+def test_negative_zero_is_a_constant_of_its_own():
+    """``x * -0.0`` is not ``x * 0.0`` (the sign of each zero differs): the two calls must
+    not share an op key, or the second would be the first's node."""
+    lin = nn.Linear(2, 3)
+
+    def fn(x):
+        h = lin(x)
+        return h * 0.0, h * -0.0, 1 / (h * -0.0)
+
+    xs = torch.randn(4, 2)
+    got = fold.autobatch(fn, xs)
+    want = eager_stack(fn, xs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+        assert torch.equal(torch.signbit(g), torch.signbit(w))
+
+
 def test_fold_models_tree_lstm_with_batched_methods():
     """fold.models.TreeLSTM's batched ops, marked batched=True, from per-example code."""
     model = TreeLSTM(30, 5)
