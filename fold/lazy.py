@@ -54,6 +54,15 @@ How a call is recorded (the choices the contract leaves open):
 - Errors inside a batched call name the user's source line that first recorded that call.
 - Caches of ops and shapes live for the process (they hold the modules and parameters they
   name); :func:`clear_cache` empties them.
+- **Module calls.**  The first ``autobatch`` call makes ``nn.Module.__call__`` a wrapper that
+  records module calls while autobatch records and passes every other call through, and
+  leaves it installed (about 0.4 us more per module call outside autobatch).  Setting the
+  attribute invalidates the method caches of every ``nn.Module`` subclass, so swapping it in
+  and out around each call cost about 80 us per autobatch call.  :func:`clear_cache` puts
+  the original back.
+- **Examples from a tensor.**  A tensor passed as an iterable is split into its rows in one
+  call (as iterating it gives), and each row's batched form (its batch-of-one view, or the
+  Python number of a 0-dim row) is prepared with it, not per call.
 """
 
 from __future__ import annotations
@@ -128,6 +137,12 @@ _PARAM = "shared tensor"
 _RAGGED = "list of lazy values"
 _KW = "keywords"
 _NUMBER_DTYPES = (torch.long, torch.bool)
+
+
+def _as_number(dtype: torch.dtype) -> bool:
+    """Whether a 0-dim per-example tensor of ``dtype`` travels as a Python number (which
+    fold batches into a tensor of the same dtype)."""
+    return dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype()
 
 
 class _Slot:
@@ -462,13 +477,23 @@ class _OpFailed(Exception):
 
 
 _OPS: dict[Any, _Op] = {}
+# Keyword arguments that are constants only (numbers, strings, None), as F.cross_entropy's
+# defaults: (names, ids of the values) -> (the values, their key part), made once (see
+# _Recorder.record).
+_CONSTANTS = frozenset({int, float, bool, str, type(None)})
+_KW_PARTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_KW_PARTS_MAX = 4096
 
 
 def clear_cache() -> None:
     """Forget every recorded op signature and its inferred shapes (and the modules and
-    parameters they hold)."""
+    parameters they hold), and put back the ``nn.Module.__call__`` that autobatch's
+    pass-through wrapper replaced (see ``_install_module_call``)."""
     _OPS.clear()
     _METAS.clear()
+    _KW_PARTS.clear()
+    if nn.Module.__call__ is _recording_module_call:
+        nn.Module.__call__ = _INNER_CALL  # type: ignore[method-assign]
 
 
 def _source_line() -> str:
@@ -738,6 +763,31 @@ class _Recorder:
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
         self._fast: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
+        # iterates over, prepared in one call per tensor (see ``rows``).
+        self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
+
+    def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
+        gives, each prepared as a batched argument in one call for all: its batch-of-one view
+        (from ``t.split(1)``), or the Python number a 0-dim int, bool or default-dtype row
+        travels as.  ``_part`` takes a row from here while its version shows no in-place
+        change; it computes anything else (a row changed in place, a new tensor) itself."""
+        rows = t.unbind(0)
+        if not rows or t.requires_grad:  # rows that carry gradients: the general path
+            return rows
+        if self.device is None:
+            self.device = t.device
+        if t.ndim == 1 and _as_number(t.dtype):
+            values: Any = t.tolist()
+        else:
+            values = t.split(1)
+        meta = _meta(t.shape[1:], t.dtype, t.device)
+        version = t._version
+        table = self._rows
+        for row, value in zip(rows, values):
+            table[id(row)] = (row, version, value, meta)
+        return rows
 
     def record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Record ``fn(*args, **kwargs)``: look its op up by key (made on first sight), add
@@ -763,15 +813,20 @@ class _Recorder:
             else:
                 append(self._part(a, fargs, shared, kind is _BATCHED))
         if kwargs:
-            part = self._part
-            ragged = kind is _BATCHED
-            append(
-                (
-                    _KW,
-                    tuple(kwargs),
-                    tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
-                )
-            )
+            values = tuple(kwargs.values())
+            types = tuple(map(type, values))
+            if _CONSTANTS.issuperset(types):  # numbers, strings, None: the part made once
+                # Keyed by the objects' ids (equality would take -0.0 for 0.0, 1 for True);
+                # the entry keeps the objects, so no id is reused while it lives.
+                kk = (tuple(kwargs), *map(id, values))
+                kw = _KW_PARTS.get(kk)
+                if kw is None:
+                    if len(_KW_PARTS) >= _KW_PARTS_MAX:  # values made afresh per call
+                        _KW_PARTS.clear()
+                    kw = _KW_PARTS[kk] = (values, self._kw_part(kwargs, fargs, shared, kind))
+                append(kw[1])
+            else:
+                append(self._kw_part(kwargs, fargs, shared, kind))
         if not fargs:  # nothing batched: it runs now, as eager code
             return self._eager(fn, kind, args, kwargs)
         key = tuple(parts)
@@ -800,9 +855,21 @@ class _Recorder:
             self._fast[key] = _emitter(r, op.wrap, self)
         return out
 
+    def _kw_part(
+        self, kwargs: dict[str, Any], fargs: list[Any], shared: list[Any], kind: str
+    ) -> tuple[Any, ...]:
+        """The key part of the keyword arguments."""
+        part = self._part
+        ragged = kind is _BATCHED
+        return (
+            _KW,
+            tuple(kwargs),
+            tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
+        )
+
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":
-            return _MODULE_CALL(fn, *args, **kwargs)
+            return _INNER_CALL(fn, *args, **kwargs)
         if kind == _BATCHED:
             return _batch_of_one(fn, args, kwargs)
         return fn(*args, **kwargs)
@@ -827,6 +894,15 @@ class _Recorder:
         if t is bool:
             return (t, a)
         if isinstance(a, torch.Tensor):
+            row = self._rows.get(id(a))
+            if (
+                row is not None
+                and row[0] is a
+                and row[1] == a._version
+                and not a.requires_grad  # requires_grad_() on the row: the general path
+            ):
+                fargs.append(row[2])
+                return row[3]
             grad = a.requires_grad
             if grad and a.is_leaf:
                 shared.append(a)
@@ -834,11 +910,7 @@ class _Recorder:
             dtype, device = a.dtype, a.device
             if self.device is None:
                 self.device = device
-            if (
-                not grad
-                and not a.ndim
-                and (dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype())
-            ):
+            if not grad and not a.ndim and _as_number(dtype):
                 fargs.append(a.item())
             else:
                 fargs.append(a.unsqueeze(0))
@@ -1030,8 +1102,25 @@ _FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}
 def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     rec = _LOCAL.rec
     if rec is None or rec.paused:
-        return _MODULE_CALL(self, *args, **kwargs)
+        return _INNER_CALL(self, *args, **kwargs)
     return rec.record(self, "module", args, kwargs)
+
+
+# What _recording_module_call passes through to: nn.Module.__call__ as it was when autobatch
+# first installed the wrapper (see _install_module_call).
+_INNER_CALL = _MODULE_CALL
+
+
+def _install_module_call() -> None:
+    """Make ``nn.Module.__call__`` the recording wrapper, once; it stays installed, passing
+    every call made outside autobatch through (one thread-local read per call).  Setting a
+    class attribute of ``nn.Module`` invalidates the method caches of its ~400 subclasses:
+    swapping it in and out around every autobatch call cost about 80 us per call."""
+    global _INNER_CALL
+    current = nn.Module.__call__
+    if current is not _recording_module_call:
+        _INNER_CALL = current
+        nn.Module.__call__ = _recording_module_call  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------- batchable
@@ -1133,9 +1222,12 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
     rec = _Recorder()
     results: list[list[Any]] = []
     spec = None
+    _install_module_call()
     _LOCAL.rec = rec
-    nn.Module.__call__ = _recording_module_call  # type: ignore[method-assign]
     try:
+        iterables = tuple(
+            rec.rows(it) if isinstance(it, torch.Tensor) and it.ndim else it for it in iterables
+        )
         with collector_paused():
             for i, example in enumerate(zip(*iterables)):
                 rec.example = i
@@ -1150,7 +1242,6 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
                     )
                 results.append(leaves)
     finally:
-        nn.Module.__call__ = _MODULE_CALL  # type: ignore[method-assign]
         _LOCAL.rec = None
     if spec is None:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")

@@ -173,7 +173,15 @@ def test_negative_zero_is_a_constant_of_its_own():
 
     def fn(x):
         h = lin(x)
-        return h * 0.0, h * -0.0, 1 / (h * -0.0)
+        z = h * 0.0  # -0.0 where h < 0
+        # Keyword constants too: z + 0.0 * h and z + -0.0 * h differ in sign where h < 0.
+        return (
+            h * 0.0,
+            h * -0.0,
+            1 / (h * -0.0),
+            torch.add(z, h, alpha=0.0),
+            torch.add(z, h, alpha=-0.0),
+        )
 
     xs = torch.randn(4, 2)
     got = fold.autobatch(fn, xs)
@@ -181,6 +189,40 @@ def test_negative_zero_is_a_constant_of_its_own():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
         assert torch.equal(torch.signbit(g), torch.signbit(w))
+
+
+def test_rows_of_a_tensor_changed_in_place_are_read_again():
+    """The rows of a tensor autobatch iterates over are prepared once (batch-of-one views,
+    numbers for 0-dim rows); a row the per-example code changes in place before using it must
+    be read as it is then, as eager code reads it."""
+    lin = nn.Linear(3, 4)
+
+    def fn(img, label):
+        label.add_(1)
+        img.mul_(2)
+        return F.cross_entropy(lin(img), label), img * label
+
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    want = eager_stack(fn, x.clone(), y.clone())
+    got = fold.autobatch(fn, x.clone(), y.clone())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_module_call_wrapper_stays_and_clear_cache_removes_it():
+    """autobatch leaves its pass-through nn.Module.__call__ installed (swapping it per call
+    invalidates every subclass's method cache); outside autobatch a module call is the
+    plain call, and clear_cache puts the original back."""
+    from fold.lazy import _recording_module_call, clear_cache
+
+    lin = nn.Linear(2, 2)
+    x = torch.randn(5, 2)
+    fold.autobatch(lambda r: lin(r), x)
+    assert nn.Module.__call__ is _recording_module_call
+    torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
+    clear_cache()
+    assert nn.Module.__call__ is not _recording_module_call
+    torch.testing.assert_close(fold.autobatch(lambda r: lin(r), x), lin(x))
 
 
 def test_fold_models_tree_lstm_with_batched_methods():
