@@ -8,7 +8,9 @@
   cells and with no annotation at all (every torch op and module call a node), against the
   explicit fold of ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
 - Per-sample MNIST MLP training step written as a plain per-example loss, autobatch against
-  the plain batched step.
+  the plain batched step; and the floor of any engine that runs the per-example code once
+  per example: the batched step plus that code's own Python with every torch call a
+  stand-in that returns at once.
 - Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
 - Recording cost per lazy op, at growing graph sizes (it must stay linear).
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
@@ -191,14 +194,34 @@ def phase_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+class _StandIn:
+    """A value every torch function maps to itself at once: no computation, no recording."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return _STAND_IN
+
+
+_STAND_IN = _StandIn()
+
+
+def _stand_in_model(x: torch.Tensor) -> _StandIn:
+    return _STAND_IN
+
+
 def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
     x = torch.randn(args.mnist_batch, 784)
     y = torch.randint(0, 10, (args.mnist_batch,))
 
-    def per_example(img: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(img), label)
+    def loss_of(net):  # type: ignore[no-untyped-def]
+        def per_example(img: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(net(img), label)
+
+        return per_example
+
+    per_example = loss_of(model)
 
     def autobatched() -> torch.Tensor:
         return fold.autobatch(per_example, x, y).mean()
@@ -222,11 +245,31 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
         return run
 
+    # The floor of running the per-example code at all: the same Python per example (the
+    # loop over the rows, the call, the model call, F.cross_entropy's own Python and its
+    # __torch_function__ dispatch, flattening the result) with every torch call a stand-in
+    # that returns at once.  Any engine that runs the user's code once per example pays it
+    # on top of the batched work.
+    stand_in = loss_of(_stand_in_model)
+
+    def python_only() -> None:
+        for a, b in zip(x, y):
+            pytree.tree_flatten(stand_in(a, b))
+
     times = interleaved(
-        {"autobatch": step(autobatched), "plain batched": step(batched), "eager": step(eager)},
+        {
+            "autobatch": step(autobatched),
+            "plain batched": step(batched),
+            "eager": step(eager),
+            "per-example Python only": python_only,
+        },
         args.reps * 4,
     )
     med = {k: median(v) for k, v in times.items()}
+    med["floor: batched + per-example Python"] = (
+        med["plain batched"] + med["per-example Python only"]
+    )
+    times["floor: batched + per-example Python"] = times["plain batched"]
     return [
         {
             "method": k,
