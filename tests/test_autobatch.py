@@ -220,6 +220,21 @@ def test_module_call_wrapper_stays_and_clear_cache_removes_it():
     fold.autobatch(lambda r: lin(r), x)
     assert nn.Module.__call__ is _recording_module_call
     torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
+    # Another library wrapping the installed wrapper (its wrapper calls ours): the next
+    # autobatch call must not pass through to that wrapper, which calls ours again.
+    ours = nn.Module.__call__
+    wrapped = []
+
+    def other(self, *args, **kwargs):
+        wrapped.append(self)
+        return ours(self, *args, **kwargs)
+
+    nn.Module.__call__ = other
+    try:
+        torch.testing.assert_close(fold.autobatch(lambda r: lin(r), x), lin(x))
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
+    finally:
+        nn.Module.__call__ = ours
     clear_cache()
     assert nn.Module.__call__ is not _recording_module_call
     torch.testing.assert_close(fold.autobatch(lambda r: lin(r), x), lin(x))
