@@ -99,7 +99,6 @@ class _Local(threading.local):
 
 
 _LOCAL = _Local()
-_MODULE_CALL = nn.Module.__call__
 _FOLD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -1107,9 +1106,8 @@ def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 # What _recording_module_call passes through to: nn.Module.__call__ as it was when autobatch
-# first installed the wrapper (see _install_module_call).
-_INNER_CALL = _MODULE_CALL
-_INSTALLED = False
+# first installed the wrapper (see _install_module_call); None until then.
+_INNER_CALL: Any = None
 
 
 def _install_module_call() -> None:
@@ -1117,15 +1115,15 @@ def _install_module_call() -> None:
     every call made outside autobatch through (one thread-local read per call).  Setting a
     class attribute of ``nn.Module`` invalidates the method caches of its ~400 subclasses:
     swapping it in and out around every autobatch call cost about 80 us per call."""
-    global _INNER_CALL, _INSTALLED
+    global _INNER_CALL
     current = nn.Module.__call__
     if current is not _recording_module_call:
         # What to pass through to is taken once, at the first install: a wrapper installed
         # over ours since then (which may call ours) must not become it, or a call would go
         # round the two for ever; that wrapper is dropped, as restoring the original around
         # every call dropped it before.
-        if not _INSTALLED:
-            _INNER_CALL, _INSTALLED = current, True
+        if _INNER_CALL is None:
+            _INNER_CALL = current
         nn.Module.__call__ = _recording_module_call  # type: ignore[method-assign]
 
 
