@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fold._encoding import decode, node_id, out_index, split_count, wanted_outputs
-from fold.arrays import GraphArrays
+from fold.arrays import GraphArrays, distinct
 from fold.errors import FoldError, op_name
 from fold.ops import bad_split
 
@@ -142,7 +142,7 @@ class Values:
             c = lo >> _CLASS_SHIFT
             if hi >> _CLASS_SHIFT != c:
                 column = rows[:, col]
-                classes = np.unique(column >> _CLASS_SHIFT).tolist()
+                classes = distinct(column >> _CLASS_SHIFT).tolist()
                 if len({self.class_meta[x][:2] for x in classes}) > 1:
                     recipes.append(None)  # different shapes or dtypes: split the group
                     continue
@@ -207,7 +207,7 @@ class Values:
         """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
         classes = rows >> _CLASS_SHIFT
         parts, order = [], []
-        for c in np.unique(classes).tolist():
+        for c in distinct(classes).tolist():
             self.fill_table(c)
             table = self.tables[c]
             assert table is not None

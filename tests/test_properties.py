@@ -282,3 +282,17 @@ def test_agenda_implementations_plan_alike(prog: list[tuple[Any, ...]], samples:
         replay(f, prog, leaves, shift=s)
     a = f.snapshot()
     assert _plan_rows(_agenda_arrays(a)) == _plan_rows(_agenda_nodes(a))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**62), 2**62) | st.integers(0, 5), max_size=60))
+def test_distinct_is_numpy_unique(values: list[int]) -> None:
+    """fold.arrays.distinct (graph edges, value-table classes) against np.unique."""
+    import numpy as np
+
+    from fold.arrays import distinct
+
+    x = np.array(values, dtype=np.int64)
+    got = distinct(x)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.unique(x))

@@ -155,7 +155,7 @@ def _agenda_arrays(a: GraphView) -> Plan:
         if k0 == int(k[-1]) and (k == k0).all():
             parts: Any = ((k0, nodes),)
         else:
-            parts = [(key, nodes[k == key]) for key in np.unique(k).tolist()]
+            parts = [(key, nodes[k == key]) for key in np.flatnonzero(np.bincount(k)).tolist()]
         for key, part in parts:
             s = int(ahead[part].sum())
             if key in ready:
