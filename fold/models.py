@@ -10,6 +10,8 @@ shadow ``nn.Module.children`` and break ``.to()``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -290,12 +292,18 @@ def record_graph(f: Fold | Unfold, graph: Graph, rounds: int, ragged: bool = Tru
     ``update_fixed(h, *messages)`` (fold then groups per in-degree).
     """
     kinds, neighbours = graph
-    add = f.add
-    h = [add("start", k) for k in kinds]
+    if isinstance(f, Fold):
+        start, message, update = f.op("start"), f.op("message"), f.op("update")
+        update_fixed = f.op("update_fixed")
+    else:
+        start, message, update, update_fixed = (
+            functools.partial(f.add, op) for op in ("start", "message", "update", "update_fixed")
+        )
+    h = [start(k) for k in kinds]
     for _ in range(rounds):
-        m = [add("message", x) for x in h]
+        m = [message(x) for x in h]
         if ragged:
-            h = [add("update", x, [m[u] for u in nb]) for x, nb in zip(h, neighbours)]
+            h = [update(x, [m[u] for u in nb]) for x, nb in zip(h, neighbours)]
         else:
-            h = [add("update_fixed", x, *[m[u] for u in nb]) for x, nb in zip(h, neighbours)]
+            h = [update_fixed(x, *[m[u] for u in nb]) for x, nb in zip(h, neighbours)]
     return h
