@@ -39,7 +39,11 @@ from fold.errors import FoldError, op_name
 __all__ = [
     "GraphArrays",
     "distinct",
-    "handles_array", "literal_column", "number_column", "numbers_tensor"]
+    "handles_array",
+    "literal_column",
+    "number_column",
+    "numbers_tensor",
+]
 
 
 # array typecode and torch dtype of what torch.tensor makes of a list of one number type
