@@ -48,6 +48,88 @@ _CLASS_SHIFT = 40
 _ROW_MASK = (1 << _CLASS_SHIFT) - 1
 
 
+class _TableGrad:
+    """The gradient of one class's value table in one backward pass, summed over its reads."""
+
+    __slots__ = ("buf", "shape", "task")
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.shape: tuple[int, ...] = ()  # the table's, updated as it grows
+        self.task = -1  # the backward pass (autograd graph task) ``buf`` belongs to
+
+    def rows(self, like: torch.Tensor) -> torch.Tensor:
+        """This pass's gradient buffer (zero-filled by the pass's first read to ask).  The
+        pass is autograd's graph task, as ``torch.utils.checkpoint`` tells passes apart."""
+        task = torch._C._current_graph_task_id()
+        if self.task != task:
+            self.task = task
+            self.buf = like.new_zeros(self.shape)
+        return self.buf
+
+
+class _TableAnchor(torch.autograd.Function):
+    """The autograd node of one fill of a value table: the anchor of the fill before (or
+    None) and the sources copied in, which are rows ``spans`` of the table; see
+    ``_TableRead``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        state: _TableGrad,
+        spans: list[tuple[int, int]],
+        prev: torch.Tensor | None,
+        *sources: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.state, ctx.spans = state, spans
+        return sources[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, empty: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        state = ctx.state
+        buf = state.buf if state.task == torch._C._current_graph_task_id() else None
+        need = ctx.needs_input_grad
+        grads: list[Any] = [None, None, empty.new_empty(0) if need[2] else None]
+        for i, (start, rows) in enumerate(ctx.spans, 3):
+            grads.append(buf[start : start + rows].clone() if buf is not None and need[i] else None)
+        return tuple(grads)
+
+
+class _TableRead(torch.autograd.Function):
+    """``table.index_select(0, index)``, whose backward costs the rows read.
+
+    A value table is filled by in-place copies; were the copies recorded by autograd, every
+    fill would be a ``CopySlices`` node whose backward clones the whole table's gradient,
+    and every ``index_select`` read's backward would zero-fill another one, so backward
+    cost grew with fills times table size (an attention decoder's table of 2608 states
+    took 32 fills and 32 reads).  So the table lives outside autograd.  Each fill records one ``_TableAnchor`` over the sources
+    it copied in (and the fill before); a read hangs off the latest anchor, and its
+    backward adds its rows into the class's one gradient buffer of the pass (zero-filled
+    once, by the first read to run; the pass is told apart by autograd's graph task id)
+    and passes the anchor an empty gradient.  The engine runs an anchor's backward only
+    after every read and later fill that hangs off it, and by then its sources' rows of
+    the buffer are complete (reads of earlier fills cannot hold them): it hands each
+    source its rows (a copy: a source's backward may pass it unchanged to an earlier read).
+    Under ``create_graph=True`` autograd records the in-place sums like any other op, so
+    second-order gradients hold (tested).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, anchor: torch.Tensor, table: torch.Tensor, index: torch.Tensor, state: _TableGrad
+    ) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.state = state
+        return table.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        state = ctx.state
+        state.rows(grad).index_add_(0, index, grad)  # (recorded too under create_graph)
+        return grad.new_empty(0), None, None, None
+
+
 class Values:
     """The values of one executor pass: group outputs (*sources*), the virtual row of every
     node output, value tables, and the gathers that read them.
@@ -77,7 +159,9 @@ class Values:
         self.class_starts: list[list[int]] = []  # per class: virtual offsets of its sources
         self.class_srcs: list[list[int]] = []  # per class: its sources, in table order
         self.class_rows: list[int] = []
-        self.tables: list[torch.Tensor | None] = []
+        self.tables: list[torch.Tensor | None] = []  # outside autograd: see _TableRead
+        self.anchors: list[torch.Tensor | None] = []  # per class: its latest fill's anchor
+        self.table_grads: list[_TableGrad] = []
         self.in_table: list[int] = []  # per class: how many of its sources the table holds
         self.class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
         self.mixed: list[np.ndarray] = []  # rows of mixed-class gathers
@@ -172,12 +256,13 @@ class Values:
         The table is preallocated and written in place, one ``copy_`` per call.  Its size
         follows the rows it holds: the rows of this class so far plus an estimate of those
         still to come (the plan's remaining nodes times this class's outputs per node), but
-        at most twice the rows so far, growing by doubling past that.  Every gather's
-        backward fills a gradient of the table's whole size, so a table sized for nodes of
-        other shapes (a few per-example memories among thousands of decoder nodes) would
-        make backward cost follow the graph instead of the rows read.  The table is only
-        ever read by ``index_select``, which saves its index and not its input for backward,
-        so the in-place writes never invalidate a tensor autograd saved.  Sources are copied
+        at most twice the rows so far, growing by doubling past that.  Backward zero-fills
+        one gradient of the table's size per pass, so a table sized for nodes of other
+        shapes (a few per-example memories among thousands of decoder nodes) would make
+        backward cost follow the graph instead of the rows read.  The copies are not
+        recorded by autograd: each fill records one ``_TableAnchor`` over the sources it
+        copied (see ``_TableRead``), and a read never saves the table, so the in-place
+        writes never invalidate a tensor autograd saved.  Sources are copied
         lazily, when a column first needs rows of several of them: a chain of single-source
         gathers (an RNN) never copies anything.
         """
@@ -190,18 +275,38 @@ class Values:
         need = self.class_rows[c] * m
         start = (self.class_starts[c][k] & _ROW_MASK) * m
         table = self.tables[c]
-        if table is None or table.shape[0] < need:
-            last = sources[srcs[-1]]
-            cap = min(need + self.rows_left * self.outs_per_row[c] * m, 2 * need)
-            grown = last.new_empty((cap, *last.shape[1:]))
-            if table is not None:
-                grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
-            table = self.tables[c] = grown
         block = [sources[s] for s in srcs[k:]]
-        table.narrow(0, start, need - start).copy_(
-            block[0] if len(block) == 1 else torch.cat(block, 0)
-        )
+        with torch.no_grad():
+            if table is None or table.shape[0] < need:
+                last = block[-1]
+                cap = min(need + self.rows_left * self.outs_per_row[c] * m, 2 * need)
+                grown = last.new_empty((cap, *last.shape[1:]))
+                if table is not None:
+                    grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
+                table = self.tables[c] = grown
+                self.table_grads[c].shape = tuple(grown.shape)
+            table.narrow(0, start, need - start).copy_(
+                block[0] if len(block) == 1 else torch.cat(block, 0)
+            )
         self.in_table[c] = len(srcs)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in block):
+            spans, row = [], start
+            for t in block:
+                spans.append((row, t.shape[0]))
+                row += t.shape[0]
+            self.anchors[c] = _TableAnchor.apply(
+                self.table_grads[c], spans, self.anchors[c], *block
+            )
+
+    def read_table(self, c: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of class ``c``'s value table (filled), differentiably where its
+        sources require grad (see ``_TableRead``)."""
+        table = self.tables[c]
+        assert table is not None
+        anchor = self.anchors[c]
+        if anchor is None or not torch.is_grad_enabled():
+            return table.index_select(0, index)
+        return _TableRead.apply(anchor, table, index, self.table_grads[c])
 
     def gather_mixed(self, rows: np.ndarray) -> torch.Tensor:
         """Rows of several classes of one shape: one index_select per class, a cat, a permutation."""
@@ -214,7 +319,7 @@ class Values:
             positions = np.flatnonzero(classes == c)
             index = torch.from_numpy(rows[positions] & _ROW_MASK)
             index = self.rows_of(index.to(table.device, non_blocking=True))
-            parts.append(table.index_select(0, index))
+            parts.append(self.read_table(c, index))
             order.append(positions)
         perm = torch.from_numpy(np.argsort(np.concatenate(order)))
         perm = self.rows_of(perm.to(parts[0].device, non_blocking=True))
@@ -244,7 +349,9 @@ class Values:
         how, src, start, length, ix = recipe
         if how is How.MIXED:
             return self.gather_mixed(self.mixed[ix])
-        t = self.tables[src] if how is How.TABLE else self.sources[src]
+        if how is How.TABLE:
+            return self.read_table(src, itensors[ix])
+        t = self.sources[src]
         if how is not How.SOURCE:
             return t.index_select(0, itensors[ix])
         m = self.models
@@ -282,6 +389,8 @@ class Values:
                 self.class_srcs.append([])
                 self.class_rows.append(0)
                 self.tables.append(None)
+                self.anchors.append(None)
+                self.table_grads.append(_TableGrad())
                 self.in_table.append(0)
                 self.outs_per_row.append(0)
                 self.class_meta.append(meta)

@@ -177,3 +177,83 @@ def test_value_tables_hold_the_rows_of_their_own_shape_only() -> None:
     (g_want,) = torch.autograd.grad(want.sum(), model.w)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g, g_want)
+
+
+class _Recall(torch.nn.Module):
+    """Each step reads the state before it and one earlier state of its example: the earlier
+    states' column draws rows from many groups, so it is gathered from a value table filled
+    (and grown) step after step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64) / 2)
+
+    def start(self, k):
+        return torch.tanh(k[:, None] * self.w[0])
+
+    def step(self, h, old):
+        return torch.tanh(h @ self.w + old)
+
+
+def _record_recall(f, examples: int = 6, steps: int = 12) -> list:
+    rng = random.Random(0)
+    outs = []
+    for i in range(examples):
+        states = [f.add("start", float(i + 1))]
+        for _ in range(steps):
+            states.append(f.add("step", states[-1], states[rng.randrange(len(states))]))
+        outs.append(states[-1])
+    return outs
+
+
+def test_table_reads_give_eager_gradients_in_every_kind_of_backward() -> None:
+    """Values and gradients through value tables (filled and grown step by step) equal
+    Unfold's: a backward pass repeated on the retained graph, and a second-order gradient
+    (create_graph=True)."""
+    model = _Recall()
+    f = fold.Fold()
+    (got,) = f.apply(model, [_record_recall(f)])
+    u = fold.Unfold(model)
+    (want,) = u.apply(model, [_record_recall(u)])
+    torch.testing.assert_close(got, want)
+    (g_want,) = torch.autograd.grad(want.square().sum(), model.w, create_graph=True)
+    (gg_want,) = torch.autograd.grad(g_want.square().sum(), model.w)
+    loss = got.square().sum()
+    for _ in range(2):  # the second pass must not see the first one's sums
+        (g,) = torch.autograd.grad(loss, model.w, retain_graph=True)
+        torch.testing.assert_close(g, g_want.detach())
+    (g,) = torch.autograd.grad(loss, model.w, create_graph=True)
+    torch.testing.assert_close(g, g_want)
+    (gg,) = torch.autograd.grad(g.square().sum(), model.w)
+    torch.testing.assert_close(gg, gg_want)
+
+
+def test_table_backward_cost_follows_the_rows_read() -> None:
+    """Backward makes ONE table-sized gradient per table, not one per read and per fill
+    (index_select's backward zero-fills the whole table per read; a recorded in-place fill
+    clones the whole gradient per fill)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _Recall()
+    f = fold.Fold()
+    outs = _record_recall(f, examples=8, steps=20)
+    (got,) = f.apply(model, [outs])
+    rows = len(f)  # every node's state is one row of the states' table
+
+    class CountLarge(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.large = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            in_place = func.overloadpacket.__name__.endswith("_")
+            big = isinstance(out, torch.Tensor) and out.dim() and out.shape[0] >= rows // 2
+            if big and not in_place:
+                self.large += 1  # a new tensor of (about) the table's size
+            return out
+
+    with CountLarge() as mode:
+        got.sum().backward()
+    assert mode.large == 1, mode.large
