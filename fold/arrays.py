@@ -40,6 +40,7 @@ __all__ = [
     "GraphArrays",
     "distinct",
     "handles_array",
+    "stable_order",
     "literal_column",
     "number_column",
     "numbers_tensor",
@@ -82,6 +83,17 @@ def distinct(x: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def stable_order(x: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(x, kind="stable")`` of non-negative ints below ``bound``.  numpy sorts
+    8- and 16-bit ints by radix, so keys that fit are sorted as such: for 45k keys 0.7 ms
+    against 3 ms as int64 (the agenda sorts a graph's edges twice per plan)."""
+    if bound <= 1 << 8:
+        x = x.astype(np.uint8)
+    elif bound <= 1 << 16:
+        x = x.astype(np.uint16)
+    return np.argsort(x, kind="stable")
 
 
 def handles_array(handles: Any) -> np.ndarray:

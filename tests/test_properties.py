@@ -296,3 +296,16 @@ def test_distinct_is_numpy_unique(values: list[int]) -> None:
     got = distinct(x)
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, np.unique(x))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 255, 256, 257, 65536, 65537, 2**40]), st.data())
+def test_stable_order_is_a_stable_argsort(bound: int, data: st.DataObject) -> None:
+    """fold.arrays.stable_order (the schedulers' sorts, narrowed to radix-sorted dtypes)."""
+    import numpy as np
+
+    from fold.arrays import stable_order
+
+    values = data.draw(st.lists(st.integers(0, bound - 1) | st.integers(0, 3), max_size=80))
+    x = np.array(values, dtype=np.int64)
+    np.testing.assert_array_equal(stable_order(x, bound), np.argsort(x, kind="stable"))

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from fold.arrays import stable_order
 from fold.scheduler.plan import GraphView, Group, Plan, Step
 
 __all__ = ["agenda_schedule"]
@@ -50,7 +51,7 @@ def _agenda_nodes(a: GraphView) -> Plan:
     # Consumers as flat int lists (CSR), not a list per node: thousands of small lists would
     # set off full garbage collections of the whole heap.  Edges in consumer order.
     src, dst = a.edges()
-    order = np.argsort(dst, kind="stable")
+    order = stable_order(dst, n)
     edge_src: list[int] = src[order].tolist()
     edge_dst: list[int] = dst[order].tolist()
     waiting = np.bincount(dst, minlength=n).tolist()  # distinct node arguments not computed yet
@@ -124,7 +125,7 @@ def _agenda_arrays(a: GraphView) -> Plan:
 
     src, dst = a.edges()  # one edge per distinct argument node of a consumer
     waiting = np.bincount(dst, minlength=n)
-    order = np.argsort(src, kind="stable")
+    order = stable_order(src, n)
     adj = dst[order]  # consumers of node i: adj[first[i]:first[i + 1]]
     first = np.zeros(n + 1, np.int64)
     np.cumsum(np.bincount(src, minlength=n), out=first[1:])
@@ -134,7 +135,8 @@ def _agenda_arrays(a: GraphView) -> Plan:
     ahead = np.zeros(n, np.int64)
     if len(dst):
         level = a.depth[dst]
-        by_level = np.argsort(-level, kind="stable")
+        deepest = int(level.max())
+        by_level = stable_order(deepest - level, deepest + 1)
         lv = level[by_level]
         cuts = (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
         for lo, hi in zip([0, *cuts], [*cuts, len(lv)]):

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fold.arrays import stable_order
 from fold.scheduler.plan import GraphView, Group, Plan, Step
 
 __all__ = ["depth_schedule"]
@@ -26,13 +27,14 @@ def depth_schedule(a: GraphView) -> Plan:
     nsig = len(a.count)
     if nsig == 1 and a.flat:  # e.g. one op per sample: one group
         return Plan([Step([Group(0, np.arange(a.n))])])
+    levels = int(a.depth.max()) + 1
     key = a.depth * nsig + a.sig
-    order = np.argsort(key, kind="stable")
+    order = stable_order(key, levels * nsig)
     sk = key[order]
     cuts = np.flatnonzero(sk[1:] != sk[:-1]) + 1
     starts = [0, *cuts.tolist()]
     ends = [*cuts.tolist(), a.n]
-    steps = [Step() for _ in range(int(a.depth.max()) + 1)]
+    steps = [Step() for _ in range(levels)]
     for lo, hi, k in zip(starts, ends, sk[starts].tolist()):
         steps[k // nsig].groups.append(Group(k % nsig, order[lo:hi]))
     return Plan(steps)
