@@ -81,7 +81,7 @@ class _TableAnchor(torch.autograd.Function):
         prev: torch.Tensor | None,
         *sources: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.state, ctx.spans = state, spans
+        ctx.state, ctx.spans, ctx.first = state, spans, prev is None
         return sources[0].new_empty(0)
 
     @staticmethod
@@ -92,6 +92,8 @@ class _TableAnchor(torch.autograd.Function):
         grads: list[Any] = [None, None, empty.new_empty(0) if need[2] else None]
         for i, (start, rows) in enumerate(ctx.spans, 3):
             grads.append(buf[start : start + rows].clone() if buf is not None and need[i] else None)
+        if ctx.first:  # every other anchor and read of the table has run: free the buffer
+            state.buf = None
         return tuple(grads)
 
 
