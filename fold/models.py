@@ -289,7 +289,8 @@ def record_graph(f: Fold | Unfold, graph: Graph, rounds: int, ragged: bool = Tru
     """Record ``rounds`` of :class:`GraphNet` message passing; returns the final node states.
 
     ``ragged=True`` records ``update(h, [messages])``; ``ragged=False`` records
-    ``update_fixed(h, *messages)`` (fold then groups per in-degree).
+    ``update_fixed(h, *messages)`` (fold then groups per in-degree).  Records through
+    :meth:`Fold.op` recorders (no op lookup per node); an :class:`Unfold` through ``add``.
     """
     kinds, neighbours = graph
     if isinstance(f, Fold):
