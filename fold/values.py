@@ -58,14 +58,18 @@ class _TableGrad:
         self.shape: tuple[int, ...] = ()  # the table's, updated as it grows
         self.task = -1  # the backward pass (autograd graph task) ``buf`` belongs to
 
+    def current(self) -> torch.Tensor | None:
+        """The running backward pass's buffer; None before its first read.  A pass is
+        autograd's graph task, as ``torch.utils.checkpoint`` tells passes apart."""
+        return self.buf if self.task == torch._C._current_graph_task_id() else None
+
     def rows(self, like: torch.Tensor) -> torch.Tensor:
-        """This pass's gradient buffer (zero-filled by the pass's first read to ask).  The
-        pass is autograd's graph task, as ``torch.utils.checkpoint`` tells passes apart."""
-        task = torch._C._current_graph_task_id()
-        if self.task != task:
-            self.task = task
-            self.buf = like.new_zeros(self.shape)
-        return self.buf
+        """The running pass's buffer, zero-filled by the pass's first read to ask."""
+        buf = self.current()
+        if buf is None:
+            self.task = torch._C._current_graph_task_id()
+            buf = self.buf = like.new_zeros(self.shape)
+        return buf
 
 
 class _TableAnchor(torch.autograd.Function):
@@ -87,7 +91,7 @@ class _TableAnchor(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, empty: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         state = ctx.state
-        buf = state.buf if state.task == torch._C._current_graph_task_id() else None
+        buf = state.current()
         need = ctx.needs_input_grad
         grads: list[Any] = [None, None, empty.new_empty(0) if need[2] else None]
         for i, (start, rows) in enumerate(ctx.spans, 3):
@@ -104,10 +108,10 @@ class _TableRead(torch.autograd.Function):
     fill would be a ``CopySlices`` node whose backward clones the whole table's gradient,
     and every ``index_select`` read's backward would zero-fill another one, so backward
     cost grew with fills times table size (an attention decoder's table of 2608 states
-    took 32 fills and 32 reads).  So the table lives outside autograd.  Each fill records one ``_TableAnchor`` over the sources
-    it copied in (and the fill before); a read hangs off the latest anchor, and its
-    backward adds its rows into the class's one gradient buffer of the pass (zero-filled
-    once, by the first read to run; the pass is told apart by autograd's graph task id)
+    took 32 fills and 32 reads).  So the table lives outside autograd.  Each fill records
+    one ``_TableAnchor`` over the sources it copied in (and the fill before); a read hangs
+    off the latest anchor, and its backward adds its rows into the class's one gradient
+    buffer of the pass (zero-filled once, by the first read to run; see ``_TableGrad``)
     and passes the anchor an empty gradient.  The engine runs an anchor's backward only
     after every read and later fill that hangs off it, and by then its sources' rows of
     the buffer are complete (reads of earlier fills cannot hold them): it hands each

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fold.arrays import stable_order
+from fold.arrays import distinct, stable_order
 from fold.scheduler.plan import GraphView, Group, Plan, Step
 
 __all__ = ["agenda_schedule"]
@@ -157,7 +157,7 @@ def _agenda_arrays(a: GraphView) -> Plan:
         if k0 == int(k[-1]) and (k == k0).all():
             parts: Any = ((k0, nodes),)
         else:
-            parts = [(key, nodes[k == key]) for key in np.flatnonzero(np.bincount(k)).tolist()]
+            parts = [(key, nodes[k == key]) for key in distinct(k).tolist()]
         for key, part in parts:
             s = int(ahead[part].sum())
             if key in ready:
