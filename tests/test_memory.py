@@ -257,3 +257,33 @@ def test_table_backward_cost_follows_the_rows_read() -> None:
     with CountLarge() as mode:
         got.sum().backward()
     assert mode.large == 1, mode.large
+
+
+def test_a_table_gradient_buffer_is_fresh_in_each_backward_pass() -> None:
+    """The per-pass buffer of value-table reads starts at zero in a new backward pass even
+    where the pass before ended early (its first anchor, which frees it, never ran)."""
+    from fold.values import _TableGrad
+
+    state = _TableGrad()
+    state.shape = (3, 2)
+    seen = []
+
+    class Read(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            buf = state.rows(g)
+            seen.append(buf.clone())
+            buf[0] += g[0]
+            return g
+
+    x = torch.ones(3, 2, requires_grad=True)
+    y = Read.apply(x)
+    for _ in range(2):
+        y.sum().backward(retain_graph=True)
+    assert state.current() is None  # outside any backward pass
+    torch.testing.assert_close(seen[0], torch.zeros(3, 2))
+    torch.testing.assert_close(seen[1], torch.zeros(3, 2))
