@@ -8,7 +8,8 @@
   cells and with no annotation at all (every torch op and module call a node), against the
   explicit fold of ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
 - Per-sample MNIST MLP training step written as a plain per-example loss, autobatch against
-  the plain batched step; and the floor of any engine that runs the per-example code once
+  the plain batched step (the rows of a tensor: recorded once), the same with
+  ``per_example=True``; and the floor of any engine that runs the per-example code once
   per example: the batched step plus that code's own Python with every torch call a
   stand-in that returns at once.
 - Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
@@ -226,6 +227,9 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     def autobatched() -> torch.Tensor:
         return fold.autobatch(per_example, x, y).mean()
 
+    def autobatched_per_example() -> torch.Tensor:
+        return fold.autobatch(per_example, x, y, per_example=True).mean()
+
     def batched() -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
@@ -234,7 +238,11 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
     params = list(model.parameters())
     ref = torch.autograd.grad(eager(), params)
-    for name, fn in (("autobatch", autobatched), ("batched", batched)):
+    for name, fn in (
+        ("autobatch", autobatched),
+        ("per example", autobatched_per_example),
+        ("batched", batched),
+    ):
         for a, b in zip(torch.autograd.grad(fn(), params), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -245,11 +253,11 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
         return run
 
-    # The floor of running the per-example code at all: the same Python per example (the
-    # loop over the rows, the call, the model call, F.cross_entropy's own Python and its
-    # __torch_function__ dispatch, flattening the result) with every torch call a stand-in
-    # that returns at once.  Any engine that runs the user's code once per example pays it
-    # on top of the batched work.
+    # The floor of running the per-example code once per example: the same Python per
+    # example (the loop over the rows, the call, the model call, F.cross_entropy's own Python
+    # and its __torch_function__ dispatch, flattening the result) with every torch call a
+    # stand-in that returns at once.  autobatch with per_example=True pays it on top of the
+    # batched work; plain autobatch records tensor rows once and does not.
     stand_in = loss_of(_stand_in_model)
 
     def python_only() -> None:
@@ -259,6 +267,7 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     times = interleaved(
         {
             "autobatch": step(autobatched),
+            "autobatch, per_example=True": step(autobatched_per_example),
             "plain batched": step(batched),
             "eager": step(eager),
             "per-example Python only": python_only,

@@ -63,12 +63,30 @@ How a call is recorded (the choices the contract leaves open):
 - **Examples from a tensor.**  A tensor passed as an iterable is split into its rows in one
   call (as iterating it gives), and each row's batched form (its batch-of-one view, or the
   Python number of a 0-dim row) is prepared with it, not per call.
+- **One recording for tensor rows.**  Where every iterable is a tensor (``autobatch(loss,
+  images, labels)``), the examples differ only in their rows' values, which the per-example
+  code cannot read without a FoldError; so it records the same calls for every example.
+  autobatch then calls ``fn`` ONCE, on lazy rows standing for all examples (row shape,
+  dtype, device), and runs each recorded call once on the whole batch, in the same modes
+  (direct, vmap, batched) a group of those calls runs in; values made inside ``fn`` that
+  depend on no row are the same for every example and are repeated over the batch.  This
+  is what ``torch.vmap(fn)(images, labels)`` computes, without vmap's per-op cost where a
+  call runs directly.  It falls back to recording per example, which gives the same values
+  (or the error naming the example), where ``fn`` reads a row (``int(label)``), changes one in
+  place, returns something other than tensors and numbers, gives a ``batched=True`` function
+  an empty list, or a call's batched output disagrees with the shape inferred for it; that
+  function (by its code) and row shapes then record per example from the start.
+  Consequences: ``fn`` runs once, not once per example (its side effects happen once; as
+  elsewhere the functions are taken as pure), and results may be views of the inputs where
+  a call returns one (``x[0]``), as under vmap.  ``autobatch(..., per_example=True)`` always
+  records per example.  Rows of unequal tensors pair up as ``zip`` pairs them.
 """
 
 from __future__ import annotations
 
 import functools
 import linecache
+import logging
 import os
 import sys
 import threading
@@ -89,6 +107,8 @@ from fold.ragged import Ragged
 from fold.run import collector_paused
 
 __all__ = ["Lazy", "autobatch", "batchable", "clear_cache"]
+
+_LOG = logging.getLogger(__name__)
 
 
 class _Local(threading.local):
@@ -248,6 +268,7 @@ for _name, _pos, _default in (
     for _f in _functions(_name, torch, torch.Tensor, F):
         _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
 _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
+_FLATTEN = _functions("flatten", torch, torch.Tensor)
 _LOSSES = {F.cross_entropy, F.nll_loss}
 _POLYMORPHIC_MODULES: tuple[type, ...] = (
     nn.Linear,
@@ -309,11 +330,23 @@ def _direct_template(
             and type(args[1]) is _Slot
             and args[1].meta.ndim == 0
             and kwargs.get("weight") is None
+            and kwargs.get("size_average") is None  # the legacy arguments override reduction
+            and kwargs.get("reduce") is None
             and kwargs.get("reduction", "mean") in ("mean", "sum")
             and len(args) == 2
         ):
             return args, kwargs
         return None
+    if fn in _FLATTEN:  # two dims: start_dim and end_dim, both moved past the batch dim
+        if len(slots) != 1 or type(args[0]) is not _Slot or args[0].meta.ndim == 0:
+            return None
+        dims = {"start_dim": 0, "end_dim": -1}
+        dims.update(zip(dims, args[1:]))
+        dims.update(kwargs)
+        shifted = {k: _shift_dim(d) for k, d in dims.items()}
+        if len(shifted) != 2 or any(type(d) is not int for d in shifted.values()):
+            return None
+        return [args[0]], shifted
     spec = _DIM_OPS.get(fn)
     if spec is None:
         return None
@@ -443,12 +476,15 @@ def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _inf
 def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
     """A per-example mean/sum classification loss over a group, one value per example."""
     kwargs = dict(kwargs)
+    reduction = kwargs.get("reduction", "mean")
     kwargs["reduction"] = "none"
     out = fn(*args, **kwargs)
+    if reduction != "mean":
+        return out  # a sum over nothing is 0, as 'none' gives an ignored target
     target = args[1]
     ignore = kwargs.get("ignore_index", -100)
     # One example whose target is ignored averages nothing: nan, as eager gives.
-    return torch.where(target == ignore, torch.full_like(out, float("nan")), out)
+    return torch.where(target == ignore, float("nan"), out)
 
 
 def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, Any], Any]:
@@ -491,6 +527,7 @@ def clear_cache() -> None:
     _OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
+    _UNTRACEABLE.clear()
     if nn.Module.__call__ is _recording_module_call:
         nn.Module.__call__ = _INNER_CALL  # type: ignore[method-assign]
 
@@ -754,8 +791,9 @@ def _emitter(r: Callable[..., Any], wrap: Callable[[Any, Any], Any], rec: Any) -
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
-    def __init__(self) -> None:
-        self.fold = Fold()
+    def __init__(self, fold: Any = None) -> None:
+        # A Fold, or a _Trace when autobatch records once on lazy rows (see _traced).
+        self.fold = Fold() if fold is None else fold
         self.example = 0
         self.paused = False
         self.device: torch.device | None = None
@@ -1202,10 +1240,16 @@ class _DeviceAnchor(nn.Module):
         self.register_buffer("anchor", torch.empty(0, device=device))
 
 
-def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any]) -> Any:
+def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any], per_example: bool = False) -> Any:
     """Run ``fn`` once per example (the zip of ``iterables``) with recording on, then the
     recorded graph batched; returns the per-example results stacked along a new dim 0, in
     ``fn``'s output structure (tensor, tuple, list, dict).  See :mod:`fold.lazy`.
+
+    Where every iterable is a tensor (the examples are its rows), ``fn`` is first recorded
+    ONCE, on lazy rows standing for all examples, and each recorded call runs once on the
+    whole batch (see "One recording for tensor rows" in :mod:`fold.lazy`); where that cannot
+    be done it records per example.  ``per_example=True`` always records per example (for a
+    function whose per-call side effects matter).
 
     Records with the cyclic garbage collector paused, as ``Fold.apply`` runs: recording
     makes a few tracked objects per call (Lazy values, tuples), enough to set off full
@@ -1216,6 +1260,10 @@ def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any]) -> Any:
             "autobatch: called inside a function autobatch is running. Fix: call the inner "
             "function directly; it is recorded into the same graph."
         )
+    if not per_example and iterables:
+        out = _traced(fn, iterables)
+        if out is not _MISS:
+            return out
     rec, results, spec = record_examples(fn, *iterables)
     return pytree.tree_unflatten(_stack(rec, results), spec)
 
@@ -1297,18 +1345,183 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
     return out
 
 
+# ---------------------------------------------------------------------------- tensor rows
+class _Handle:
+    """An output recorded by a :class:`_Trace`: its index in the trace's values."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class _Untraceable(Exception):
+    """A recording on lazy rows that cannot stand for every example (see ``_traced``)."""
+
+
+class _Trace:
+    """What a recorder records into, in place of a Fold, when autobatch records ``fn`` once
+    on lazy rows: the calls in order, each with its arguments (handles of earlier outputs, or
+    literals made while recording) and the handle of its first output."""
+
+    def __init__(self, inputs: int) -> None:
+        self.size = inputs
+        self.calls: list[tuple[_Op, tuple[Any, ...], int, int | None]] = []
+
+    def op(self, op: _Op, outputs: int | None) -> Callable[..., Any]:
+        """A recorder like ``Fold.op``'s: ``record(*args)`` returns the output handle(s)."""
+        calls = self.calls
+
+        def record(*args: Any) -> Any:
+            first = self.size
+            calls.append((op, args, first, outputs))
+            if outputs is None:
+                self.size += 1
+                return _Handle(first)
+            self.size += outputs
+            return tuple([_Handle(first + j) for j in range(outputs)])
+
+        return record
+
+    def run(self, inputs: list[torch.Tensor], n: int) -> list[Any]:
+        """Every call once, on the whole batch of ``n`` examples, in recording order; the
+        values of all handles.  Outputs are checked against the shapes inferred while
+        recording (``_Untraceable`` where they differ)."""
+        values: list[Any] = [*inputs, *([None] * (self.size - len(inputs)))]
+        for op, args, first, outputs in self.calls:
+            out = op(*[_batch_value(a, values, n, op, inputs) for a in args])
+            outs = (out,) if outputs is None else out
+            if len(outs) != len(op.outs):
+                raise _Untraceable(f"{op.name} returned {len(outs)} outputs")
+            for j, (t, meta) in enumerate(zip(outs, op.outs)):
+                if t.shape[:1] != (n,) or t.shape[1:] != meta.shape or t.dtype != meta.dtype:
+                    raise _Untraceable(
+                        f"{op.name} returned {describe(t.shape, t.dtype)} for {n} examples of "
+                        f"{meta}"
+                    )
+                values[first + j] = t
+        return values
+
+
+_NUMBER_TYPES = {bool: torch.bool, int: torch.long}
+
+
+def _batch_value(a: Any, values: list[Any], n: int, op: _Op, inputs: list[torch.Tensor]) -> Any:
+    """An argument of ``op`` traced for all ``n`` examples: a handle's value; a list of
+    handles as a Ragged of ``n`` equal lists; a literal (one example's number or
+    batch-of-one tensor, the same for every example) repeated ``n`` times, numbers on the
+    op's device (of its parameters, else of the inputs), as ``_stack`` places them."""
+    t = type(a)
+    if t is _Handle:
+        return values[a.i]
+    if t is list:
+        if not a:
+            raise _Untraceable("an empty list argument")
+        flat = torch.stack([values[h.i] for h in a], 1).flatten(0, 1)
+        return Ragged(flat, torch.full((n,), len(a), dtype=torch.long, device=flat.device))
+    if t in (bool, int, float):
+        dtype = _NUMBER_TYPES.get(t, torch.get_default_dtype())
+        device = _op_device(op)
+        return torch.full(
+            (n,), a, dtype=dtype, device=inputs[0].device if device is None else device
+        )
+    if isinstance(a, torch.Tensor):  # a batch of one (see _Recorder._part)
+        return a.expand(n, *a.shape[1:]).contiguous()
+    raise _Untraceable(f"an argument of type {t.__name__}")
+
+
+def _trace_output(v: Any, values: list[Any], n: int, rec: _Recorder) -> Any:
+    """One leaf of ``fn``'s result for all ``n`` examples, as ``_stack`` stacks it."""
+    if type(v) is Lazy and v.rec is rec:
+        return values[v.node.i]
+    if isinstance(v, torch.Tensor):  # the same tensor for every example
+        return v.unsqueeze(0).expand(n, *v.shape).clone()
+    if v is None:
+        return None
+    if type(v) in (int, float, bool):
+        return torch.tensor([v] * n)
+    raise _Untraceable(f"a result of type {type(v).__name__}")
+
+
+# (fn's code, or the id of a callable object, and the metas of its rows) of calls that could
+# not be traced: they record per example at once (cleared by clear_cache).  A reused id only
+# sends another callable the per-example way, which gives the same results.
+_UNTRACEABLE: set[tuple[Any, ...]] = set()
+_UNTRACEABLE_MAX = 4096
+
+
+def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
+    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor: the
+    examples are the rows, so ``fn`` sees lazy rows standing for all of them (equal shapes,
+    no values it can read) and records the same calls for every example; each runs once on
+    the whole batch.  ``_MISS`` where the iterables are not all tensors, or ``fn`` cannot be
+    recorded or run this way (it reads a row, changes one in place, returns something else
+    than tensors or numbers, ...): autobatch then records per example, which gives the same
+    results, or the error that names the example."""
+    if not all(isinstance(t, torch.Tensor) and t.ndim for t in iterables):
+        return _MISS
+    n = min(len(t) for t in iterables)
+    metas = [_meta(t.shape[1:], t.dtype, t.device) for t in iterables]
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    key = (id(fn) if code is None else code, *metas)
+    if n == 0 or key in _UNTRACEABLE:
+        return _MISS
+    inputs = [t if len(t) == n else t[:n] for t in iterables]
+    trace = _Trace(len(inputs))
+    rec = _Recorder(trace)
+    rec.device = metas[0].device
+    rows = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
+    _install_module_call()
+    _LOCAL.rec = rec
+    try:
+        with collector_paused():
+            leaves, spec = pytree.tree_flatten(fn(*rows))
+    except Exception as err:
+        return _untraceable(key, "recording", err)
+    finally:
+        _LOCAL.rec = None
+    try:
+        values = trace.run(inputs, n)
+        out = [_trace_output(v, values, n, rec) for v in leaves]
+    except Exception as err:
+        return _untraceable(key, "running", err)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _untraceable(key: tuple[Any, ...], stage: str, err: Exception) -> Any:
+    if len(_UNTRACEABLE) >= _UNTRACEABLE_MAX:
+        _UNTRACEABLE.clear()
+    _UNTRACEABLE.add(key)
+    _LOG.debug(
+        "autobatch: %s %s on lazy rows failed (%s: %s); recording per example",
+        key[0],
+        stage,
+        type(err).__name__,
+        err,
+    )
+    return _MISS
+
+
 def _device(rec: _Recorder) -> torch.device | None:
     """Where the graph's literals go: the device of the recorded calls' parameters (of
     modules called, or shared tensors), else of the tensors made per example."""
     for op, _ in rec.fold.signatures:
         if type(op) is _Op:
-            for t in _tensors((op.args, op.kwargs)):
-                return t.device
-            for x in (op.fn, *op.args):
-                if isinstance(x, nn.Module):
-                    for t in x.parameters():
-                        return t.device
+            device = _op_device(op)
+            if device is not None:
+                return device
     return rec.device
+
+
+def _op_device(op: _Op) -> torch.device | None:
+    """The device of an op's shared tensors or of its module's parameters, if it has any."""
+    for t in _tensors((op.args, op.kwargs)):
+        return t.device
+    for x in (op.fn, *op.args):
+        if isinstance(x, nn.Module):
+            for t in x.parameters():
+                return t.device
+    return None
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
