@@ -755,7 +755,10 @@ def _fast_source(k: int) -> str:
     the recorder but the first, which may be a module (a batchable method's ``self``, or a
     module's submodule): the op key is the function, the kind, the module and the lazy
     values' metas, looked up in the recorder's ``_fast`` table, filled by ``record``'s slow
-    path; ``_MISS`` where the call does not fit or the key is new."""
+    path; ``_MISS`` where the call does not fit or the key is new.  At ``k <= 2`` also a
+    0-dim tensor made per example that travels as a number, after a module perhaps
+    (``model.embed(torch.tensor(word))``, ``cells.leaf(torch.tensor(word))``), keyed by the
+    module and the tensor's dtype and device (see ``_NUMBER_BRANCH``)."""
     names = [f"a{i}" for i in range(k)]
     lazy = " and ".join(f"type({a}) is Lazy and {a}.rec is rec" for a in names[1:]) or "True"
     metas = "".join(f", {a}.meta" for a in names[1:])
@@ -773,13 +776,33 @@ def _fast_source(k: int) -> str:
         f"                e = rec._fast.get((fn, kind, a0{metas}))\n"
         "                if e is not None:\n"
         f"                    return e({nodes})\n"
-        "        return MISS\n"
+        + _NUMBER_BRANCH.get(k, "")
+        + "        return MISS\n"
         "    return fast\n"
     )
 
 
+# The fast recorders' branch for a 0-dim tensor made per example that travels as a number,
+# last: alone (a module call), or after a module (a batchable method's self).
+_NUMBER_BRANCH = {
+    1: (
+        "            elif type(a0) is Tensor and not a0.ndim and not a0.requires_grad:\n"
+        "                e = rec._fast.get((fn, kind, a0.dtype, a0.device))\n"
+        "                if e is not None:\n"
+        "                    return e(a0.item())\n"
+    ),
+    2: (
+        "        elif type(a1) is Tensor and isinstance(a0, Module):\n"
+        "            if not a1.ndim and not a1.requires_grad:\n"
+        "                e = rec._fast.get((fn, kind, a0, a1.dtype, a1.device))\n"
+        "                if e is not None:\n"
+        "                    return e(a1.item())\n"
+    ),
+}
+
+
 def _make_fast(k: int) -> Callable[..., Any]:
-    env: dict[str, Any] = {}
+    env: dict[str, Any] = {"Tensor": torch.Tensor}
     exec(compile(_fast_source(k), f"<autobatch fast recorder {k}>", "exec"), env)
     return env["make"](Lazy, nn.Module, _MISS)
 
@@ -890,6 +913,16 @@ class _Recorder:
             )
         ):  # every argument lazy (but a module first): later calls take the fast path
             self._fast[key] = _emitter(r, op.wrap, self)
+        elif (
+            k <= 2
+            and not kwargs
+            and not lazies
+            and type(args[-1]) is torch.Tensor
+            and type(fargs[-1]) in (int, float, bool)  # the 0-dim tensor travelled as a number
+            and (k == 1 or isinstance(args[0], nn.Module))
+        ):  # a number tensor, after a module perhaps (see _NUMBER_BRANCH)
+            a = args[-1]
+            self._fast[(fn, kind, *args[:-1], a.dtype, a.device)] = _emitter(r, op.wrap, self)
         return out
 
     def _kw_part(

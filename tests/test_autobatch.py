@@ -45,6 +45,8 @@ def assert_same(fn, params, *iterables, loss=lambda out: out):
     got = fold.autobatch(fn, *iterables)
     want = eager_stack(fn, *iterables)
     torch.testing.assert_close(got, want)
+    if all(isinstance(it, torch.Tensor) for it in iterables):  # recorded once: per example too
+        torch.testing.assert_close(fold.autobatch(fn, *iterables, per_example=True), want)
     flat_got = [t for t in torch.utils._pytree.tree_leaves(got) if t.is_floating_point()]
     flat_want = [t for t in torch.utils._pytree.tree_leaves(want) if t.is_floating_point()]
     weights = [torch.randn_like(t) for t in flat_want]
@@ -167,6 +169,42 @@ def test_repeated_calls_take_the_fast_path_and_keep_shapes_apart():
     xs, ys = torch.randn(5, 3), torch.randn(5, 3)
     with_fast = assert_same(fn, list(lin.parameters()), xs, ys)
     assert with_fast.shape == (5, 6 + 6 + 12 + 9 + 3 + 6 + 9 + 9)
+
+
+def test_a_module_and_a_number_tensor_take_the_fast_path(monkeypatch):
+    """``model.embed(torch.tensor(word))`` seen before skips the key building too: keyed by
+    the module and the tensor's dtype and device, the word read with .item()."""
+    from fold.lazy import _Recorder
+
+    emb = nn.Embedding(10, 3)
+    parts = []
+    part = _Recorder._part
+    monkeypatch.setattr(
+        _Recorder, "_part", lambda self, a, *r: parts.append(a) or part(self, a, *r)
+    )
+
+    def fn(words):
+        out = emb(torch.tensor(words[0]))
+        for w in words[1:]:
+            out = out + emb(torch.tensor(w)) * 0.5
+        return out
+
+    class Cells(nn.Module):
+        @fold.batchable
+        def leaf(self, word):
+            return emb(word).tanh()
+
+    cells = Cells()
+
+    def method(words):
+        return sum(cells.leaf(torch.tensor(w)) for w in words)
+
+    examples = [[3, 1, 3, 7, 2], [4, 4], [9]]
+    for f in (fn, method):
+        parts.clear()
+        assert_same(f, list(emb.parameters()), examples)
+        # Only the first call builds its key from the word; the rest read it with .item().
+        assert sum(isinstance(p, torch.Tensor) for p in parts) == 1, f.__name__
 
 
 def test_negative_zero_is_a_constant_of_its_own():
