@@ -35,7 +35,12 @@ How a call is recorded (the choices the contract leaves open):
 - **How a group runs.**  Calls known to be batch-polymorphic run directly on the stacked
   arguments (elementwise ops, ``F.linear`` and ``nn.Linear``, ``nn.Embedding``, the RNN cells,
   activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
-  dim, a ``BatchModule``'s rows merged into its batch); every other call runs under
+  dim, a ``BatchModule``'s rows merged into its batch).  A group of ``@batchable``
+  per-example calls runs as the calls the function makes: the function is recorded once per
+  op on lazy values standing for a group (it can only see their shapes, so the recording
+  holds for every group) and each call it makes runs once on the group's batch, in its own
+  mode; a function that cannot be recorded so (it reads or changes a value, returns one
+  that depends on no argument) runs under vmap.  Every other call runs under
   ``torch.func.vmap`` (``randomness="different"``), which gives vmap's semantics.
   ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
   (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
@@ -212,6 +217,7 @@ def _tensors(t: Any) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------- modes
 _DIRECT, _VMAP, _BATCHED, _MODELS = "direct", "vmap", "batched", "model-batched"
+_PER_EXAMPLE = "per-example"  # the kind of a @batchable (not batched=True) call
 
 
 def _functions(names: str, *spaces: Any) -> set[Any]:
@@ -422,6 +428,9 @@ class _Op:
         self.single = True
         self.wrap: Callable[[Any, Any], Any] = _no_wrap
         self._vmapped: Callable[..., Any] | None = None
+        # A @batchable per-example function's calls recorded once (see _compile); False
+        # where that failed: the group runs under vmap.
+        self._program: Any = None
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -456,6 +465,15 @@ class _Op:
             return self.fn(*args, **kwargs)
         if mode is _MODELS:
             return self._models(values)
+        if self.kind is _PER_EXAMPLE and self._program is not False:
+            if self._program is None:
+                self._program = _compile(self)
+            if self._program is not False:
+                try:
+                    return self._program(values)
+                except Exception as err:  # vmap gives the same values, or the error
+                    self._program = False
+                    _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         return self._vmapped(*values)
@@ -1202,8 +1220,9 @@ def _install_module_call() -> None:
 class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
     """Mark a function or method as one recorded node per call inside :func:`autobatch`.
 
-    ``@fold.batchable`` on code written for ONE example (no batch dim): a group runs it
-    under ``torch.func.vmap``.  ``@fold.batchable(batched=True)`` on code written for a batch
+    ``@fold.batchable`` on code written for ONE example (no batch dim): a group runs the
+    calls it makes, recorded once, each on the whole group (under ``torch.func.vmap`` where
+    the function cannot be recorded so; see "How a group runs" in :mod:`fold.lazy`).  ``@fold.batchable(batched=True)`` on code written for a batch
     in dim 0, like an explicit fold op: a group runs it directly, a ``list`` of Lazy values
     arrives as a :class:`fold.Ragged`, and a call outside autobatch gets a batch of one (its
     tensors unsqueezed, lists as a one-list Ragged, outputs squeezed).  Outside autobatch the
@@ -1225,7 +1244,7 @@ class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
             if self.batched and not _LOCAL.running:
                 return _batch_of_one(self.fn, args, kwargs)
             return self.fn(*args, **kwargs)
-        return rec.record(self.fn, _BATCHED if self.batched else "per-example", args, kwargs)
+        return rec.record(self.fn, _BATCHED if self.batched else _PER_EXAMPLE, args, kwargs)
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         if obj is None:
@@ -1474,6 +1493,42 @@ def _trace_output(v: Any, values: list[Any], n: int, rec: _Recorder) -> Any:
     if type(v) in (int, float, bool):
         return torch.tensor([v] * n)
     raise _Untraceable(f"a result of type {type(v).__name__}")
+
+
+def _compile(op: _Op) -> Any:
+    """A ``@batchable`` per-example function as a program of the calls it makes, recorded
+    once on lazy values standing for a group (the op's per-example shapes): run on a
+    group's stacked values, each call runs once on the batch in its own mode (``cat`` with
+    its dim moved, ``nn.Linear`` directly, ...), where ``torch.func.vmap`` would run the whole
+    function with its per-op batching cost.  The recording depends only on the shapes (the
+    function cannot read values), so it is made once per op and kept.  False where the
+    function cannot be recorded so (it reads or changes a value, returns a value that
+    depends on no argument): the group runs under vmap."""
+    slots = _slots((op.args, op.kwargs))
+    if any(s.ragged or s.meta is None for s in slots):
+        return False
+    trace = _Trace(len(slots))
+    rec = _Recorder(trace)
+    lazies = [Lazy(_Handle(s.i), s.meta, rec) for s in sorted(slots, key=lambda s: s.i)]
+    outer = _LOCAL.rec
+    _LOCAL.rec = rec
+    try:
+        leaves = pytree.tree_leaves(op.per_example(*lazies))
+    except Exception as err:
+        _LOG.debug("autobatch: %s cannot be recorded once (%s); vmap runs it", op, err)
+        return False
+    finally:
+        _LOCAL.rec = outer
+    if not all(type(v) is Lazy and v.rec is rec for v in leaves):
+        return False
+    handles = [v.node.i for v in leaves]
+    single = op.single
+
+    def program(values: tuple[Any, ...]) -> Any:
+        got = trace.run(list(values), values[0].shape[0])
+        return got[handles[0]] if single else tuple([got[h] for h in handles])
+
+    return program
 
 
 # (fn's code, or the id of a callable object, and the metas of its rows) of calls that could

@@ -518,6 +518,47 @@ def test_batch_module_call_per_example():
     assert any(op.fn is bm and op.mode == "model-batched" for op in _OPS.values())
 
 
+def test_batchable_function_runs_as_its_calls_not_under_vmap():
+    """A group of @batchable per-example calls runs as the calls the function makes,
+    recorded once on lazy values (each call on the batch in its own mode), not under vmap;
+    one that returns a value depending on no argument, or reads one, runs under vmap."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6)
+    w = nn.Parameter(torch.randn(3, 3))
+
+    @fold.batchable
+    def inner(a):
+        return torch.softmax(a, -1) * a[0]
+
+    @fold.batchable
+    def cell(a, b):
+        p, q = lin(torch.cat([a, b])).chunk(2)
+        return inner(p) + q @ w * torch.ones(3), torch.stack([a, b]).mean(0)
+
+    @fold.batchable
+    def constant(a):
+        return torch.ones(3) + 0 * a.sum(), torch.ones(2)
+
+    def fn(x):
+        a, b = x.chunk(2)
+        h, m = cell(a, b)
+        return h, m, constant(h)
+
+    xs = [torch.randn(6) for _ in range(5)]
+    assert_same(fn, [*lin.parameters(), w], xs)
+    programs = {op.name: op._program for op in _OPS.values() if op.kind == "per-example"}
+    assert callable(
+        programs["test_batchable_function_runs_as_its_calls_not_under_vmap.<locals>.cell"]
+    )
+    assert callable(
+        programs["test_batchable_function_runs_as_its_calls_not_under_vmap.<locals>.inner"]
+    )
+    assert (
+        programs["test_batchable_function_runs_as_its_calls_not_under_vmap.<locals>.constant"]
+        is False
+    )
+
+
 def test_batchable_outside_autobatch_is_plain_eager():
     @fold.batchable
     def per_example(x):
