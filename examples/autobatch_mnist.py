@@ -5,9 +5,10 @@
 
 ``sample_loss`` is the loss of ONE image, the way a per-sample loop writes it: the image as
 it comes, no batch dim, ``model(image.flatten())`` and ``F.cross_entropy`` on its logits.
-``fold.autobatch(sample_loss, images, labels)`` records it for every image of a batch and runs
-one batched forward; the result is the (batch,) tensor of per-sample losses, the same values
-and gradients as the loop.  The script trains, reports test accuracy, and times a step
+``fold.autobatch(sample_loss, images, labels)`` records it once, on lazy rows standing for
+the batch's images and labels (every iterable is a tensor, so every sample records the same
+calls), and runs each call once on the batch; the result is the (batch,) tensor of
+per-sample losses, the same values and gradients as the loop.  The script trains, reports test accuracy, and times a step
 against the loop run eagerly and against the usual batched step.
 """
 
