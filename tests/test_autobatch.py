@@ -515,6 +515,10 @@ def test_batch_module_call_per_example():
     xs = [torch.randn(3, 2, 4) for _ in range(5)]
     out = assert_same(lambda x: bm(x).square(), list(bm.parameters()), xs)
     assert out.shape == (5, 3, 2, 2)
+    # Rows of a tensor: recorded once, the models' rows merged the same way.
+    f = Counted(lambda x: bm(x).square())
+    assert_same(f, list(bm.parameters()), torch.stack(xs))
+    assert f.calls == 1 + 5 + 5
     assert any(op.fn is bm and op.mode == "model-batched" for op in _OPS.values())
 
 
