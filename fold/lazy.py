@@ -39,8 +39,8 @@ How a call is recorded (the choices the contract leaves open):
   per-example calls runs as the calls the function makes: the function is recorded once per
   op on lazy values standing for a group (it can only see their shapes, so the recording
   holds for every group) and each call it makes runs once on the group's batch, in its own
-  mode; a function that cannot be recorded so (it reads or changes a value, returns one
-  that depends on no argument) runs under vmap.  Every other call runs under
+  mode; a function that cannot be recorded so (it reads or changes a value, draws random
+  numbers eagerly, returns one that depends on no argument) runs under vmap.  Every other call runs under
   ``torch.func.vmap`` (``randomness="different"``), which gives vmap's semantics.
   ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
   (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
@@ -78,9 +78,12 @@ How a call is recorded (the choices the contract leaves open):
   is what ``torch.vmap(fn)(images, labels)`` computes, without vmap's per-op cost where a
   call runs directly.  It falls back to recording per example, which gives the same values
   (or the error naming the example), where ``fn`` reads a row (``int(label)``), changes one in
-  place, returns something other than tensors and numbers, gives a ``batched=True`` function
-  an empty list, or a call's batched output disagrees with the shape inferred for it; that
-  function (by its code) and row shapes then record per example from the start.
+  place, draws random numbers eagerly (``torch.randn(3)`` with no lazy argument: one draw
+  would be shared by every example; the random state is put back, so per example it draws
+  what eager code draws), returns something other than tensors and numbers, gives a
+  ``batched=True`` function an empty list, or a call's batched output disagrees with the
+  shape inferred for it; that function (by its code) and row shapes then record per
+  example from the start.  (Shape inference never draws from the random stream.)
   Consequences: ``fn`` runs once, not once per example (its side effects happen once; as
   elsewhere the functions are taken as pure), and results may be views of the inputs where
   a call returns one (``x[0]``), as under vmap.  ``autobatch(..., per_example=True)`` always
@@ -1109,6 +1112,7 @@ class _Recorder:
         self.paused = True
         running = op.kind == _BATCHED
         _LOCAL.running += running
+        rng = _rng_states()  # inference draws nothing from the user's random stream
         try:
             try:
                 out = self._run_fake(op, slots)
@@ -1123,6 +1127,7 @@ class _Recorder:
         finally:
             self.paused = False
             _LOCAL.running -= running
+            _rng_restore(rng)
         leaves, treedef = pytree.tree_flatten(out)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             raise FoldError(
@@ -1222,7 +1227,8 @@ class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
 
     ``@fold.batchable`` on code written for ONE example (no batch dim): a group runs the
     calls it makes, recorded once, each on the whole group (under ``torch.func.vmap`` where
-    the function cannot be recorded so; see "How a group runs" in :mod:`fold.lazy`).  ``@fold.batchable(batched=True)`` on code written for a batch
+    the function cannot be recorded so; see "How a group runs" in :mod:`fold.lazy`).
+    ``@fold.batchable(batched=True)`` on code written for a batch
     in dim 0, like an explicit fold op: a group runs it directly, a ``list`` of Lazy values
     arrives as a :class:`fold.Ragged`, and a call outside autobatch gets a batch of one (its
     tensors unsqueezed, lists as a one-list Ragged, outputs squeezed).  Outside autobatch the
@@ -1398,6 +1404,27 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------- tensor rows
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states: the CPU's, and the current CUDA device's once CUDA
+    is initialised.  A recording made once stands for many calls; a random draw made
+    eagerly while recording would be shared by all of them, so a change between two of
+    these marks such a recording as unusable (see ``_traced`` and ``_compile``)."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _rng_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _rng_restore(states: list[torch.Tensor]) -> None:
+    torch.random.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
 class _Handle:
     """An output recorded by a :class:`_Trace`: its index in the trace's values."""
 
@@ -1512,9 +1539,13 @@ def _compile(op: _Op) -> Any:
     lazies = [Lazy(_Handle(s.i), s.meta, rec) for s in sorted(slots, key=lambda s: s.i)]
     outer = _LOCAL.rec
     _LOCAL.rec = rec
+    rng = _rng_states()
     try:
         leaves = pytree.tree_leaves(op.per_example(*lazies))
+        if not _rng_same(rng, _rng_states()):  # a draw would be kept for every group
+            raise _Untraceable("the function drew random numbers while recording")
     except Exception as err:
+        _rng_restore(rng)
         _LOG.debug("autobatch: %s cannot be recorded once (%s); vmap runs it", op, err)
         return False
     finally:
@@ -1561,10 +1592,14 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     rows = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
     _install_module_call()
     _LOCAL.rec = rec
+    rng = _rng_states()
     try:
         with collector_paused():
             leaves, spec = pytree.tree_flatten(fn(*rows))
+        if not _rng_same(rng, _rng_states()):
+            raise _Untraceable("fn drew random numbers while recording")
     except Exception as err:
+        _rng_restore(rng)  # per example, fn draws what it would have drawn eagerly
         return _untraceable(key, "recording", err)
     finally:
         _LOCAL.rec = None

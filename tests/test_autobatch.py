@@ -491,6 +491,36 @@ def test_tensor_rows_that_cannot_be_traced_record_per_example():
         assert f.calls == 4, fn.__name__
 
 
+def test_random_draws_are_not_shared_by_a_recording_made_once():
+    """A tensor drawn eagerly inside fn (torch.randn with no lazy argument) differs per
+    example: a recording made once would share one draw, so autobatch records per example,
+    drawing the same numbers as eager code from the same seed; a @batchable function that
+    draws runs under vmap (a draw per row and per call), not as a recording kept for every
+    group."""
+    lin = nn.Linear(3, 3)
+    x = torch.randn(4, 3)
+
+    def noisy(r):
+        return lin(r) + torch.randn(3)
+
+    torch.manual_seed(1)
+    got = fold.autobatch(noisy, x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, eager_stack(noisy, x))
+
+    @fold.batchable
+    def jitter(a):
+        return a + torch.randn(3)
+
+    def fn(r):
+        return jitter(lin(r)) - lin(r)
+
+    first, second = fold.autobatch(fn, [*x]), fold.autobatch(fn, [*x])
+    assert not torch.allclose(first[0], first[1])  # a draw per row
+    assert not torch.allclose(first, second)  # and per call
+    assert {op._program for op in _OPS.values() if op.fn is jitter.fn} == {False}
+
+
 def test_tensor_rows_stop_at_the_shortest_and_keep_errors():
     """Rows of unequal tensors pair up as zip pairs them; an error inside a batched call
     still names the user's line (from the per-example recording autobatch falls back to)."""
