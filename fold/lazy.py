@@ -83,7 +83,10 @@ How a call is recorded (the choices the contract leaves open):
   what eager code draws), returns something other than tensors and numbers, gives a
   ``batched=True`` function an empty list, or a call's batched output disagrees with the
   shape inferred for it; that function (by its code) and row shapes then record per
-  example from the start.  (Shape inference never draws from the random stream.)
+  example from the start.  (Shape inference never draws from the random stream.)  Only
+  torch's default generators are checked: a draw from Python's ``random`` or numpy inside
+  ``fn`` (a coin flip for augmentation) is made once and shared by every row; checking
+  their states costs 30-90 us a call, so such code should pass ``per_example=True``.
   Consequences: ``fn`` runs once, not once per example (its side effects happen once; as
   elsewhere the functions are taken as pure), and results may be views of the inputs where
   a call returns one (``x[0]``), as under vmap.  ``autobatch(..., per_example=True)`` always
