@@ -362,23 +362,33 @@ def test_cross_entropy_ignored_target_is_nan_as_eager():
     assert got[1].isnan()
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"reduction": "sum"}, {"reduction": "none"}, {"size_average": False}, {"reduce": False}],
+)
 @pytest.mark.parametrize("per_example", [True, False])
-def test_cross_entropy_reductions_with_ignored_targets(reduction, per_example):
+def test_cross_entropy_reductions_with_ignored_targets(kw, per_example):
     """An ignored target: nan for one example's mean, 0 for its sum, as eager gives; the
-    legacy size_average/reduce arguments (which override reduction) too."""
+    legacy size_average/reduce arguments (which override reduction) too.  Gradients equal
+    eager's where the value is a number."""
     lin = nn.Linear(3, 4)
     x, y = torch.randn(4, 3), torch.tensor([1, -100, 2, 0])
-    for kw in ({"reduction": reduction}, {"size_average": False}, {"reduce": False}):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # the legacy arguments' warning
 
-            def fn(a, b, kw=kw):
-                return F.cross_entropy(lin(a), b, **kw)
+    def fn(a, b):
+        return F.cross_entropy(lin(a), b, **kw)
 
-            got = fold.autobatch(fn, x, y, per_example=per_example)
-            want = eager_stack(fn, x, y)
-        torch.testing.assert_close(got, want, equal_nan=True, msg=str(kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the legacy arguments' warning
+        got = fold.autobatch(fn, x, y, per_example=per_example)
+        want = eager_stack(fn, x, y)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    w = torch.randn(4)
+    grads = [
+        torch.autograd.grad((torch.where(want.isnan(), 0.0, out) * w).sum(), [*lin.parameters()])
+        for out in (got, want)
+    ]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
 
 
 # ---------------------------------------------------------------------------- tensor rows
