@@ -37,11 +37,13 @@ How a call is recorded (the choices the contract leaves open):
   activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
   dim, a ``BatchModule``'s rows merged into its batch).  A group of ``@batchable``
   per-example calls runs as the calls the function makes: the function is recorded once per
-  op on lazy values standing for a group (it can only see their shapes, so the recording
-  holds for every group) and each call it makes runs once on the group's batch, in its own
-  mode; a function that cannot be recorded so (it reads or changes a value, draws random
-  numbers eagerly, returns one that depends on no argument) runs under vmap.  Every other call runs under
-  ``torch.func.vmap`` (``randomness="different"``), which gives vmap's semantics.
+  op and autobatch call on lazy values standing for a group (it can only see their shapes,
+  so the recording holds for every group of the call; the next call records it again, so
+  Python state it reads, such as ``self.training``, is read afresh) and each call it makes
+  runs once on the group's batch, in its own mode; a function that cannot be recorded so
+  (it reads or changes a value, draws random numbers eagerly, returns one that depends on
+  no argument) runs under vmap.  Every other call runs under ``torch.func.vmap``
+  (``randomness="different"``), which gives vmap's semantics.
   ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
   (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
   :class:`fold.Ragged` (lists may differ in length across the group).
@@ -95,6 +97,7 @@ How a call is recorded (the choices the contract leaves open):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
 import logging
@@ -127,6 +130,9 @@ class _Local(threading.local):
     # > 0 while a batched=True function runs on a batch (a group, or a batch of one): the
     # batchable functions it calls run as they are, already on the batch.
     running = 0
+    # While an autobatch call runs its calls: the @batchable functions recorded once for this
+    # call (see _compile), by op; None outside.
+    programs: dict[Any, Any] | None = None
 
 
 _LOCAL = _Local()
@@ -434,9 +440,6 @@ class _Op:
         self.single = True
         self.wrap: Callable[[Any, Any], Any] = _no_wrap
         self._vmapped: Callable[..., Any] | None = None
-        # A @batchable per-example function's calls recorded once (see _compile); False
-        # where that failed: the group runs under vmap.
-        self._program: Any = None
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -471,14 +474,18 @@ class _Op:
             return self.fn(*args, **kwargs)
         if mode is _MODELS:
             return self._models(values)
-        if self.kind is _PER_EXAMPLE and self._program is not False:
-            if self._program is None:
-                self._program = _compile(self)
-            if self._program is not False:
+        if self.kind is _PER_EXAMPLE:
+            programs = _LOCAL.programs
+            if programs is None:  # not inside an autobatch call's run: for this group only
+                programs = {}
+            program = programs.get(self)
+            if program is None:
+                program = programs[self] = _compile(self)
+            if program is not False:
                 try:
-                    return self._program(values)
+                    return program(values)
                 except Exception as err:  # vmap gives the same values, or the error
-                    self._program = False
+                    programs[self] = False
                     _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
@@ -1397,7 +1404,8 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
         device = _device(rec)
         obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
         try:
-            values = rec.fold.apply(obj, lists)
+            with _call_programs():
+                values = rec.fold.apply(obj, lists)
         except FoldError as err:
             raise _explained(err) from err.__cause__
         for j, w in enumerate(where):
@@ -1525,13 +1533,27 @@ def _trace_output(v: Any, values: list[Any], n: int, rec: _Recorder) -> Any:
     raise _Untraceable(f"a result of type {type(v).__name__}")
 
 
+@contextlib.contextmanager
+def _call_programs() -> Any:
+    """The scope of one autobatch call's run: @batchable functions are recorded once in it
+    (``_compile``) and the recordings dropped at its end, so the next call records them
+    afresh, reading the state they read then (``self.training``, a flag)."""
+    outer = _LOCAL.programs
+    _LOCAL.programs = {}
+    try:
+        yield
+    finally:
+        _LOCAL.programs = outer
+
+
 def _compile(op: _Op) -> Any:
     """A ``@batchable`` per-example function as a program of the calls it makes, recorded
     once on lazy values standing for a group (the op's per-example shapes): run on a
     group's stacked values, each call runs once on the batch in its own mode (``cat`` with
     its dim moved, ``nn.Linear`` directly, ...), where ``torch.func.vmap`` would run the whole
     function with its per-op batching cost.  The recording depends only on the shapes (the
-    function cannot read values), so it is made once per op and kept.  False where the
+    function cannot read values) and on Python state the function reads (``self.training``),
+    so it is made once per op and autobatch call (see ``_call_programs``).  False where the
     function cannot be recorded so (it reads or changes a value, returns a value that
     depends on no argument): the group runs under vmap."""
     slots = _slots((op.args, op.kwargs))
@@ -1607,7 +1629,8 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     finally:
         _LOCAL.rec = None
     try:
-        values = trace.run(inputs, n)
+        with _call_programs():
+            values = trace.run(inputs, n)
         out = [_trace_output(v, values, n, rec) for v in leaves]
     except Exception as err:
         return _untraceable(key, "running", err)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
+import fold.lazy
 from fold.lazy import _OPS, Lazy
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.treebank import Tree, random_dep_tree, random_tree
@@ -528,7 +529,29 @@ def test_random_draws_are_not_shared_by_a_recording_made_once():
     first, second = fold.autobatch(fn, [*x]), fold.autobatch(fn, [*x])
     assert not torch.allclose(first[0], first[1])  # a draw per row
     assert not torch.allclose(first, second)  # and per call
-    assert {op._program for op in _OPS.values() if op.fn is jitter.fn} == {False}
+    (op,) = [op for op in _OPS.values() if op.fn is jitter.fn]
+    assert fold.lazy._compile(op) is False
+
+
+def test_a_batchable_function_reads_its_state_in_each_call():
+    """A @batchable function recorded once reads Python state (self.training) when recorded:
+    each autobatch call records it again, so model.eval() between calls is seen."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @fold.batchable
+        def cell(self, x):
+            return F.dropout(self.lin(x), 0.5, training=self.training) * 2.0
+
+    net = Net()
+    xs = [torch.randn(4) for _ in range(6)]
+    train = fold.autobatch(net.cell, xs)
+    assert (train == 0).any()  # dropout in training mode
+    net.eval()
+    assert_same(net.cell, list(net.parameters()), xs)
 
 
 def test_tensor_rows_stop_at_the_shortest_and_keep_errors():
@@ -588,9 +611,20 @@ def test_batchable_function_runs_as_its_calls_not_under_vmap():
         h, m = cell(a, b)
         return h, m, constant(h)
 
-    xs = [torch.randn(6) for _ in range(5)]
-    assert_same(fn, [*lin.parameters(), w], xs)
-    programs = {op.name: op._program for op in _OPS.values() if op.kind == "per-example"}
+    made = {}
+    compile_ = fold.lazy._compile
+
+    def spy(op):
+        made[op.name] = compile_(op)
+        return made[op.name]
+
+    fold.lazy._compile = spy
+    try:
+        xs = [torch.randn(6) for _ in range(5)]
+        assert_same(fn, [*lin.parameters(), w], xs)
+    finally:
+        fold.lazy._compile = compile_
+    programs = made
     assert callable(
         programs["test_batchable_function_runs_as_its_calls_not_under_vmap.<locals>.cell"]
     )
