@@ -51,6 +51,10 @@ How a call is recorded (the choices the contract leaves open):
   tensors (no computation; a batch of one on zeros where fake tensors cannot run the op) and
   cached, so ``x.shape``, ``x.size()`` and ``len(x)`` are known while recording.  A shape
   error in the per-example code surfaces there, as a FoldError naming the line.
+- **Gradient mode.**  A call recorded under ``torch.no_grad()`` (a target network, a
+  stop-gradient) is another op than the same call recorded with gradients on, and its group
+  runs under ``torch.no_grad()``: no gradient reaches its parameters or flows through its
+  results, as in eager code.
 - **Identical calls** on identical arguments share one node (fold memoises records): the
   functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
 - **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
@@ -440,6 +444,9 @@ class _Op:
         self.single = True
         self.wrap: Callable[[Any, Any], Any] = _no_wrap
         self._vmapped: Callable[..., Any] | None = None
+        # Whether the call was recorded with gradients on; a group of calls recorded under
+        # torch.no_grad() (a target network, a stop-gradient) runs under it too.
+        self.grad = True
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -451,7 +458,11 @@ class _Op:
 
     def __call__(self, *values: Any) -> Any:
         try:
-            out = self._run(values)
+            if self.grad:
+                out = self._run(values)
+            else:
+                with torch.no_grad():
+                    out = self._run(values)
         except Exception as err:
             raise _OpFailed(self, values) from err
         if self.single:
@@ -543,6 +554,8 @@ class _OpFailed(Exception):
 
 
 _OPS: dict[Any, _Op] = {}
+# The same for calls recorded with gradients off (torch.no_grad(), inference_mode): other ops.
+_NO_GRAD_OPS: dict[Any, _Op] = {}
 # Keyword arguments that are constants only (numbers, strings, None), as F.cross_entropy's
 # defaults: (names, ids of the values) -> (the values, their key part), made once (see
 # _Recorder.record).
@@ -556,6 +569,7 @@ def clear_cache() -> None:
     parameters they hold), and put back the ``nn.Module.__call__`` that autobatch's
     pass-through wrapper replaced (see ``_install_module_call``)."""
     _OPS.clear()
+    _NO_GRAD_OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
@@ -885,7 +899,8 @@ class _Recorder:
         the node, and return its outputs as Lazy values.  The recording hot path: a call
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
-        if not kwargs:
+        grad = torch.is_grad_enabled()
+        if not kwargs and grad:  # (the fast table holds calls recorded with grad on)
             fast = _FAST.get(len(args))
             if fast is not None:
                 out = fast(self, fn, kind, args)
@@ -921,9 +936,11 @@ class _Recorder:
         if not fargs:  # nothing batched: it runs now, as eager code
             return self._eager(fn, kind, args, kwargs)
         key = tuple(parts)
-        op = _OPS.get(key)
+        ops = _OPS if grad else _NO_GRAD_OPS
+        op = ops.get(key)
         if op is None:
-            op = _OPS[key] = self._new_op(key, len(args), fn, kind, shared)
+            op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
+            op.grad = grad
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
@@ -933,6 +950,8 @@ class _Recorder:
         else:
             out = op.wrap(r(*fargs), self)
         k = len(args)
+        if not grad:
+            return out
         if (
             k in _FAST
             and not kwargs

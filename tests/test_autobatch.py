@@ -637,6 +637,30 @@ def test_batchable_function_runs_as_its_calls_not_under_vmap():
     )
 
 
+def test_no_grad_regions_stop_gradients_as_eager():
+    """Calls recorded under torch.no_grad() (a target network, a stop-gradient) run under it:
+    no gradient reaches their parameters or flows through their results, as in eager code.
+    Before, they ran with gradients on: the target network got gradients, the rest wrong ones."""
+    torch.manual_seed(0)
+    lin, tgt = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    @fold.batchable
+    def mix(a, b):
+        return torch.tanh(a) * b
+
+    def fn(x):
+        h = lin(x)
+        with torch.no_grad():
+            t = mix(tgt(h), h) + 1.0
+        return (h - t).square().sum(), h * t
+
+    x = torch.randn(5, 3)
+    assert_same(fn, [*lin.parameters(), *tgt.parameters()], x)
+    assert_same(fn, [*lin.parameters(), *tgt.parameters()], [*x])
+    grads = torch.autograd.grad(fold.autobatch(fn, x)[0].sum(), [tgt.weight], allow_unused=True)
+    assert grads == (None,)
+
+
 def test_batchable_outside_autobatch_is_plain_eager():
     @fold.batchable
     def per_example(x):
