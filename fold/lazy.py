@@ -51,10 +51,11 @@ How a call is recorded (the choices the contract leaves open):
   tensors (no computation; a batch of one on zeros where fake tensors cannot run the op) and
   cached, so ``x.shape``, ``x.size()`` and ``len(x)`` are known while recording.  A shape
   error in the per-example code surfaces there, as a FoldError naming the line.
-- **Gradient mode.**  A call recorded under ``torch.no_grad()`` (a target network, a
-  stop-gradient) is another op than the same call recorded with gradients on, and its group
-  runs under ``torch.no_grad()``: no gradient reaches its parameters or flows through its
-  results, as in eager code.
+- **Gradient and autocast mode.**  A call recorded under ``torch.no_grad()`` (a target
+  network, a stop-gradient) or in a ``torch.autocast`` region is another op than the same
+  call recorded with gradients on and no autocast, and its group runs in the mode it was
+  recorded in: no gradient reaches a no-grad call's parameters or flows through its
+  results, and an autocast call computes in the autocast dtype, as in eager code.
 - **Identical calls** on identical arguments share one node (fold memoises records): the
   functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
 - **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
@@ -444,9 +445,10 @@ class _Op:
         self.single = True
         self.wrap: Callable[[Any, Any], Any] = _no_wrap
         self._vmapped: Callable[..., Any] | None = None
-        # Whether the call was recorded with gradients on; a group of calls recorded under
-        # torch.no_grad() (a target network, a stop-gradient) runs under it too.
-        self.grad = True
+        # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
+        # usual one; a group runs in it (a target network under torch.no_grad(), a region
+        # under torch.autocast).
+        self.recorded_in: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -458,10 +460,10 @@ class _Op:
 
     def __call__(self, *values: Any) -> Any:
         try:
-            if self.grad:
+            if self.recorded_in is None and torch.is_grad_enabled() and not _any_autocast():
                 out = self._run(values)
-            else:
-                with torch.no_grad():
+            else:  # run in the mode the calls were recorded in
+                with _in_mode(self.recorded_in or _USUAL_MODE):
                     out = self._run(values)
         except Exception as err:
             raise _OpFailed(self, values) from err
@@ -553,9 +555,55 @@ class _OpFailed(Exception):
         self.values = values
 
 
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    out = []
+    for dt in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            torch.is_autocast_enabled(dt)
+        except Exception:  # a device type this build has no autocast for
+            continue
+        out.append(dt)
+    return tuple(out)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+_USUAL_MODE: tuple[Any, ...] = (True, ())
+
+
+def _current_mode() -> tuple[Any, ...]:
+    """(gradients on?, ((device type, autocast dtype), ...) for each autocast region on)."""
+    casts: tuple[Any, ...] = ()
+    if _any_autocast():
+        casts = tuple(
+            (dt, torch.get_autocast_dtype(dt))
+            for dt in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(dt)
+        )
+    return (torch.is_grad_enabled(), casts)
+
+
+@contextlib.contextmanager
+def _in_mode(mode: tuple[Any, ...]) -> Any:
+    """Gradients and autocast set as ``mode`` says, whatever they are now."""
+    grad, casts = mode
+    want = dict(casts)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for dt in _AUTOCAST_DEVICES:
+            if dt in want:
+                stack.enter_context(torch.autocast(dt, dtype=want[dt]))
+            elif torch.is_autocast_enabled(dt):
+                stack.enter_context(torch.autocast(dt, enabled=False))
+        yield
+
+
 _OPS: dict[Any, _Op] = {}
-# The same for calls recorded with gradients off (torch.no_grad(), inference_mode): other ops.
-_NO_GRAD_OPS: dict[Any, _Op] = {}
+# The same for calls recorded in another grad/autocast mode (torch.no_grad(), an autocast
+# region): other ops, by mode.
+_MODE_OPS: dict[tuple[Any, ...], dict[Any, _Op]] = {}
 # Keyword arguments that are constants only (numbers, strings, None), as F.cross_entropy's
 # defaults: (names, ids of the values) -> (the values, their key part), made once (see
 # _Recorder.record).
@@ -569,7 +617,7 @@ def clear_cache() -> None:
     parameters they hold), and put back the ``nn.Module.__call__`` that autobatch's
     pass-through wrapper replaced (see ``_install_module_call``)."""
     _OPS.clear()
-    _NO_GRAD_OPS.clear()
+    _MODE_OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
@@ -899,8 +947,10 @@ class _Recorder:
         the node, and return its outputs as Lazy values.  The recording hot path: a call
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
-        grad = torch.is_grad_enabled()
-        if not kwargs and grad:  # (the fast table holds calls recorded with grad on)
+        # The grad/autocast mode the call is recorded in; None for the usual one (gradients
+        # on, no autocast), the only one the fast table holds.
+        mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
+        if not kwargs and mode is None:
             fast = _FAST.get(len(args))
             if fast is not None:
                 out = fast(self, fn, kind, args)
@@ -936,11 +986,11 @@ class _Recorder:
         if not fargs:  # nothing batched: it runs now, as eager code
             return self._eager(fn, kind, args, kwargs)
         key = tuple(parts)
-        ops = _OPS if grad else _NO_GRAD_OPS
+        ops = _OPS if mode is None else _MODE_OPS.setdefault(mode, {})
         op = ops.get(key)
         if op is None:
             op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
-            op.grad = grad
+            op.recorded_in = mode
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
@@ -950,7 +1000,7 @@ class _Recorder:
         else:
             out = op.wrap(r(*fargs), self)
         k = len(args)
-        if not grad:
+        if mode is not None:
             return out
         if (
             k in _FAST
