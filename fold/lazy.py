@@ -1615,6 +1615,32 @@ def _call_programs() -> Any:
         _LOCAL.programs = outer
 
 
+def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder, _Trace, Any]:
+    """``fn`` called once on lazy values of these metas, recorded into a :class:`_Trace`
+    (the recording that stands for many calls: a whole batch of tensor rows, or every group
+    of a batchable op): ``(recorder, trace, fn's result)``.  Raises what ``fn`` raises (a
+    read, an in-place change), and ``_Untraceable`` where ``fn`` drew from torch's random
+    generators eagerly, which would share one draw; the random state is then put back, so
+    what runs ``fn`` instead draws what eager code draws."""
+    trace = _Trace(len(metas))
+    rec = _Recorder(trace)
+    lazies = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
+    outer = _LOCAL.rec
+    _LOCAL.rec = rec
+    rng = _rng_states()
+    try:
+        with collector_paused():
+            out = fn(*lazies)
+        if not _rng_same(rng, _rng_states()):
+            raise _Untraceable("the function drew random numbers while recording")
+    except Exception:
+        _rng_restore(rng)
+        raise
+    finally:
+        _LOCAL.rec = outer
+    return rec, trace, out
+
+
 def _compile(op: _Op) -> Any:
     """A ``@batchable`` per-example function as a program of the calls it makes, recorded
     once on lazy values standing for a group (the op's per-example shapes): run on a
@@ -1625,25 +1651,15 @@ def _compile(op: _Op) -> Any:
     so it is made once per op and autobatch call (see ``_call_programs``).  False where the
     function cannot be recorded so (it reads or changes a value, returns a value that
     depends on no argument): the group runs under vmap."""
-    slots = _slots((op.args, op.kwargs))
+    slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if any(s.ragged or s.meta is None for s in slots):
         return False
-    trace = _Trace(len(slots))
-    rec = _Recorder(trace)
-    lazies = [Lazy(_Handle(s.i), s.meta, rec) for s in sorted(slots, key=lambda s: s.i)]
-    outer = _LOCAL.rec
-    _LOCAL.rec = rec
-    rng = _rng_states()
     try:
-        leaves = pytree.tree_leaves(op.per_example(*lazies))
-        if not _rng_same(rng, _rng_states()):  # a draw would be kept for every group
-            raise _Untraceable("the function drew random numbers while recording")
+        rec, trace, out = _record_once(op.per_example, [s.meta for s in slots])
     except Exception as err:
-        _rng_restore(rng)
         _LOG.debug("autobatch: %s cannot be recorded once (%s); vmap runs it", op, err)
         return False
-    finally:
-        _LOCAL.rec = outer
+    leaves = pytree.tree_leaves(out)
     if not all(type(v) is Lazy and v.rec is rec for v in leaves):
         return False
     handles = [v.node.i for v in leaves]
@@ -1680,23 +1696,12 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     if n == 0 or key in _UNTRACEABLE:
         return _MISS
     inputs = [t if len(t) == n else t[:n] for t in iterables]
-    trace = _Trace(len(inputs))
-    rec = _Recorder(trace)
-    rec.device = metas[0].device
-    rows = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
     _install_module_call()
-    _LOCAL.rec = rec
-    rng = _rng_states()
     try:
-        with collector_paused():
-            leaves, spec = pytree.tree_flatten(fn(*rows))
-        if not _rng_same(rng, _rng_states()):
-            raise _Untraceable("fn drew random numbers while recording")
+        rec, trace, out = _record_once(fn, metas)
     except Exception as err:
-        _rng_restore(rng)  # per example, fn draws what it would have drawn eagerly
         return _untraceable(key, "recording", err)
-    finally:
-        _LOCAL.rec = None
+    leaves, spec = pytree.tree_flatten(out)
     try:
         with _call_programs():
             values = trace.run(inputs, n)
