@@ -455,9 +455,13 @@ class Fold:
         key = (len(self), len(self.nobatch_ids))
         cached = self._snapshot
         if cached is None or cached[0] != key:
-            arrays = GraphArrays(
-                self.signatures, self._memos, self._targs, self.nobatch_ids, self._node_type, key[0]
-            )
+            sigs, memos, targs = self.signatures, self._memos, self._targs
+            if not all(memos):
+                # A call that raised after its signature was made (a list holding a node of
+                # another Fold, a handle beyond int64) leaves it empty: it has no group.
+                keep = [i for i, m in enumerate(memos) if m]
+                sigs, memos, targs = ([x[i] for i in keep] for x in (sigs, memos, targs))
+            arrays = GraphArrays(sigs, memos, targs, self.nobatch_ids, self._node_type, key[0])
             cached = self._snapshot = (key, arrays)
         return cached[1]
 

@@ -211,6 +211,31 @@ def test_exception_inside_an_op_is_chained_and_the_fold_stays_usable() -> None:
     assert f.to_networkx().number_of_nodes() == 8
 
 
+@pytest.mark.parametrize("bad", ["foreign list element", "handle beyond int64"])
+def test_a_refused_call_leaves_the_fold_usable(bad: str) -> None:
+    """A call refused after its pattern was seen (here in an earlier Fold) makes its
+    signature before the recorder raises; apply must not trip on that empty signature."""
+    for attempt in range(2):  # the first Fold teaches the pattern, the second is refused
+        f, other = fold.Fold(), fold.Fold()
+        x = f.add("one", 1)
+        if bad == "foreign list element":
+            arg = [x, other.add("one", 2)] if attempt else [x]
+        else:
+            arg = f._node_type(1 << 63) if attempt else x
+        try:
+            f.add("pair", x, arg)
+        except FoldError as e:
+            assert attempt == 1
+            assert "another Fold" in str(e) or "deeper than int64" in str(e)
+        (out,) = f.apply(Pair(), [[f.add("one", 3)]])
+        assert out.tolist() == [3.0]
+
+
+class Pair(Obj):
+    def pair(self, x, y):
+        return x + (y.sum(feature=(), dtype=x.dtype) if isinstance(y, fold.Ragged) else y)
+
+
 def test_unknown_strategy() -> None:
     with pytest.raises(
         FoldError, match=r"unknown strategy; expected one of \['agenda', 'auto', 'depth'\]"
