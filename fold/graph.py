@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import os
 import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,17 @@ from fold.scheduler import SCHEDULERS, Plan
 __all__ = ["Fold"]
 
 _MISSING = object()
+
+# The C fast path of the generated recorders (fold/_crecord.c), where it was compiled at
+# install (setup.py builds it as an optional extension): it runs the first branch of a
+# recorder for node, number and list arguments and hands every other call to the Python
+# recorder, so both give the same graph.  FOLD_RECORDER=python records without it.
+try:
+    from fold._crecord import Recorder as _CRecorder
+except ImportError:  # not compiled: the generated Python recorders alone
+    _CRecorder = None
+if os.environ.get("FOLD_RECORDER") == "python":
+    _CRecorder = None
 
 
 def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -> str:
@@ -346,6 +358,11 @@ class Fold:
             tail += (struct.Struct(f"{len(kinds)}q").pack, _too_deep)
         fn = make(_MISSING, self._ids, T, code, generic, float_key, *types, *convs, *checks, *tail)
         fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
+        if _CRecorder is not None and not convs and TENSOR not in kinds and 0 < len(kinds) <= 64:
+            if all(t is list for t, k in zip(types, kinds) if k == LIST):
+                fn = _CRecorder(
+                    fn, tuple(kinds), types, T, tail[0], self._ids, outputs, code, fn.__name__
+                )
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
             self._by_op.clear()

@@ -1,0 +1,455 @@
+/* fold._crecord: the fast path of a generated recorder, in C.
+
+   fold.graph generates, per argument pattern, a Python recorder (see _recorder_source).  A
+   Recorder here runs the first branch of that function for patterns whose arguments are
+   nodes, Python ints/floats/bools and lists of nodes (no literal tensors): it checks the
+   argument types, builds the same memo key the Python recorder builds (packed int64 bytes
+   where every argument is a node; otherwise a tuple of plain ints, the numbers themselves,
+   and the bytes of each list's int64 handles), looks the node up in the same memo dict,
+   records it if new (depth one step after the deepest node argument, id from the Fold's
+   shared counter) and returns the handle, whole or split.
+
+   Everything else (another type or arity, keywords, a list holding anything but this Fold's
+   nodes, a float zero, a handle or depth beyond int64) is handed to the Python recorder
+   before anything is written, so it alone raises FoldErrors and handles rare values, and
+   both paths always agree.  Handle layout: fold/_encoding.py. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define K_NODE 0
+#define K_INT 1
+#define K_FLOAT 2
+#define K_BOOL 3
+#define K_LIST 4
+#define MAX_ARGS 64
+#define DEPTH_SHIFT 44
+#define ID_SHIFT 16
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback; /* the Python recorder of the same pattern and state */
+    PyObject *types;    /* tuple: the exact type of each argument */
+    PyObject *node_type;
+    PyObject *memo;     /* dict: key -> handle (a plain int) */
+    PyObject *ids;      /* iterator of node ids, shared by the Fold's recorders */
+    PyObject *name;
+    PyObject *weakrefs;
+    int64_t code;       /* split code of output 0; 0 for a whole node */
+    Py_ssize_t nargs;
+    int outputs;        /* 0: a whole node; n: a tuple of n outputs */
+    int packed;         /* all arguments nodes: one bytes key */
+    unsigned char kinds[MAX_ARGS];
+} Recorder;
+
+static PyObject *
+fall_back(Recorder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* A node's handle as int64; 0 with *ok = 0 where it does not fit. */
+static inline int64_t
+handle_of(PyObject *a, int *ok)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *ok = 0;
+        return 0;
+    }
+    return (int64_t)v;
+}
+
+/* The bytes of a list's int64 handles, its deepest handle folded into *deepest; NULL with no
+   error set where the list holds anything but this Fold's nodes or a handle beyond int64. */
+static PyObject *
+list_key(PyObject *list, PyObject *node_type, int64_t *deepest)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL)
+        return NULL;
+    char *buf = PyBytes_AS_STRING(out);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *x = PyList_GET_ITEM(list, j);
+        int ok = 1;
+        if ((PyObject *)Py_TYPE(x) != node_type) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        int64_t v = handle_of(x, &ok);
+        if (!ok) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        memcpy(buf + 8 * j, &v, 8);
+        if (v > *deepest)
+            *deepest = v;
+    }
+    return out;
+}
+
+/* A handle object of the Fold's Node class. */
+static inline PyObject *
+make_node(PyObject *node_type, int64_t h)
+{
+    PyObject *v = PyLong_FromLongLong(h);
+    if (v == NULL)
+        return NULL;
+    PyObject *node = PyObject_CallOneArg(node_type, v);
+    Py_DECREF(v);
+    return node;
+}
+
+static PyObject *
+recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Recorder *self = (Recorder *)op;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || n != self->nargs)
+        return fall_back(self, args, nargsf, kwnames);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)Py_TYPE(args[i]) != PyTuple_GET_ITEM(self->types, i))
+            return fall_back(self, args, nargsf, kwnames);
+
+    int64_t deepest = -1; /* as the Python recorder's max(), -1 standing for "no node" */
+    PyObject *key;
+    if (self->packed) {
+        key = PyBytes_FromStringAndSize(NULL, n * 8);
+        if (key == NULL)
+            return NULL;
+        char *buf = PyBytes_AS_STRING(key);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int ok = 1;
+            int64_t v = handle_of(args[i], &ok);
+            if (!ok) {
+                Py_DECREF(key);
+                return fall_back(self, args, nargsf, kwnames);
+            }
+            memcpy(buf + 8 * i, &v, 8);
+            if (v > deepest)
+                deepest = v;
+        }
+    }
+    else {
+        key = PyTuple_New(n);
+        if (key == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = args[i], *part = NULL;
+            int ok = 1;
+            switch (self->kinds[i]) {
+            case K_NODE: {
+                int64_t v = handle_of(a, &ok);
+                if (ok) {
+                    part = PyLong_FromLongLong(v);
+                    if (part == NULL) {
+                        Py_DECREF(key);
+                        return NULL;
+                    }
+                    if (v > deepest)
+                        deepest = v;
+                }
+                break;
+            }
+            case K_FLOAT:
+                /* -0.0 and 0.0 are keyed apart by the Python recorder's float_key. */
+                if (PyFloat_AS_DOUBLE(a) != 0.0) {
+                    Py_INCREF(a);
+                    part = a;
+                }
+                else
+                    ok = 0;
+                break;
+            case K_LIST:
+                part = list_key(a, self->node_type, &deepest);
+                if (part == NULL) {
+                    if (PyErr_Occurred()) {
+                        Py_DECREF(key);
+                        return NULL;
+                    }
+                    ok = 0;
+                }
+                break;
+            default: /* int, bool: the number itself */
+                Py_INCREF(a);
+                part = a;
+            }
+            if (!ok) {
+                Py_DECREF(key);
+                return fall_back(self, args, nargsf, kwnames);
+            }
+            PyTuple_SET_ITEM(key, i, part);
+        }
+    }
+    /* One step after the deepest node; a depth that would leave int64 is the Python
+       recorder's (unbounded ints). */
+    if ((deepest >> DEPTH_SHIFT) >= ((int64_t)1 << (63 - DEPTH_SHIFT)) - 1) {
+        Py_DECREF(key);
+        return fall_back(self, args, nargsf, kwnames);
+    }
+    PyObject *found = PyDict_GetItemWithError(self->memo, key);
+    int64_t h;
+    if (found != NULL) {
+        int ok = 1;
+        h = handle_of(found, &ok);
+        if (!ok) {
+            Py_DECREF(key);
+            return fall_back(self, args, nargsf, kwnames);
+        }
+        Py_DECREF(key);
+    }
+    else {
+        if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyObject *id_obj = PyIter_Next(self->ids);
+        if (id_obj == NULL) {
+            Py_DECREF(key);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "fold: the node id counter ended");
+            return NULL;
+        }
+        int ok = 1;
+        int64_t id = handle_of(id_obj, &ok);
+        if (!ok || id < 0 || id >= ((int64_t)1 << (63 - ID_SHIFT))) {
+            /* Beyond int64: as the Python recorder computes it, with Python ints. */
+            PyObject *depth = PyLong_FromLongLong(((deepest >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT);
+            PyObject *shift = PyLong_FromLong(ID_SHIFT);
+            PyObject *hi = (depth && shift) ? PyNumber_Lshift(id_obj, shift) : NULL;
+            PyObject *hv = hi ? PyNumber_Or(depth, hi) : NULL;
+            Py_XDECREF(depth);
+            Py_XDECREF(shift);
+            Py_XDECREF(hi);
+            Py_DECREF(id_obj);
+            if (hv == NULL || PyDict_SetItem(self->memo, key, hv) < 0) {
+                Py_XDECREF(hv);
+                Py_DECREF(key);
+                return NULL;
+            }
+            Py_DECREF(key);
+            Py_DECREF(hv);
+            /* Recorded: the Python recorder now finds it in the memo. */
+            return fall_back(self, args, nargsf, kwnames);
+        }
+        Py_DECREF(id_obj);
+        h = ((((deepest >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)) | (id << ID_SHIFT);
+        PyObject *hv = PyLong_FromLongLong(h);
+        if (hv == NULL || PyDict_SetItem(self->memo, key, hv) < 0) {
+            Py_XDECREF(hv);
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(hv);
+        Py_DECREF(key);
+    }
+    if (self->outputs == 0)
+        return make_node(self->node_type, h);
+    PyObject *out = PyTuple_New(self->outputs);
+    if (out == NULL)
+        return NULL;
+    int64_t b = h | self->code;
+    for (int j = 0; j < self->outputs; j++) {
+        PyObject *node = make_node(self->node_type, b | j);
+        if (node == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, j, node);
+    }
+    return out;
+}
+
+static PyObject *
+recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"fallback", "kinds", "types", "node_type", "memo", "ids",
+                            "outputs", "code", "name", NULL};
+    PyObject *fallback, *kinds, *types, *node_type, *memo, *ids, *outputs, *name;
+    long long code;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OO!OOLU", names, &fallback,
+                                     &PyTuple_Type, &kinds, &PyTuple_Type, &types, &node_type,
+                                     &PyDict_Type, &memo, &ids, &outputs, &code, &name))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(kinds);
+    if (n < 1 || n > MAX_ARGS || PyTuple_GET_SIZE(types) != n) {
+        PyErr_SetString(PyExc_ValueError, "Recorder: 1 to 64 kinds, one type per kind");
+        return NULL;
+    }
+    if (!PyType_Check(node_type) || !PyIter_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "Recorder: node_type a type, ids an iterator");
+        return NULL;
+    }
+    int out_n = 0;
+    if (outputs != Py_None) {
+        long o = PyLong_AsLong(outputs);
+        if (o == -1 && PyErr_Occurred())
+            return NULL;
+        if (o < 1 || o > 128) {
+            PyErr_SetString(PyExc_ValueError, "Recorder: outputs None or 1 to 128");
+            return NULL;
+        }
+        out_n = (int)o;
+    }
+    Recorder *self = PyObject_GC_New(Recorder, type);
+    if (self == NULL)
+        return NULL;
+    self->fallback = self->types = self->node_type = self->memo = self->ids = NULL;
+    self->name = self->weakrefs = NULL;
+    int packed = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
+        if (k < K_NODE || k > K_LIST) {
+            Py_DECREF(self);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "Recorder: a kind of node, int, float, "
+                                                  "bool or list");
+            return NULL;
+        }
+        self->kinds[i] = (unsigned char)k;
+        packed &= k == K_NODE;
+    }
+    self->vectorcall = recorder_call;
+    Py_INCREF(fallback);
+    self->fallback = fallback;
+    Py_INCREF(types);
+    self->types = types;
+    Py_INCREF(node_type);
+    self->node_type = node_type;
+    Py_INCREF(memo);
+    self->memo = memo;
+    Py_INCREF(ids);
+    self->ids = ids;
+    Py_INCREF(name);
+    self->name = name;
+    self->code = (int64_t)code;
+    self->nargs = n;
+    self->outputs = out_n;
+    self->packed = packed;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static int
+recorder_traverse(Recorder *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->types);
+    Py_VISIT(self->node_type);
+    Py_VISIT(self->memo);
+    Py_VISIT(self->ids);
+    return 0;
+}
+
+static int
+recorder_clear(Recorder *self)
+{
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->types);
+    Py_CLEAR(self->node_type);
+    Py_CLEAR(self->memo);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->name);
+    return 0;
+}
+
+static void
+recorder_dealloc(Recorder *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    recorder_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyObject *
+recorder_repr(Recorder *self)
+{
+    if (self->name == NULL)
+        return PyUnicode_FromString("<fold recorder>");
+    return PyUnicode_FromFormat("<fold recorder %U>", self->name);
+}
+
+static PyObject *
+recorder_get_name(Recorder *self, void *closure)
+{
+    Py_INCREF(self->name);
+    return self->name;
+}
+
+static int
+recorder_set_name(Recorder *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyUnicode_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "__name__ must be a str");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_SETREF(self->name, value);
+    return 0;
+}
+
+static PyObject *
+recorder_get_fallback(Recorder *self, void *closure)
+{
+    Py_INCREF(self->fallback);
+    return self->fallback;
+}
+
+static PyGetSetDef recorder_getset[] = {
+    {"__name__", (getter)recorder_get_name, (setter)recorder_set_name, NULL, NULL},
+    {"__qualname__", (getter)recorder_get_name, (setter)recorder_set_name, NULL, NULL},
+    {"fallback", (getter)recorder_get_fallback, NULL,
+     "the Python recorder that takes every call this one does not", NULL},
+    {NULL},
+};
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._crecord.Recorder",
+    .tp_doc = PyDoc_STR("Recorder(fallback, kinds, types, node_type, memo, ids, outputs, "
+                        "code, name): a generated recorder's fast path (see fold.graph)."),
+    .tp_basicsize = sizeof(Recorder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = recorder_new,
+    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_traverse = (traverseproc)recorder_traverse,
+    .tp_clear = (inquiry)recorder_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Recorder, vectorcall),
+    .tp_weaklistoffset = offsetof(Recorder, weakrefs),
+    .tp_repr = (reprfunc)recorder_repr,
+    .tp_getset = recorder_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fold._crecord",
+    .m_doc = PyDoc_STR("The fast path of fold's generated recorders, in C."),
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__crecord(void)
+{
+    if (PyType_Ready(&RecorderType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RecorderType);
+    if (PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
+        Py_DECREF(&RecorderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
