@@ -12,7 +12,9 @@
    Everything else (another type or arity, keywords, a list holding anything but this Fold's
    nodes, a float zero, a handle or depth beyond int64) is handed to the Python recorder
    before anything is written, so it alone raises FoldErrors and handles rare values, and
-   both paths always agree.  Handle layout: fold/_encoding.py. */
+   both paths always agree.  Handle layout and memo keys: fold/_encoding.py (DEPTH_SHIFT,
+   ID_SHIFT, KEY_SOURCE, LIST_INLINE, packed); a change there is a change here too, and
+   tests/test_crecord.py compares the two recorders on random calls. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

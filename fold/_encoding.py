@@ -173,6 +173,8 @@ SPLIT = 1 << 7
 NSPLIT_SHIFT = 8
 NSPLIT_MASK = (1 << 8) - 1
 LOW_MASK = (1 << 16) - 1  # output index, split flag and split count
+# fold/_crecord.c (the recorders' C fast path) spells the shifts and the memo keys below
+# again: keep it in step (tests/test_crecord.py compares it with the Python recorders).
 ID_SHIFT = 16
 ID_MASK = (1 << 28) - 1
 DEPTH_SHIFT = 44
