@@ -38,10 +38,11 @@ def summary(fold: Any) -> str:
     else:
         lines[0] += ", planned:"
         rows = []
+        sigs = fold.snapshot().signatures  # a plan's signature ids index the snapshot's
         for s, step in enumerate(fold.plan().steps):
             for g in step.groups:
-                sid = g.key if type(g.key) is int else fold.sig[g.nodes[0]]
-                op, kinds = fold.signatures[sid]
+                key = g.key
+                op, kinds = sigs[key] if type(key) is int else fold.signatures[fold.sig[g.nodes[0]]]
                 rows.append((s, op_name(op), len(g.nodes), tuple(map(kind_str, kinds))))
     nsteps = 1 + max((r[0] for r in rows), default=-1)
     lines[0] += f" {nsteps} steps, {len(rows)} groups"

@@ -227,11 +227,18 @@ def test_a_refused_call_leaves_the_fold_usable(bad: str) -> None:
         except FoldError as e:
             assert attempt == 1
             assert "another Fold" in str(e) or "deeper than int64" in str(e)
-        (out,) = f.apply(Pair(), [[f.add("one", 3)]])
+        y = f.add("three", 3)  # a signature made after the refused one
+        groups = [line.split(" x")[0].strip() for line in f.summary().splitlines()[1:]]
+        # The plan's groups named by their own signatures.
+        assert groups[:3] == ["step 0:", "one", "three"] and len(groups) == (3 if attempt else 5)
+        (out,) = f.apply(Pair(), [[y]])
         assert out.tolist() == [3.0]
 
 
 class Pair(Obj):
+    def three(self, x):
+        return x * 1.0
+
     def pair(self, x, y):
         return x + (y.sum(feature=(), dtype=x.dtype) if isinstance(y, fold.Ragged) else y)
 
