@@ -5,7 +5,9 @@ dict from the arguments (as plain ints and numbers) to the node's handle: insert
 node order, so the memo IS the signature's node list, and recording a node is one dict
 lookup and one insertion.  The code that does it is generated once per (op, argument types)
 from ONE template (:func:`_recorder_source`): ``Fold.add`` dispatches to it by op, and
-``Fold.op`` recorders are it, so every way of recording runs the same logic.  Nothing is
+``Fold.op`` recorders are it, so every way of recording runs the same logic.  Where the C
+fast path is built (``fold/_crecord.c``), a recorder of node, number and list arguments runs
+that logic's common branch in C and hands every other call to the generated one.  Nothing is
 computed until :meth:`Fold.apply` (``fold.run``); ``summary``/``to_networkx``/``draw`` are
 ``fold.inspect``'s.
 """
