@@ -68,6 +68,27 @@ handle_of(PyObject *a, int *ok)
     return (int64_t)v;
 }
 
+/* n handles as int64 into buf, the deepest folded into *deepest; 0 where one is not of
+   node_type (when given) or does not fit in int64.  A packed key's arguments (their types
+   checked by the caller) and a list's elements alike. */
+static int
+handles_into(PyObject *const *items, Py_ssize_t n, PyObject *node_type, char *buf,
+             int64_t *deepest)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int ok = 1;
+        if (node_type != NULL && (PyObject *)Py_TYPE(items[j]) != node_type)
+            return 0;
+        int64_t v = handle_of(items[j], &ok);
+        if (!ok)
+            return 0;
+        memcpy(buf + 8 * j, &v, 8);
+        if (v > *deepest)
+            *deepest = v;
+    }
+    return 1;
+}
+
 /* The bytes of a list's int64 handles, its deepest handle folded into *deepest; NULL with no
    error set where the list holds anything but this Fold's nodes or a handle beyond int64. */
 static PyObject *
@@ -77,22 +98,10 @@ list_key(PyObject *list, PyObject *node_type, int64_t *deepest)
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
     if (out == NULL)
         return NULL;
-    char *buf = PyBytes_AS_STRING(out);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *x = PyList_GET_ITEM(list, j);
-        int ok = 1;
-        if ((PyObject *)Py_TYPE(x) != node_type) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        int64_t v = handle_of(x, &ok);
-        if (!ok) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        memcpy(buf + 8 * j, &v, 8);
-        if (v > *deepest)
-            *deepest = v;
+    if (!handles_into(((PyListObject *)list)->ob_item, n, node_type, PyBytes_AS_STRING(out),
+                      deepest)) {
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }
@@ -126,17 +135,9 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         key = PyBytes_FromStringAndSize(NULL, n * 8);
         if (key == NULL)
             return NULL;
-        char *buf = PyBytes_AS_STRING(key);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int ok = 1;
-            int64_t v = handle_of(args[i], &ok);
-            if (!ok) {
-                Py_DECREF(key);
-                return fall_back(self, args, nargsf, kwnames);
-            }
-            memcpy(buf + 8 * i, &v, 8);
-            if (v > deepest)
-                deepest = v;
+        if (!handles_into(args, n, NULL, PyBytes_AS_STRING(key), &deepest)) {
+            Py_DECREF(key);
+            return fall_back(self, args, nargsf, kwnames);
         }
     }
     else {
