@@ -129,6 +129,17 @@ __all__ = ["Lazy", "autobatch", "batchable", "clear_cache"]
 
 _LOG = logging.getLogger(__name__)
 
+# The C hot path of recording (fold/_clazy.c), where it was compiled at install (setup.py
+# builds it as an optional extension): Lazy values' storage, the fast-table lookup, and the
+# calls of batchable functions, Lazy methods and __torch_function__.  Without it (or with
+# FOLD_RECORDER=python) the Python below does the same, slower.
+try:
+    import fold._clazy as _C
+except ImportError:  # not compiled
+    _C = None  # type: ignore[assignment]
+if os.environ.get("FOLD_RECORDER") == "python":
+    _C = None  # type: ignore[assignment]
+
 
 class _Local(threading.local):
     rec: _Recorder | None = None
@@ -444,6 +455,8 @@ class _Op:
         self.treedef: Any = None
         self.single = True
         self.wrap: Callable[[Any, Any], Any] = _no_wrap
+        # The outputs' metas as the C fast path makes them (see _entry).
+        self.fast_outs: Any = None
         self._vmapped: Callable[..., Any] | None = None
         # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
         # usual one; a group runs in it (a target network under torch.no_grad(), a region
@@ -656,10 +669,8 @@ def _fn_name(fn: Any, kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------- lazy values
-class Lazy:
-    """A value that depends on a recorded call: a node of the Fold autobatch is recording,
-    with its per-example shape, dtype and device.  Use it like a tensor; reading its data in
-    Python raises a FoldError."""
+class _PyLazyBase:
+    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built."""
 
     __slots__ = ("node", "meta", "rec")
 
@@ -668,18 +679,32 @@ class Lazy:
         self.meta = meta
         self.rec = rec
 
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        rec = _LOCAL.rec
-        if rec is None or rec.paused:
-            raise FoldError(
-                f"{_fn_name(func, 'torch')}: a lazy value of autobatch was used outside the "
-                "function autobatch runs (kept from an earlier call, or used while its graph "
-                "runs). Fix: use the results autobatch returns."
-            )
-        return rec.record(func, "torch", args, kwargs or {})
+
+def _torch_function(
+    cls: type, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+) -> Any:
+    """``Lazy.__torch_function__`` (in C, its fast path first): record ``func``."""
+    rec = _LOCAL.rec
+    if rec is None or rec.paused:
+        raise FoldError(
+            f"{_fn_name(func, 'torch')}: a lazy value of autobatch was used outside the "
+            "function autobatch runs (kept from an earlier call, or used while its graph "
+            "runs). Fix: use the results autobatch returns."
+        )
+    return rec.record(func, "torch", args, kwargs or {})
+
+
+class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
+    """A value that depends on a recorded call: a node of the Fold autobatch is recording,
+    with its per-example shape, dtype and device.  Use it like a tensor; reading its data in
+    Python raises a FoldError."""
+
+    __slots__ = ()
+    node: Any
+    meta: _Meta
+    rec: _Recorder
+
+    __torch_function__ = classmethod(_torch_function if _C is None else _C.torch_function)
 
     # -------------------------------------------------------------- metadata
     @property
@@ -802,7 +827,15 @@ def _inplace(self: Lazy, name: str) -> None:
     )
 
 
+def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A tensor method or operator called on a lazy value ``args[0]``: record it."""
+    return args[0].rec.record(func, "torch", args, kwargs)
+
+
 def _method(func: Any) -> Callable[..., Any]:
+    if _C is not None:
+        return _C.Method(func)  # its fast path, then _record_method
+
     def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
         return self.rec.record(func, "torch", (self, *args), kwargs)
 
@@ -864,11 +897,11 @@ def _fast_source(k: int) -> str:
         "            if type(a0) is Lazy and a0.rec is rec:\n"
         f"                e = rec._fast.get((fn, kind, a0.meta{metas}))\n"
         "                if e is not None:\n"
-        f"                    return e(a0.node{', ' if nodes else ''}{nodes})\n"
+        f"                    return e[2](e[0](a0.node{', ' if nodes else ''}{nodes}), rec)\n"
         "            elif isinstance(a0, Module):\n"
         f"                e = rec._fast.get((fn, kind, a0{metas}))\n"
         "                if e is not None:\n"
-        f"                    return e({nodes})\n"
+        f"                    return e[2](e[0]({nodes}), rec)\n"
         + _NUMBER_BRANCH.get(k, "")
         + "        return MISS\n"
         "    return fast\n"
@@ -882,14 +915,14 @@ _NUMBER_BRANCH = {
         "            elif type(a0) is Tensor and not a0.ndim and not a0.requires_grad:\n"
         "                e = rec._fast.get((fn, kind, a0.dtype, a0.device))\n"
         "                if e is not None:\n"
-        "                    return e(a0.item())\n"
+        "                    return e[2](e[0](a0.item()), rec)\n"
     ),
     2: (
         "        elif type(a1) is Tensor and isinstance(a0, Module):\n"
         "            if not a1.ndim and not a1.requires_grad:\n"
         "                e = rec._fast.get((fn, kind, a0, a1.dtype, a1.device))\n"
         "                if e is not None:\n"
-        "                    return e(a1.item())\n"
+        "                    return e[2](e[0](a1.item()), rec)\n"
     ),
 }
 
@@ -900,8 +933,10 @@ def _make_fast(k: int) -> Callable[..., Any]:
     return env["make"](Lazy, nn.Module, _MISS)
 
 
-def _emitter(r: Callable[..., Any], wrap: Callable[[Any, Any], Any], rec: Any) -> Any:
-    return lambda *nodes: wrap(r(*nodes), rec)
+def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
+    """A ``_fast`` table entry: (the op's recorder, its outputs' metas as the C path makes
+    them: one meta, a tuple of them for a flat tuple, or None, wrap)."""
+    return (r, op.fast_outs, op.wrap)
 
 
 class _Recorder:
@@ -950,12 +985,10 @@ class _Recorder:
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
-        if not kwargs and mode is None:
-            fast = _FAST.get(len(args))
-            if fast is not None:
-                out = fast(self, fn, kind, args)
-                if out is not _MISS:
-                    return out
+        if not kwargs and mode is None and 0 < len(args) <= _FAST_MAX:
+            out = _fast_path(self, fn, kind, args)
+            if out is not _MISS:
+                return out
         fargs: list[Any] = []
         shared: list[torch.Tensor] = []
         parts: list[Any] = [fn, kind]
@@ -1003,7 +1036,7 @@ class _Recorder:
         if mode is not None:
             return out
         if (
-            k in _FAST
+            0 < k <= _FAST_MAX
             and not kwargs
             and (
                 lazies == k
@@ -1012,7 +1045,7 @@ class _Recorder:
                 )
             )
         ):  # every argument lazy (but a module first): later calls take the fast path
-            self._fast[key] = _emitter(r, op.wrap, self)
+            self._fast[key] = _entry(op, r)
         elif (
             k <= 2
             and not kwargs
@@ -1022,7 +1055,7 @@ class _Recorder:
             and (k == 1 or isinstance(args[0], nn.Module))
         ):  # a number tensor, after a module perhaps (see _NUMBER_BRANCH)
             a = args[-1]
-            self._fast[(fn, kind, *args[:-1], a.dtype, a.device)] = _emitter(r, op.wrap, self)
+            self._fast[(fn, kind, *args[:-1], a.dtype, a.device)] = _entry(op, r)
         return out
 
     def _kw_part(
@@ -1229,6 +1262,10 @@ class _Recorder:
         op.treedef = treedef
         op.single = isinstance(out, torch.Tensor)
         op.wrap = _wrapper(op.single, metas, treedef)
+        if op.single:
+            op.fast_outs = metas[0]
+        elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
+            op.fast_outs = tuple(metas)
 
     def _inputs(self, op: _Op, slots: list[_Slot], make: Callable[..., Any]) -> list[Any]:
         values: list[Any] = [None] * len(slots)
@@ -1271,6 +1308,31 @@ class _Recorder:
 _FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}
 
 
+def _py_fast(rec: _Recorder, fn: Any, kind: str, args: tuple[Any, ...]) -> Any:
+    return _FAST[len(args)](rec, fn, kind, args)
+
+
+# The fast path of _Recorder.record (fold/_clazy.c's, or the generated Python recorders)
+# and the most arguments it takes.
+_fast_path = _py_fast if _C is None else _C.fast
+_FAST_MAX = len(_FAST) if _C is None else _C.MAX_FAST
+
+
+if _C is not None:
+    _C.configure(
+        Lazy,
+        nn.Module,
+        torch.Tensor,
+        _MISS,
+        _LOCAL,
+        torch.is_grad_enabled,
+        _any_autocast,
+        "torch",
+        _record_method,
+        _torch_function,
+    )
+
+
 def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     rec = _LOCAL.rec
     if rec is None or rec.paused:
@@ -1301,7 +1363,20 @@ def _install_module_call() -> None:
 
 
 # ---------------------------------------------------------------------------- batchable
-class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
+class _PyBatchableBase:
+    """The call and descriptor of ``batchable`` where the C ones (fold/_clazy.c, which take
+    the fast path of ``_Recorder.record`` first) are not built."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        return types.MethodType(self, obj)
+
+
+class batchable(_PyBatchableBase if _C is None else _C.BatchableBase):  # type: ignore[misc]  # noqa: N801
     """Mark a function or method as one recorded node per call inside :func:`autobatch`.
 
     ``@fold.batchable`` on code written for ONE example (no batch dim): a group runs the
@@ -1314,13 +1389,18 @@ class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
     per-example form is the plain function.
     """
 
+    fn: Callable[..., Any] | None
+    _kind: str
+
     def __init__(self, fn: Callable[..., Any] | None = None, *, batched: bool = False) -> None:
         self.batched = batched
         self.fn = fn
+        self._kind = _BATCHED if batched else _PER_EXAMPLE
         if fn is not None:
             functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """A call (the C base's fast path aside, see fold/_clazy.c)."""
         if self.fn is None:  # @batchable(batched=True) receiving the function
             (fn,) = args
             return batchable(fn, batched=self.batched)
@@ -1329,12 +1409,7 @@ class batchable:  # noqa: N801  (used as a decorator, like functools.cache)
             if self.batched and not _LOCAL.running:
                 return _batch_of_one(self.fn, args, kwargs)
             return self.fn(*args, **kwargs)
-        return rec.record(self.fn, _BATCHED if self.batched else _PER_EXAMPLE, args, kwargs)
-
-    def __get__(self, obj: Any, cls: Any = None) -> Any:
-        if obj is None:
-            return self
-        return types.MethodType(self, obj)
+        return rec.record(self.fn, self._kind, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<fold.batchable {getattr(self.fn, '__qualname__', self.fn)!r}>"

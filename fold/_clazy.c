@@ -1,0 +1,699 @@
+/* fold._clazy: the hot path of autobatch's recording (fold/lazy.py), in C.
+
+   Inside fold.autobatch every @fold.batchable call, tensor method, operator and torch
+   function on a lazy value records a node.  A call seen before whose arguments are lazy
+   values of the recorder (a module first, perhaps: a batchable method's self) is found in
+   the recorder's ``_fast`` table by its key (function, kind, the module, the lazy values'
+   metas), and its node recorded by the op's Fold recorder.  In Python that took ~5 us a call
+   (descriptor, __call__, the thread-local recorder, the mode check, the key, two lambdas,
+   the Lazy outputs); here it is one C call.
+
+   What is here (fold/lazy.py uses each where this module was built, and its own Python
+   otherwise; FOLD_RECORDER=python turns both C fast paths off):
+
+   - LazyBase: the storage of fold.lazy.Lazy (node, meta, rec), so Lazy values are made
+     without running Python.
+   - fast(rec, fn, kind, args): the lookup of fold.lazy._fast_source, for up to MAX_FAST
+     arguments.  _MISS where the call does not fit or its key is new; the Python slow path
+     (fold.lazy._Recorder.record) then builds the key and fills the table.  A table entry is
+     (recorder, outputs, wrap): outputs is the single output's meta, a tuple of metas for a
+     flat tuple of outputs, or None, where wrap(nodes, rec) makes the outputs.
+   - BatchableBase: the call and descriptor of fold.batchable.  Its call takes the fast path
+     while autobatch records (fold.lazy._LOCAL.rec set, not paused, no batched function
+     running) with gradients on, no autocast and no keywords; every other call goes to the
+     Python ``_call``.
+   - Method: a tensor method or operator of Lazy (``x * y``, ``x.sum()``).
+   - torch_function: Lazy.__torch_function__ (``torch.tanh(x)``).
+
+   The key layout is fold.lazy._fast_source's and _NUMBER_BRANCH's; a change there is a
+   change here too (tests/test_lazy_c.py compares both paths). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <structmember.h>
+
+#define MAX_FAST 16
+
+/* Set once by configure() from fold/lazy.py. */
+static PyObject *g_lazy_type;      /* fold.lazy.Lazy, a subclass of LazyBase */
+static PyObject *g_module_type;    /* torch.nn.Module */
+static PyObject *g_tensor_type;    /* torch.Tensor */
+static PyObject *g_miss;           /* fold.lazy._MISS */
+static PyObject *g_local;          /* fold.lazy._LOCAL */
+static PyObject *g_grad_enabled;   /* torch.is_grad_enabled */
+static PyObject *g_any_autocast;   /* torch._C._is_any_autocast_enabled */
+static PyObject *g_torch_kind;     /* "torch", the kind of a torch function or method */
+static PyObject *g_slow_method;    /* fold.lazy._record_method(func, args, kwargs) */
+static PyObject *g_slow_function;  /* fold.lazy._torch_function(cls, func, types, args, kw) */
+
+static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
+    *s_dtype, *s_device, *s_call;
+
+/* ------------------------------------------------------------------------- LazyBase */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *node;
+    PyObject *meta;
+    PyObject *rec;
+} LazyBase;
+
+static PyTypeObject LazyBaseType;
+
+static int
+lazy_init(LazyBase *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"node", "meta", "rec", NULL};
+    PyObject *node, *meta, *rec;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", names, &node, &meta, &rec))
+        return -1;
+    Py_INCREF(node);
+    Py_INCREF(meta);
+    Py_INCREF(rec);
+    Py_XSETREF(self->node, node);
+    Py_XSETREF(self->meta, meta);
+    Py_XSETREF(self->rec, rec);
+    return 0;
+}
+
+static int
+lazy_traverse(LazyBase *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->node);
+    Py_VISIT(self->meta);
+    Py_VISIT(self->rec);
+    return 0;
+}
+
+static int
+lazy_clear(LazyBase *self)
+{
+    Py_CLEAR(self->node);
+    Py_CLEAR(self->meta);
+    Py_CLEAR(self->rec);
+    return 0;
+}
+
+static void
+lazy_dealloc(LazyBase *self)
+{
+    PyObject_GC_UnTrack(self);
+    lazy_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef lazy_members[] = {
+    {"node", T_OBJECT_EX, offsetof(LazyBase, node), 0, "the recorded node (or trace handle)"},
+    {"meta", T_OBJECT_EX, offsetof(LazyBase, meta), 0, "per-example shape, dtype, device"},
+    {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), 0, "the autobatch recorder"},
+    {NULL},
+};
+
+static PyTypeObject LazyBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.LazyBase",
+    .tp_doc = PyDoc_STR("LazyBase(node, meta, rec): the storage of fold.lazy.Lazy."),
+    .tp_basicsize = sizeof(LazyBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lazy_init,
+    .tp_dealloc = (destructor)lazy_dealloc,
+    .tp_traverse = (traverseproc)lazy_traverse,
+    .tp_clear = (inquiry)lazy_clear,
+    .tp_members = lazy_members,
+};
+
+#define LAZY(o) ((LazyBase *)(o))
+
+static inline int
+is_lazy_of(PyObject *a, PyObject *rec)
+{
+    return (PyObject *)Py_TYPE(a) == g_lazy_type && LAZY(a)->rec == rec;
+}
+
+static PyObject *
+new_lazy(PyObject *node, PyObject *meta, PyObject *rec)
+{
+    PyTypeObject *t = (PyTypeObject *)g_lazy_type;
+    LazyBase *o = (LazyBase *)t->tp_alloc(t, 0);
+    if (o == NULL)
+        return NULL;
+    Py_INCREF(node);
+    Py_INCREF(meta);
+    Py_INCREF(rec);
+    o->node = node;
+    o->meta = meta;
+    o->rec = rec;
+    return (PyObject *)o;
+}
+
+/* ------------------------------------------------------------------------- fast */
+
+static inline PyObject *
+miss(void)
+{
+    Py_INCREF(g_miss);
+    return g_miss;
+}
+
+/* 1 where ``t`` (an exact torch.Tensor) is 0-dim and needs no gradient, 0 where not, -1 on
+   error: a per-example number tensor (``torch.tensor(word)``). */
+static int
+number_tensor(PyObject *t)
+{
+    PyObject *ndim = PyObject_GetAttr(t, s_ndim);
+    if (ndim == NULL)
+        return -1;
+    int zero = PyLong_Check(ndim) && PyLong_AsLong(ndim) == 0;
+    Py_DECREF(ndim);
+    if (!zero)
+        return 0;
+    PyObject *grad = PyObject_GetAttr(t, s_requires_grad);
+    if (grad == NULL)
+        return -1;
+    int needs = PyObject_IsTrue(grad);
+    Py_DECREF(grad);
+    return needs < 0 ? -1 : !needs;
+}
+
+/* The entry's outputs made from the recorder's result ``res`` (stolen). */
+static PyObject *
+emit(PyObject *entry, PyObject *res, PyObject *rec)
+{
+    PyObject *outs = PyTuple_GET_ITEM(entry, 1);
+    PyObject *out;
+    if (PyTuple_CheckExact(outs)) {
+        Py_ssize_t m = PyTuple_GET_SIZE(outs);
+        if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != m)
+            goto wrap;
+        out = PyTuple_New(m);
+        if (out == NULL)
+            goto done;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            PyObject *v = new_lazy(PyTuple_GET_ITEM(res, j), PyTuple_GET_ITEM(outs, j), rec);
+            if (v == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyTuple_SET_ITEM(out, j, v);
+        }
+        goto done;
+    }
+    if (outs != Py_None) {
+        out = new_lazy(res, outs, rec);
+        goto done;
+    }
+wrap:
+    out = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(entry, 2), res, rec, NULL);
+done:
+    Py_DECREF(res);
+    return out;
+}
+
+/* The fast path of a call of ``fn`` of ``kind`` on ``args``, recorded by ``rec``: its outputs,
+   _MISS (a new reference) where it does not fit or its key is new, NULL on error. */
+static PyObject *
+fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *items[MAX_FAST + 4];
+    PyObject *nodes[MAX_FAST];
+    PyObject *owned[3] = {NULL, NULL, NULL}; /* dtype, device, number: references held */
+    Py_ssize_t nk = 0, nn = 0;
+    PyObject *result = NULL, *key = NULL, *table = NULL;
+    if (n < 1 || n > MAX_FAST)
+        return miss();
+    items[nk++] = fn;
+    items[nk++] = kind;
+    int rest = 1;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (!is_lazy_of(args[i], rec)) {
+            rest = 0;
+            break;
+        }
+    PyObject *a0 = args[0], *number = NULL;
+    if (rest && is_lazy_of(a0, rec)) {
+        items[nk++] = LAZY(a0)->meta;
+        nodes[nn++] = LAZY(a0)->node;
+    }
+    else if (rest && PyObject_TypeCheck(a0, (PyTypeObject *)g_module_type)) {
+        items[nk++] = a0;
+    }
+    else if (rest && n == 1 && (PyObject *)Py_TYPE(a0) == g_tensor_type) {
+        number = a0; /* alone: a module call on torch.tensor(word) */
+    }
+    else if (!rest && n == 2 && (PyObject *)Py_TYPE(args[1]) == g_tensor_type &&
+             PyObject_TypeCheck(a0, (PyTypeObject *)g_module_type)) {
+        items[nk++] = a0; /* a batchable method's self, then torch.tensor(word) */
+        number = args[1];
+    }
+    else
+        return miss();
+    if (number != NULL) {
+        int ok = number_tensor(number);
+        if (ok <= 0)
+            return ok < 0 ? NULL : miss();
+        if ((owned[0] = PyObject_GetAttr(number, s_dtype)) == NULL ||
+            (owned[1] = PyObject_GetAttr(number, s_device)) == NULL)
+            goto out;
+        items[nk++] = owned[0];
+        items[nk++] = owned[1];
+    }
+    else
+        for (Py_ssize_t i = 1; i < n; i++) {
+            items[nk++] = LAZY(args[i])->meta;
+            nodes[nn++] = LAZY(args[i])->node;
+        }
+    key = PyTuple_New(nk);
+    if (key == NULL)
+        goto out;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(key, i, items[i]);
+    }
+    table = PyObject_GetAttr(rec, s_fast);
+    if (table == NULL)
+        goto out;
+    if (!PyDict_CheckExact(table)) {
+        PyErr_SetString(PyExc_TypeError, "autobatch recorder's _fast is not a dict");
+        goto out;
+    }
+    PyObject *entry = PyDict_GetItemWithError(table, key); /* borrowed */
+    if (entry == NULL) {
+        if (!PyErr_Occurred())
+            result = miss();
+        goto out;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) {
+        PyErr_SetString(PyExc_TypeError, "autobatch fast entry is not (recorder, outs, wrap)");
+        goto out;
+    }
+    Py_INCREF(entry); /* the recorder may run Python that changes the table */
+    if (number != NULL) {
+        owned[2] = PyObject_CallMethodNoArgs(number, s_item);
+        if (owned[2] == NULL) {
+            Py_DECREF(entry);
+            goto out;
+        }
+        nodes[nn++] = owned[2];
+    }
+    PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), nodes, nn, NULL);
+    result = res == NULL ? NULL : emit(entry, res, rec);
+    Py_DECREF(entry);
+out:
+    Py_XDECREF(key);
+    Py_XDECREF(table);
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(owned[i]);
+    return result;
+}
+
+static PyObject *
+fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "fast(rec, fn, kind, args: tuple)");
+        return NULL;
+    }
+    return fast_impl(args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
+                     PyTuple_GET_SIZE(args[3]));
+}
+
+/* 1 where gradients are on and no autocast region is (the mode the fast table is for), 0
+   where not, -1 on error. */
+static int
+usual_mode(void)
+{
+    PyObject *v = PyObject_CallNoArgs(g_grad_enabled);
+    if (v == NULL)
+        return -1;
+    int on = v == Py_True;
+    Py_DECREF(v);
+    if (!on)
+        return 0;
+    v = PyObject_CallNoArgs(g_any_autocast);
+    if (v == NULL)
+        return -1;
+    on = v == Py_False;
+    Py_DECREF(v);
+    return on;
+}
+
+/* The recorder of the autobatch call recording on this thread, where a batchable call
+   records now (not paused, no batched function running); NULL with no error where none. */
+static PyObject *
+current_recorder(void)
+{
+    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
+    if (rec == NULL || rec == Py_None) {
+        Py_XDECREF(rec);
+        return NULL;
+    }
+    PyObject *v = PyObject_GetAttr(rec, s_paused);
+    int paused = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    if (paused == 0) {
+        v = PyObject_GetAttr(g_local, s_running);
+        paused = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+    }
+    if (paused != 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    return rec;
+}
+
+/* ------------------------------------------------------------------------- batchable */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fn;
+    PyObject *kind;
+} BatchableBase;
+
+static int
+batchable_traverse(BatchableBase *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fn);
+    Py_VISIT(self->kind);
+    return 0;
+}
+
+static int
+batchable_clear(BatchableBase *self)
+{
+    Py_CLEAR(self->fn);
+    Py_CLEAR(self->kind);
+    return 0;
+}
+
+static void
+batchable_dealloc(BatchableBase *self)
+{
+    PyObject_GC_UnTrack(self);
+    batchable_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+batchable_call(BatchableBase *self, PyObject *args, PyObject *kwargs)
+{
+    if (self->fn != NULL && self->fn != Py_None && self->kind != NULL &&
+        self->kind != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *rec = current_recorder();
+        if (rec == NULL && PyErr_Occurred())
+            return NULL;
+        if (rec != NULL) {
+            int usual = usual_mode();
+            PyObject *out = NULL;
+            if (usual > 0)
+                out = fast_impl(rec, self->fn, self->kind, &PyTuple_GET_ITEM(args, 0),
+                                PyTuple_GET_SIZE(args));
+            Py_DECREF(rec);
+            if (usual < 0)
+                return NULL;
+            if (usual > 0) {
+                if (out != g_miss)
+                    return out;
+                Py_DECREF(out);
+            }
+        }
+    }
+    PyObject *slow = PyObject_GetAttr((PyObject *)self, s_call);
+    if (slow == NULL)
+        return NULL;
+    PyObject *out = PyObject_Call(slow, args, kwargs);
+    Py_DECREF(slow);
+    return out;
+}
+
+static PyObject *
+bind(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyMemberDef batchable_members[] = {
+    {"fn", T_OBJECT, offsetof(BatchableBase, fn), 0, "the decorated function"},
+    {"_kind", T_OBJECT, offsetof(BatchableBase, kind), 0, "the kind its calls record as"},
+    {NULL},
+};
+
+static PyTypeObject BatchableBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.BatchableBase",
+    .tp_doc = PyDoc_STR("The call and descriptor of fold.batchable (see fold.lazy)."),
+    .tp_basicsize = sizeof(BatchableBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)batchable_dealloc,
+    .tp_traverse = (traverseproc)batchable_traverse,
+    .tp_clear = (inquiry)batchable_clear,
+    .tp_call = (ternaryfunc)batchable_call,
+    .tp_descr_get = bind,
+    .tp_members = batchable_members,
+};
+
+/* ------------------------------------------------------------------------- Method */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *func;
+} Method;
+
+static PyObject *
+kwargs_of(PyObject *const *values, PyObject *kwnames)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL || kwnames == NULL)
+        return d;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+        if (PyDict_SetItem(d, PyTuple_GET_ITEM(kwnames, i), values[i]) < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    return d;
+}
+
+static PyObject *
+method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Method *self = (Method *)op;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
+        LAZY(args[0])->rec != NULL) {
+        int usual = usual_mode();
+        if (usual < 0)
+            return NULL;
+        if (usual) {
+            PyObject *out = fast_impl(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
+            if (out != g_miss)
+                return out;
+            Py_DECREF(out);
+        }
+    }
+    PyObject *targs = PyTuple_New(n);
+    if (targs == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(targs, i, args[i]);
+    }
+    PyObject *kw = kwargs_of(args + n, kwnames);
+    PyObject *out = NULL;
+    if (kw != NULL)
+        out = PyObject_CallFunctionObjArgs(g_slow_method, self->func, targs, kw, NULL);
+    Py_DECREF(targs);
+    Py_XDECREF(kw);
+    return out;
+}
+
+static PyObject *
+method_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *func;
+    if (!PyArg_ParseTuple(args, "O", &func))
+        return NULL;
+    Method *self = (Method *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(func);
+    self->func = func;
+    self->vectorcall = method_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+method_traverse(Method *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->func);
+    return 0;
+}
+
+static int
+method_clear(Method *self)
+{
+    Py_CLEAR(self->func);
+    return 0;
+}
+
+static void
+method_dealloc(Method *self)
+{
+    PyObject_GC_UnTrack(self);
+    method_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+method_name(Method *self, void *closure)
+{
+    return PyObject_GetAttrString(self->func, "__name__");
+}
+
+static PyGetSetDef method_getset[] = {
+    {"__name__", (getter)method_name, NULL, NULL, NULL},
+    {"__qualname__", (getter)method_name, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef method_members[] = {
+    {"func", T_OBJECT, offsetof(Method, func), READONLY, "the torch.Tensor method recorded"},
+    {NULL},
+};
+
+static PyTypeObject MethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.Method",
+    .tp_doc = PyDoc_STR("Method(func): a tensor method or operator of a lazy value, recorded."),
+    .tp_basicsize = sizeof(Method),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = method_new,
+    .tp_dealloc = (destructor)method_dealloc,
+    .tp_traverse = (traverseproc)method_traverse,
+    .tp_clear = (inquiry)method_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Method, vectorcall),
+    .tp_descr_get = bind,
+    .tp_getset = method_getset,
+    .tp_members = method_members,
+};
+
+/* ------------------------------------------------------------------------- torch_function */
+
+/* torch_function(cls, func, types, args=(), kwargs=None): Lazy.__torch_function__. */
+static PyObject *
+torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3]) &&
+        (nargs == 4 || args[4] == Py_None ||
+         (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
+        PyObject *rec = current_recorder();
+        if (rec == NULL && PyErr_Occurred())
+            return NULL;
+        if (rec != NULL) {
+            int usual = usual_mode();
+            PyObject *out = NULL;
+            if (usual > 0)
+                out = fast_impl(rec, args[1], g_torch_kind, &PyTuple_GET_ITEM(args[3], 0),
+                                PyTuple_GET_SIZE(args[3]));
+            Py_DECREF(rec);
+            if (usual < 0)
+                return NULL;
+            if (usual > 0) {
+                if (out != g_miss)
+                    return out;
+                Py_DECREF(out);
+            }
+        }
+    }
+    return PyObject_Vectorcall(g_slow_function, args, nargs, kwnames);
+}
+
+/* ------------------------------------------------------------------------- module */
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    PyObject *v[10];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                          &v[6], &v[7], &v[8], &v[9]))
+        return NULL;
+    if (!PyType_Check(v[0]) || !PyType_IsSubtype((PyTypeObject *)v[0], &LazyBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "configure: Lazy must subclass LazyBase");
+        return NULL;
+    }
+    PyObject **slots[10] = {&g_lazy_type,    &g_module_type, &g_tensor_type, &g_miss,
+                            &g_local,        &g_grad_enabled, &g_any_autocast, &g_torch_kind,
+                            &g_slow_method, &g_slow_function};
+    for (int i = 0; i < 10; i++) {
+        Py_INCREF(v[i]);
+        Py_XSETREF(*slots[i], v[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef functions[] = {
+    {"configure", configure, METH_VARARGS,
+     PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
+               "'torch', record_method, torch_function)")},
+    {"fast", (PyCFunction)(void (*)(void))fast, METH_FASTCALL,
+     PyDoc_STR("fast(rec, fn, kind, args): the recorded outputs, or MISS")},
+    {"torch_function", (PyCFunction)(void (*)(void))torch_function,
+     METH_FASTCALL | METH_KEYWORDS,
+     PyDoc_STR("Lazy.__torch_function__(cls, func, types, args, kwargs)")},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fold._clazy",
+    .m_doc = PyDoc_STR("The hot path of autobatch's recording, in C (see fold.lazy)."),
+    .m_size = -1,
+    .m_methods = functions,
+};
+
+static int
+add_type(PyObject *m, const char *name, PyTypeObject *t)
+{
+    if (PyType_Ready(t) < 0)
+        return -1;
+    Py_INCREF(t);
+    if (PyModule_AddObject(m, name, (PyObject *)t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC
+PyInit__clazy(void)
+{
+    PyObject **strs[] = {&s_rec,  &s_paused, &s_running, &s_fast,   &s_item,
+                         &s_ndim, &s_requires_grad, &s_dtype, &s_device, &s_call};
+    const char *names[] = {"rec",  "paused", "running", "_fast",  "item",
+                           "ndim", "requires_grad", "dtype", "device", "_call"};
+    for (int i = 0; i < 10; i++)
+        if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "MAX_FAST", MAX_FAST) < 0 ||
+        add_type(m, "LazyBase", &LazyBaseType) < 0 ||
+        add_type(m, "BatchableBase", &BatchableBaseType) < 0 ||
+        add_type(m, "Method", &MethodType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
