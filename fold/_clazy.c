@@ -46,6 +46,10 @@ static PyObject *g_any_autocast;   /* torch._C._is_any_autocast_enabled */
 static PyObject *g_torch_kind;     /* "torch", the kind of a torch function or method */
 static PyObject *g_slow_method;    /* fold.lazy._record_method(func, args, kwargs) */
 static PyObject *g_slow_function;  /* fold.lazy._torch_function(cls, func, types, args, kw) */
+static PyObject *g_batched_kind;   /* fold.lazy._BATCHED, the kind of a batched=True function */
+static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
+static PyObject *g_default_dtype;  /* torch.get_default_dtype */
+static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call;
@@ -211,66 +215,147 @@ done:
     return out;
 }
 
+/* A call's fast key, built into ``k``: the items of the key, the nodes it passes to the op's
+   recorder, and the 0-dim tensor (borrowed) whose .item() it passes where it takes one.
+
+   The key is (fn, kind, then per argument): a lazy value of rec: its meta; an int, a bool, or
+   a nonzero float: its type, then itself (types keep 1, True and 1.0 apart; zeros are left
+   to the slow path, which keys -0.0 apart from 0.0); None; a list or tuple of lazy values of
+   rec (not for a batched=True function, whose lists become Ragged): its type, its length,
+   their metas; a module, first: itself.  The slow path (fold.lazy._Recorder.record) makes one
+   op of all calls whose fast keys are equal: each item above is what its key holds, or
+   tells apart what its key tells apart.  And, as fold.lazy._NUMBER_BRANCH: a 0-dim tensor
+   that needs no gradient, alone or after a module: (fn, kind, [module,] dtype, device). */
+#define MAX_ITEMS 64
+#define MAX_NODES 64
+
+typedef struct {
+    PyObject *items[MAX_ITEMS];
+    PyObject *nodes[MAX_NODES];
+    PyObject *owned[2]; /* dtype, device of a number tensor: references held */
+    PyObject *number;   /* the number tensor, borrowed */
+    Py_ssize_t nk, nn;
+} Key;
+
+static void
+key_release(Key *k)
+{
+    Py_CLEAR(k->owned[0]);
+    Py_CLEAR(k->owned[1]);
+}
+
+/* 1 where the call has a fast key (in k), 0 where not, -1 on error. */
+static int
+key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args,
+          Py_ssize_t n)
+{
+    k->nk = k->nn = 0;
+    k->owned[0] = k->owned[1] = NULL;
+    k->number = NULL;
+    if (n < 1 || n > MAX_FAST)
+        return 0;
+    k->items[k->nk++] = fn;
+    k->items[k->nk++] = kind;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = args[i];
+        PyTypeObject *t = Py_TYPE(a);
+        if (k->nk + 2 > MAX_ITEMS)
+            return 0;
+        if ((PyObject *)t == g_lazy_type && LAZY(a)->rec == rec) {
+            if (k->nn >= MAX_NODES)
+                return 0;
+            k->items[k->nk++] = LAZY(a)->meta;
+            k->nodes[k->nn++] = LAZY(a)->node;
+        }
+        else if (t == &PyLong_Type || t == &PyBool_Type ||
+                 (t == &PyFloat_Type && PyFloat_AS_DOUBLE(a) != 0.0)) {
+            k->items[k->nk++] = (PyObject *)t;
+            k->items[k->nk++] = a;
+        }
+        else if (a == Py_None) {
+            k->items[k->nk++] = a;
+        }
+        else if ((t == &PyList_Type || t == &PyTuple_Type) && kind != g_batched_kind) {
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+            PyObject **el = PySequence_Fast_ITEMS(a);
+            if (k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
+                return 0;
+            for (Py_ssize_t j = 0; j < m; j++)
+                if ((PyObject *)Py_TYPE(el[j]) != g_lazy_type || LAZY(el[j])->rec != rec)
+                    return 0;
+            k->items[k->nk++] = (PyObject *)t;
+            k->items[k->nk++] = m < 64 ? g_small[m] : NULL;
+            if (k->items[k->nk - 1] == NULL)
+                return 0;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                k->items[k->nk++] = LAZY(el[j])->meta;
+                k->nodes[k->nn++] = LAZY(el[j])->node;
+            }
+        }
+        else if (i == 0 && PyObject_TypeCheck(a, (PyTypeObject *)g_module_type)) {
+            k->items[k->nk++] = a;
+        }
+        else if ((PyObject *)t == g_tensor_type &&
+                 (n == 1 || (n == 2 && i == 1 && !PyObject_TypeCheck(args[0], &LazyBaseType) &&
+                             PyObject_TypeCheck(args[0], (PyTypeObject *)g_module_type)))) {
+            int ok = number_tensor(a);
+            if (ok <= 0)
+                return ok;
+            if ((k->owned[0] = PyObject_GetAttr(a, s_dtype)) == NULL ||
+                (k->owned[1] = PyObject_GetAttr(a, s_device)) == NULL) {
+                key_release(k);
+                return -1;
+            }
+            /* Only a tensor that travels as a Python number (fold.lazy._as_number): long,
+               bool, or the default dtype. */
+            if (k->owned[0] != g_long && k->owned[0] != g_bool) {
+                PyObject *d = PyObject_CallNoArgs(g_default_dtype);
+                if (d == NULL) {
+                    key_release(k);
+                    return -1;
+                }
+                Py_DECREF(d);
+                if (d != k->owned[0]) {
+                    key_release(k);
+                    return 0;
+                }
+            }
+            k->items[k->nk++] = k->owned[0];
+            k->items[k->nk++] = k->owned[1];
+            k->number = a;
+        }
+        else
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+key_tuple(Key *k)
+{
+    PyObject *key = PyTuple_New(k->nk);
+    if (key == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < k->nk; i++) {
+        Py_INCREF(k->items[i]);
+        PyTuple_SET_ITEM(key, i, k->items[i]);
+    }
+    return key;
+}
+
 /* The fast path of a call of ``fn`` of ``kind`` on ``args``, recorded by ``rec``: its outputs,
    _MISS (a new reference) where it does not fit or its key is new, NULL on error. */
 static PyObject *
 fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n)
 {
-    PyObject *items[MAX_FAST + 4];
-    PyObject *nodes[MAX_FAST];
-    PyObject *owned[3] = {NULL, NULL, NULL}; /* dtype, device, number: references held */
-    Py_ssize_t nk = 0, nn = 0;
-    PyObject *result = NULL, *key = NULL, *table = NULL;
-    if (n < 1 || n > MAX_FAST)
-        return miss();
-    items[nk++] = fn;
-    items[nk++] = kind;
-    int rest = 1;
-    for (Py_ssize_t i = 1; i < n; i++)
-        if (!is_lazy_of(args[i], rec)) {
-            rest = 0;
-            break;
-        }
-    PyObject *a0 = args[0], *number = NULL;
-    if (rest && is_lazy_of(a0, rec)) {
-        items[nk++] = LAZY(a0)->meta;
-        nodes[nn++] = LAZY(a0)->node;
-    }
-    else if (rest && PyObject_TypeCheck(a0, (PyTypeObject *)g_module_type)) {
-        items[nk++] = a0;
-    }
-    else if (rest && n == 1 && (PyObject *)Py_TYPE(a0) == g_tensor_type) {
-        number = a0; /* alone: a module call on torch.tensor(word) */
-    }
-    else if (!rest && n == 2 && (PyObject *)Py_TYPE(args[1]) == g_tensor_type &&
-             PyObject_TypeCheck(a0, (PyTypeObject *)g_module_type)) {
-        items[nk++] = a0; /* a batchable method's self, then torch.tensor(word) */
-        number = args[1];
-    }
-    else
-        return miss();
-    if (number != NULL) {
-        int ok = number_tensor(number);
-        if (ok <= 0)
-            return ok < 0 ? NULL : miss();
-        if ((owned[0] = PyObject_GetAttr(number, s_dtype)) == NULL ||
-            (owned[1] = PyObject_GetAttr(number, s_device)) == NULL)
-            goto out;
-        items[nk++] = owned[0];
-        items[nk++] = owned[1];
-    }
-    else
-        for (Py_ssize_t i = 1; i < n; i++) {
-            items[nk++] = LAZY(args[i])->meta;
-            nodes[nn++] = LAZY(args[i])->node;
-        }
-    key = PyTuple_New(nk);
+    Key k;
+    PyObject *result = NULL, *key = NULL, *table = NULL, *item = NULL;
+    int ok = key_build(&k, rec, fn, kind, args, n);
+    if (ok <= 0)
+        return ok < 0 ? NULL : miss();
+    key = key_tuple(&k);
     if (key == NULL)
         goto out;
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        Py_INCREF(items[i]);
-        PyTuple_SET_ITEM(key, i, items[i]);
-    }
     table = PyObject_GetAttr(rec, s_fast);
     if (table == NULL)
         goto out;
@@ -289,23 +374,45 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
         goto out;
     }
     Py_INCREF(entry); /* the recorder may run Python that changes the table */
-    if (number != NULL) {
-        owned[2] = PyObject_CallMethodNoArgs(number, s_item);
-        if (owned[2] == NULL) {
+    if (k.number != NULL) {
+        item = PyObject_CallMethodNoArgs(k.number, s_item);
+        if (item == NULL) {
             Py_DECREF(entry);
             goto out;
         }
-        nodes[nn++] = owned[2];
+        k.nodes[k.nn++] = item;
     }
-    PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), nodes, nn, NULL);
+    PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), k.nodes, k.nn, NULL);
     result = res == NULL ? NULL : emit(entry, res, rec);
     Py_DECREF(entry);
 out:
     Py_XDECREF(key);
     Py_XDECREF(table);
-    for (int i = 0; i < 3; i++)
-        Py_XDECREF(owned[i]);
+    Py_XDECREF(item);
+    key_release(&k);
     return result;
+}
+
+/* fast_key(rec, fn, kind, args): the key fast() looks this call up by, or None where the call
+   has none; the slow path files the op's entry under it. */
+static PyObject *
+fast_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "fast_key(rec, fn, kind, args: tuple)");
+        return NULL;
+    }
+    Key k;
+    int ok = key_build(&k, args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
+                       PyTuple_GET_SIZE(args[3]));
+    if (ok <= 0) {
+        if (ok < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *key = key_tuple(&k);
+    key_release(&k);
+    return key;
 }
 
 static PyObject *
@@ -624,18 +731,19 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
-    PyObject *v[10];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                          &v[6], &v[7], &v[8], &v[9]))
+    PyObject *v[14];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13]))
         return NULL;
     if (!PyType_Check(v[0]) || !PyType_IsSubtype((PyTypeObject *)v[0], &LazyBaseType)) {
         PyErr_SetString(PyExc_TypeError, "configure: Lazy must subclass LazyBase");
         return NULL;
     }
-    PyObject **slots[10] = {&g_lazy_type,    &g_module_type, &g_tensor_type, &g_miss,
-                            &g_local,        &g_grad_enabled, &g_any_autocast, &g_torch_kind,
-                            &g_slow_method, &g_slow_function};
-    for (int i = 0; i < 10; i++) {
+    PyObject **slots[14] = {&g_lazy_type,    &g_module_type,   &g_tensor_type, &g_miss,
+                            &g_local,        &g_grad_enabled,  &g_any_autocast, &g_torch_kind,
+                            &g_slow_method,  &g_slow_function, &g_batched_kind, &g_long,
+                            &g_bool,         &g_default_dtype};
+    for (int i = 0; i < 14; i++) {
         Py_INCREF(v[i]);
         Py_XSETREF(*slots[i], v[i]);
     }
@@ -645,7 +753,10 @@ configure(PyObject *module, PyObject *args)
 static PyMethodDef functions[] = {
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
-               "'torch', record_method, torch_function)")},
+               "'torch', record_method, torch_function, BATCHED, torch.long, torch.bool, "
+               "torch.get_default_dtype)")},
+    {"fast_key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
+     PyDoc_STR("fast_key(rec, fn, kind, args): the call's fast key, or None")},
     {"fast", (PyCFunction)(void (*)(void))fast, METH_FASTCALL,
      PyDoc_STR("fast(rec, fn, kind, args): the recorded outputs, or MISS")},
     {"torch_function", (PyCFunction)(void (*)(void))torch_function,
@@ -684,6 +795,9 @@ PyInit__clazy(void)
                            "ndim", "requires_grad", "dtype", "device", "_call"};
     for (int i = 0; i < 10; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return NULL;
+    for (int i = 0; i < 64; i++)
+        if ((g_small[i] = PyLong_FromLong(i)) == NULL)
             return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -1035,7 +1035,12 @@ class _Recorder:
         k = len(args)
         if mode is not None:
             return out
-        if (
+        if _C is not None:  # later calls of this op with the same fast key take the C path
+            if 0 < k <= _FAST_MAX and not kwargs:
+                fast_key = _C.fast_key(self, fn, kind, args)
+                if fast_key is not None:
+                    self._fast[fast_key] = _entry(op, r)
+        elif (
             0 < k <= _FAST_MAX
             and not kwargs
             and (
@@ -1330,6 +1335,10 @@ if _C is not None:
         "torch",
         _record_method,
         _torch_function,
+        _BATCHED,
+        torch.long,
+        torch.bool,
+        torch.get_default_dtype,
     )
 
 
