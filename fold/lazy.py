@@ -66,6 +66,16 @@ How a call is recorded (the choices the contract leaves open):
 - Errors inside a batched call name the user's source line that first recorded that call.
 - Caches of ops and shapes live for the process (they hold the modules and parameters they
   name); :func:`clear_cache` empties them.
+- **Recording in C.**  A call seen before in this autobatch call, with the same function,
+  kind, modules, lazy arguments' metas and constant arguments (ints, bools, nonzero floats,
+  None; lists or tuples of lazy values), is found by one lookup in the recorder's ``_fast``
+  table: where ``fold/_clazy.c`` is built that lookup, the node's recording and the Lazy
+  outputs run in C, from the ``batchable`` call, a Lazy method or ``__torch_function__``
+  (``_C.fast``; ``_C.fast_key`` builds the key the slow path files each op under).  Every
+  other call (keywords, another grad or autocast mode, a zero float, a new key) takes the
+  Python slow path, ``_Recorder.record``, which alone builds op keys and raises errors.
+  Without the extension (or with ``FOLD_RECORDER=python``) generated Python functions
+  (``_fast_source``) do the lookup for lazy arguments, a module first, or a number tensor.
 - **Module calls.**  The first ``autobatch`` call makes ``nn.Module.__call__`` a wrapper that
   records module calls while autobatch records and passes every other call through, and
   leaves it installed (about 0.4 us more per module call outside autobatch).  Setting the
