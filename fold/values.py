@@ -136,6 +136,23 @@ class _TableRead(torch.autograd.Function):
         return grad.new_empty(0), None, None, None
 
 
+def _runs(
+    js: list[int], starts: list[int], srcs: list[int], values: Values, blocks: bool = False
+) -> Any:
+    """The runs of adjacent sources among positions ``js`` (ascending) of one class: per run
+    its first table row and its rows, and with ``blocks`` the source tensors."""
+    i = 0
+    while i < len(js):
+        k = i
+        while k + 1 < len(js) and js[k + 1] == js[k] + 1:
+            k += 1
+        block = [values.sources[srcs[j]] for j in js[i : k + 1]]
+        row = (starts[js[i]] & _ROW_MASK) * values.models
+        rows = sum(t.shape[0] for t in block)
+        yield (row, rows, block) if blocks else (row, rows)
+        i = k + 1
+
+
 class Values:
     """The values of one executor pass: group outputs (*sources*), the virtual row of every
     node output, value tables, and the gathers that read them.
@@ -168,7 +185,7 @@ class Values:
         self.tables: list[torch.Tensor | None] = []  # outside autograd: see _TableRead
         self.anchors: list[torch.Tensor | None] = []  # per class: its latest fill's anchor
         self.table_grads: list[_TableGrad] = []
-        self.in_table: list[int] = []  # per class: how many of its sources the table holds
+        self.in_table: list[list[bool]] = []  # per class, per source: does the table hold it
         self.class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
         self.mixed: list[np.ndarray] = []  # rows of mixed-class gathers
         self.outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
@@ -251,57 +268,78 @@ class Values:
                 idx.append(rows[:, col] - start)
                 recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
                 continue
-            self.fill_table(c)
+            self.fill_table(c, rows[:, col])
             idx.append(rows[:, col] - (c << _CLASS_SHIFT))
             recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
         return recipes
 
-    def fill_table(self, c: int) -> None:
-        """Copy every source of class ``c`` not yet in its value table into it.
+    def fill_table(self, c: int, vrows: np.ndarray) -> None:
+        """Copy into class ``c``'s value table the sources that virtual rows ``vrows`` (a
+        column about to be read from it) come from and the table does not hold yet.
 
-        The table is preallocated and written in place, one ``copy_`` per call.  Its size
-        follows the rows it holds: the rows of this class so far plus an estimate of those
-        still to come (the plan's remaining nodes times this class's outputs per node), but
-        at most twice the rows so far, growing by doubling past that.  Backward zero-fills
-        one gradient of the table's size per pass, so a table sized for nodes of other
-        shapes (a few per-example memories among thousands of decoder nodes) would make
-        backward cost follow the graph instead of the rows read.  The copies are not
-        recorded by autograd: each fill records one ``_TableAnchor`` over the sources it
-        copied (see ``_TableRead``), and a read never saves the table, so the in-place
-        writes never invalidate a tensor autograd saved.  Sources are copied
-        lazily, when a column first needs rows of several of them: a chain of single-source
-        gathers (an RNN) never copies anything.
+        Only sources a read needs are copied: a class holds every output of its shape, and
+        where each torch op is a node (autobatch with no annotation) most of them are
+        intermediates (gates, products) read once, in order, straight from their source;
+        copying them too cost a third of such an apply at hidden 150, and their zero
+        gradients as much again in backward.  Rows of sources not copied are left
+        unwritten, and no read indexes them.
+
+        The table is preallocated and written in place, one ``copy_`` per run of adjacent
+        sources.  Its size follows the rows of its class: the rows so far plus an estimate
+        of those still to come (the plan's remaining nodes times this class's outputs per
+        node), but at most twice the rows so far, growing by doubling past that.  Backward
+        zero-fills one gradient of the table's size per pass, so a table sized for nodes of
+        other shapes (a few per-example memories among thousands of decoder nodes) would make
+        backward cost follow the graph instead of the rows read.  The copies are not recorded
+        by autograd: each fill records one ``_TableAnchor`` over the sources it copied (see
+        ``_TableRead``), and a read never saves the table, so the in-place writes never
+        invalidate a tensor autograd saved.  Sources are copied lazily, when a column first
+        needs rows of several of them: a chain of single-source gathers (an RNN) never
+        copies anything.
         """
         srcs = self.class_srcs[c]
-        k = self.in_table[c]
-        if k == len(srcs):
+        held = self.in_table[c]
+        if len(held) == len(srcs) and all(held):
+            return
+        held.extend([False] * (len(srcs) - len(held)))
+        starts = self.class_starts[c]
+        if len(starts) == 1:
+            wanted = [0]
+        else:
+            wanted = distinct(np.searchsorted(np.asarray(starts), vrows, side="right") - 1)
+            wanted = wanted.tolist()
+        missing = [j for j in wanted if not held[j]]
+        if not missing:
             return
         sources = self.sources
         m = self.models  # tensor rows per node row
         need = self.class_rows[c] * m
-        start = (self.class_starts[c][k] & _ROW_MASK) * m
         table = self.tables[c]
-        block = [sources[s] for s in srcs[k:]]
+        copied: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []
         with torch.no_grad():
             if table is None or table.shape[0] < need:
-                last = block[-1]
+                last = sources[srcs[-1]]
                 cap = min(need + self.rows_left * self.outs_per_row[c] * m, 2 * need)
                 grown = last.new_empty((cap, *last.shape[1:]))
-                if table is not None:
-                    grown.narrow(0, 0, start).copy_(table.narrow(0, 0, start))
+                if table is not None:  # the rows held so far, run by run
+                    for row, rows in _runs(
+                        [j for j, h in enumerate(held) if h], starts, srcs, self
+                    ):
+                        grown.narrow(0, row, rows).copy_(table.narrow(0, row, rows))
                 table = self.tables[c] = grown
                 self.table_grads[c].shape = tuple(grown.shape)
-            table.narrow(0, start, need - start).copy_(
-                block[0] if len(block) == 1 else torch.cat(block, 0)
-            )
-        self.in_table[c] = len(srcs)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in block):
-            spans, row = [], start
-            for t in block:
-                spans.append((row, t.shape[0]))
-                row += t.shape[0]
+            for row, rows, block in _runs(missing, starts, srcs, self, blocks=True):
+                table.narrow(0, row, rows).copy_(block[0] if len(block) == 1 else torch.cat(block))
+                for t in block:
+                    spans.append((row, t.shape[0]))
+                    row += t.shape[0]
+                copied += block
+        for j in missing:
+            held[j] = True
+        if torch.is_grad_enabled() and any(t.requires_grad for t in copied):
             self.anchors[c] = _TableAnchor.apply(
-                self.table_grads[c], spans, self.anchors[c], *block
+                self.table_grads[c], spans, self.anchors[c], *copied
             )
 
     def read_table(self, c: int, index: torch.Tensor) -> torch.Tensor:
@@ -319,10 +357,10 @@ class Values:
         classes = rows >> _CLASS_SHIFT
         parts, order = [], []
         for c in distinct(classes).tolist():
-            self.fill_table(c)
+            positions = np.flatnonzero(classes == c)
+            self.fill_table(c, rows[positions])
             table = self.tables[c]
             assert table is not None
-            positions = np.flatnonzero(classes == c)
             index = torch.from_numpy(rows[positions] & _ROW_MASK)
             index = self.rows_of(index.to(table.device, non_blocking=True))
             parts.append(self.read_table(c, index))
@@ -397,7 +435,7 @@ class Values:
                 self.tables.append(None)
                 self.anchors.append(None)
                 self.table_grads.append(_TableGrad())
-                self.in_table.append(0)
+                self.in_table.append([])
                 self.outs_per_row.append(0)
                 self.class_meta.append(meta)
             seen[c] = seen.get(c, 0) + 1
