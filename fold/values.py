@@ -136,30 +136,14 @@ class _TableRead(torch.autograd.Function):
         return grad.new_empty(0), None, None, None
 
 
-def _runs(
-    js: list[int], starts: list[int], srcs: list[int], values: Values, blocks: bool = False
-) -> Any:
-    """The runs of adjacent sources among positions ``js`` (ascending) of one class: per run
-    its first table row and its rows, and with ``blocks`` the source tensors."""
-    i = 0
-    while i < len(js):
-        k = i
-        while k + 1 < len(js) and js[k + 1] == js[k] + 1:
-            k += 1
-        block = [values.sources[srcs[j]] for j in js[i : k + 1]]
-        row = (starts[js[i]] & _ROW_MASK) * values.models
-        rows = sum(t.shape[0] for t in block)
-        yield (row, rows, block) if blocks else (row, rows)
-        i = k + 1
-
-
 class Values:
     """The values of one executor pass: group outputs (*sources*), the virtual row of every
     node output, value tables, and the gathers that read them.
 
-    Value tables: the sources of one class (``shape[1:]``, dtype, output index) share one
-    preallocated table, filled lazily (see ``fill_table``) when a column first needs rows of
-    several of them.  A TreeLSTM level gathers its children (leaves and nodes of all lower
+    Value tables: the sources of one class (``shape[1:]``, dtype, output index) that reads
+    need share one preallocated table, filled lazily (see ``fill_table``) when a column
+    first needs rows of several of them, packed in the order they were first needed
+    (``table_rows`` translates a column's virtual rows).  A TreeLSTM level gathers its children (leaves and nodes of all lower
     levels) with one ``index_select`` per argument, as hand-written level batching does.
     """
 
@@ -185,7 +169,10 @@ class Values:
         self.tables: list[torch.Tensor | None] = []  # outside autograd: see _TableRead
         self.anchors: list[torch.Tensor | None] = []  # per class: its latest fill's anchor
         self.table_grads: list[_TableGrad] = []
-        self.in_table: list[list[bool]] = []  # per class, per source: does the table hold it
+        # Per class, per source: its first row in the class's table (node rows), -1 where the
+        # table does not hold it; and the tensor rows the table holds.
+        self.table_off: list[list[int]] = []
+        self.table_used: list[int] = []
         self.class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
         self.mixed: list[np.ndarray] = []  # rows of mixed-class gathers
         self.outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
@@ -268,78 +255,75 @@ class Values:
                 idx.append(rows[:, col] - start)
                 recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
                 continue
-            self.fill_table(c, rows[:, col])
-            idx.append(rows[:, col] - (c << _CLASS_SHIFT))
+            idx.append(self.table_rows(c, rows[:, col]))
             recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
         return recipes
 
-    def fill_table(self, c: int, vrows: np.ndarray) -> None:
-        """Copy into class ``c``'s value table the sources that virtual rows ``vrows`` (a
-        column about to be read from it) come from and the table does not hold yet.
+    def table_rows(self, c: int, vrows: np.ndarray) -> np.ndarray:
+        """The rows of class ``c``'s value table that hold virtual rows ``vrows`` (a column
+        about to be read from it; node rows, an int64 array), copying in first the sources
+        they come from that the table does not hold yet (see ``fill_table``)."""
+        starts = self.class_starts[c]
+        off = self.table_off[c]
+        off.extend([-1] * (len(starts) - len(off)))
+        if len(starts) == 1:
+            j = np.zeros(len(vrows), np.int64)
+        else:
+            j = np.searchsorted(np.asarray(starts), vrows, side="right") - 1
+        missing = [x for x in distinct(j).tolist() if off[x] < 0]
+        if missing:
+            self.fill_table(c, missing)
+        return np.asarray(off, np.int64)[j] + (vrows - np.asarray(starts, np.int64)[j])
 
-        Only sources a read needs are copied: a class holds every output of its shape, and
-        where each torch op is a node (autobatch with no annotation) most of them are
-        intermediates (gates, products) read once, in order, straight from their source;
-        copying them too cost a third of such an apply at hidden 150, and their zero
-        gradients as much again in backward.  Rows of sources not copied are left
-        unwritten, and no read indexes them.
+    def fill_table(self, c: int, missing: list[int]) -> None:
+        """Copy sources ``missing`` (positions among class ``c``'s sources) into its value
+        table, after the rows it holds, in one ``copy_``.
 
-        The table is preallocated and written in place, one ``copy_`` per run of adjacent
-        sources.  Its size follows the rows of its class: the rows so far plus an estimate
-        of those still to come (the plan's remaining nodes times this class's outputs per
-        node), but at most twice the rows so far, growing by doubling past that.  Backward
-        zero-fills one gradient of the table's size per pass, so a table sized for nodes of
-        other shapes (a few per-example memories among thousands of decoder nodes) would make
-        backward cost follow the graph instead of the rows read.  The copies are not recorded
-        by autograd: each fill records one ``_TableAnchor`` over the sources it copied (see
-        ``_TableRead``), and a read never saves the table, so the in-place writes never
-        invalidate a tensor autograd saved.  Sources are copied lazily, when a column first
-        needs rows of several of them: a chain of single-source gathers (an RNN) never
-        copies anything.
+        A table holds only the sources a read has needed, packed in the order they were
+        first needed (``table_rows`` translates virtual rows): a class holds every output of
+        its shape, and where each torch op is a node (autobatch with no annotation) most of
+        them are intermediates (gates, products) read once, in order, straight from their
+        source.  Copying them too, and zero-filling their rows of the table's gradient in
+        backward, cost a third of such an apply and a fifth of its backward at hidden 150.
+
+        The table is preallocated and written in place.  Its size follows the rows it holds:
+        those so far plus an estimate of those still to come (the plan's remaining nodes
+        times this class's outputs per node), but at most twice the rows so far, growing by
+        doubling past that.  Backward zero-fills one gradient of the table's size per pass,
+        so a table sized for rows it never holds would make backward cost follow the graph
+        instead of the rows read.  The copies are not recorded by autograd: each fill
+        records one ``_TableAnchor`` over the sources it copied (see ``_TableRead``), and a
+        read never saves the table, so the in-place writes never invalidate a tensor
+        autograd saved.  Sources are copied lazily, when a column first needs rows of
+        several of them: a chain of single-source gathers (an RNN) never copies anything.
         """
         srcs = self.class_srcs[c]
-        held = self.in_table[c]
-        if len(held) == len(srcs) and all(held):
-            return
-        held.extend([False] * (len(srcs) - len(held)))
-        starts = self.class_starts[c]
-        if len(starts) == 1:
-            wanted = [0]
-        else:
-            wanted = distinct(np.searchsorted(np.asarray(starts), vrows, side="right") - 1)
-            wanted = wanted.tolist()
-        missing = [j for j in wanted if not held[j]]
-        if not missing:
-            return
-        sources = self.sources
+        off = self.table_off[c]
         m = self.models  # tensor rows per node row
-        need = self.class_rows[c] * m
+        block = [self.sources[srcs[x]] for x in missing]
+        used = self.table_used[c]
+        need = used + sum(t.shape[0] for t in block)
         table = self.tables[c]
-        copied: list[torch.Tensor] = []
-        spans: list[tuple[int, int]] = []
         with torch.no_grad():
             if table is None or table.shape[0] < need:
-                last = sources[srcs[-1]]
                 cap = min(need + self.rows_left * self.outs_per_row[c] * m, 2 * need)
-                grown = last.new_empty((cap, *last.shape[1:]))
-                if table is not None:  # the rows held so far, run by run
-                    for row, rows in _runs(
-                        [j for j, h in enumerate(held) if h], starts, srcs, self
-                    ):
-                        grown.narrow(0, row, rows).copy_(table.narrow(0, row, rows))
+                grown = block[-1].new_empty((cap, *block[-1].shape[1:]))
+                if table is not None:
+                    grown.narrow(0, 0, used).copy_(table.narrow(0, 0, used))
                 table = self.tables[c] = grown
                 self.table_grads[c].shape = tuple(grown.shape)
-            for row, rows, block in _runs(missing, starts, srcs, self, blocks=True):
-                table.narrow(0, row, rows).copy_(block[0] if len(block) == 1 else torch.cat(block))
-                for t in block:
-                    spans.append((row, t.shape[0]))
-                    row += t.shape[0]
-                copied += block
-        for j in missing:
-            held[j] = True
-        if torch.is_grad_enabled() and any(t.requires_grad for t in copied):
+            table.narrow(0, used, need - used).copy_(
+                block[0] if len(block) == 1 else torch.cat(block)
+            )
+        spans, row = [], used
+        for x, t in zip(missing, block):
+            off[x] = row // m
+            spans.append((row, t.shape[0]))
+            row += t.shape[0]
+        self.table_used[c] = need
+        if torch.is_grad_enabled() and any(t.requires_grad for t in block):
             self.anchors[c] = _TableAnchor.apply(
-                self.table_grads[c], spans, self.anchors[c], *copied
+                self.table_grads[c], spans, self.anchors[c], *block
             )
 
     def read_table(self, c: int, index: torch.Tensor) -> torch.Tensor:
@@ -358,10 +342,9 @@ class Values:
         parts, order = [], []
         for c in distinct(classes).tolist():
             positions = np.flatnonzero(classes == c)
-            self.fill_table(c, rows[positions])
+            index = torch.from_numpy(self.table_rows(c, rows[positions]))
             table = self.tables[c]
             assert table is not None
-            index = torch.from_numpy(rows[positions] & _ROW_MASK)
             index = self.rows_of(index.to(table.device, non_blocking=True))
             parts.append(self.read_table(c, index))
             order.append(positions)
@@ -435,7 +418,8 @@ class Values:
                 self.tables.append(None)
                 self.anchors.append(None)
                 self.table_grads.append(_TableGrad())
-                self.in_table.append([])
+                self.table_off.append([])
+                self.table_used.append(0)
                 self.outs_per_row.append(0)
                 self.class_meta.append(meta)
             seen[c] = seen.get(c, 0) + 1
