@@ -179,6 +179,56 @@ def test_value_tables_hold_the_rows_of_their_own_shape_only() -> None:
     torch.testing.assert_close(g, g_want)
 
 
+class _Chains(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.rand(4, generator=g, dtype=torch.float64) + 0.5)
+
+    def start(self, k):
+        return k[:, None] * self.w
+
+    def mid(self, h):
+        return torch.tanh(h) * self.w
+
+    def pair(self, a, b):
+        return a * b + a
+
+
+def test_value_tables_hold_only_the_sources_reads_need() -> None:
+    """Chains of 10-17 ``mid`` steps, then one ``pair`` per chain: its first column draws
+    from the last 8 depths of mid groups (36 rows), so it reads a value table; the 9 earlier
+    mid groups and the starts, of the same shape, are read only in order, straight from
+    their sources.  The table holds the 36 rows it needs (at most twice that, as it grows),
+    not the class's 116; values and gradients equal Unfold's."""
+    from fold.executor import Executor
+
+    def record(f):
+        outs = []
+        for i in range(8):
+            h = first = f.add("start", float(i + 1))
+            for _ in range(10 + i):
+                h = f.add("mid", h)
+            outs.append(f.add("pair", h, first))
+        return outs
+
+    model = _Chains()
+    f = fold.Fold()
+    outs = record(f)
+    ex = Executor(f.snapshot(), model)
+    ex.run(f.plan())
+    held = [t.shape[0] for t in ex.values.tables if t is not None]
+    assert held and max(held) <= 72, held
+    assert sum(ex.values.class_rows) >= 116
+    (got,) = f.apply(model, [outs])
+    (g,) = torch.autograd.grad(got.square().sum(), model.w)
+    u = fold.Unfold(model)
+    (want,) = u.apply(model, [record(u)])
+    (g_want,) = torch.autograd.grad(want.square().sum(), model.w)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g, g_want)
+
+
 class _Recall(torch.nn.Module):
     """Each step reads the state before it and one earlier state of its example: the earlier
     states' column draws rows from many groups, so it is gathered from a value table filled
