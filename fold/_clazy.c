@@ -133,7 +133,19 @@ static PyTypeObject LazyBaseType = {
 static inline int
 is_lazy_of(PyObject *a, PyObject *rec)
 {
-    return (PyObject *)Py_TYPE(a) == g_lazy_type && LAZY(a)->rec == rec;
+    return (PyObject *)Py_TYPE(a) == g_lazy_type && LAZY(a)->rec == rec &&
+           LAZY(a)->meta != NULL && LAZY(a)->node != NULL;
+}
+
+/* 0 with an error set where fold.lazy has not called configure() (the module imported on
+   its own): every path that calls back into Python checks it first. */
+static int
+configured(void)
+{
+    if (g_lazy_type != NULL)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "fold._clazy is used through fold.lazy only");
+    return 0;
 }
 
 static PyObject *
@@ -252,6 +264,8 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
     k->nk = k->nn = 0;
     k->owned[0] = k->owned[1] = NULL;
     k->number = NULL;
+    if (!configured())
+        return -1;
     if (n < 1 || n > MAX_FAST)
         return 0;
     k->items[k->nk++] = fn;
@@ -451,6 +465,8 @@ usual_mode(void)
 static PyObject *
 current_recorder(void)
 {
+    if (!configured())
+        return NULL;
     PyObject *rec = PyObject_GetAttr(g_local, s_rec);
     if (rec == NULL || rec == Py_None) {
         Py_XDECREF(rec);
@@ -594,6 +610,8 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
 {
     Method *self = (Method *)op;
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (!configured())
+        return NULL;
     if (kwnames == NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
         LAZY(args[0])->rec != NULL) {
         int usual = usual_mode();
@@ -701,6 +719,8 @@ static PyObject *
 torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (!configured())
+        return NULL;
     if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3]) &&
         (nargs == 4 || args[4] == Py_None ||
          (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
