@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -148,7 +149,6 @@ def test_value_tables_hold_the_rows_of_their_own_shape_only() -> None:
     another shape: the memories' value table holds about their rows (at most twice), not a
     row for every node left in the plan (its backward would fill a gradient that size per
     gather); values and gradients equal Unfold's."""
-    from fold.executor import Executor
 
     def record(f):
         mems = [f.add("mem_a" if i % 2 else "mem_b", float(i)) for i in range(8)]
@@ -160,23 +160,32 @@ def test_value_tables_hold_the_rows_of_their_own_shape_only() -> None:
             outs.append(h)
         return outs
 
-    model = _Memories()
+    values, nodes = _tables_checked_against_unfold(_Memories(), record)
+    memory_tables = [t for t in values.tables if t is not None and t.dim() == 3]
+    assert memory_tables and all(t.shape[0] <= 16 for t in memory_tables), [
+        t.shape for t in memory_tables
+    ]
+    assert nodes > 200  # the plan had many more nodes than memories
+
+
+def _tables_checked_against_unfold(model: torch.nn.Module, record: Any) -> tuple[Any, int]:
+    """The graph ``record`` makes, run once by the executor (for its value tables, which
+    ``Values`` returns), then ``apply``'s values and gradients checked against Unfold's;
+    ``(values, nodes)``."""
+    from fold.executor import Executor
+
     f = fold.Fold()
     outs = record(f)
     ex = Executor(f.snapshot(), model)
     ex.run(f.plan())
-    memory_tables = [t for t in ex.values.tables if t is not None and t.dim() == 3]
-    assert memory_tables and all(t.shape[0] <= 16 for t in memory_tables), [
-        t.shape for t in memory_tables
-    ]
-    assert len(f) > 200  # the plan had many more nodes than memories
     (got,) = f.apply(model, [outs])
-    (g,) = torch.autograd.grad(got.sum(), model.w)
+    (g,) = torch.autograd.grad(got.square().sum(), model.w)
     u = fold.Unfold(model)
     (want,) = u.apply(model, [record(u)])
-    (g_want,) = torch.autograd.grad(want.sum(), model.w)
+    (g_want,) = torch.autograd.grad(want.square().sum(), model.w)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g, g_want)
+    return ex.values, len(f)
 
 
 class _Chains(torch.nn.Module):
@@ -201,7 +210,6 @@ def test_value_tables_hold_only_the_sources_reads_need() -> None:
     mid groups and the starts, of the same shape, are read only in order, straight from
     their sources.  The table holds the 36 rows it needs (at most twice that, as it grows),
     not the class's 116; values and gradients equal Unfold's."""
-    from fold.executor import Executor
 
     def record(f):
         outs = []
@@ -212,21 +220,10 @@ def test_value_tables_hold_only_the_sources_reads_need() -> None:
             outs.append(f.add("pair", h, first))
         return outs
 
-    model = _Chains()
-    f = fold.Fold()
-    outs = record(f)
-    ex = Executor(f.snapshot(), model)
-    ex.run(f.plan())
-    held = [t.shape[0] for t in ex.values.tables if t is not None]
+    values, _ = _tables_checked_against_unfold(_Chains(), record)
+    held = [t.shape[0] for t in values.tables if t is not None]
     assert held and max(held) <= 72, held
-    assert sum(ex.values.class_rows) >= 116
-    (got,) = f.apply(model, [outs])
-    (g,) = torch.autograd.grad(got.square().sum(), model.w)
-    u = fold.Unfold(model)
-    (want,) = u.apply(model, [record(u)])
-    (g_want,) = torch.autograd.grad(want.square().sum(), model.w)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(g, g_want)
+    assert sum(values.class_rows) >= 116
 
 
 class _Recall(torch.nn.Module):
