@@ -1,23 +1,24 @@
 /* fold._clazy: the hot path of autobatch's recording (fold/lazy.py), in C.
 
    Inside fold.autobatch every @fold.batchable call, tensor method, operator and torch
-   function on a lazy value records a node.  A call seen before whose arguments are lazy
-   values of the recorder (a module first, perhaps: a batchable method's self) is found in
-   the recorder's ``_fast`` table by its key (function, kind, the module, the lazy values'
-   metas), and its node recorded by the op's Fold recorder.  In Python that took ~5 us a call
-   (descriptor, __call__, the thread-local recorder, the mode check, the key, two lambdas,
-   the Lazy outputs); here it is one C call.
+   function on a lazy value records a node.  A call seen before is found in the recorder's
+   ``_fast`` table by its fast key (see key_build: the function, the kind, a module first,
+   the lazy values' metas, constant numbers, lists of lazy values), and its node recorded
+   by the op's Fold recorder.  In Python that took ~5 us a call (descriptor, __call__, the
+   thread-local recorder, the mode check, the key, two lambdas, the Lazy outputs); here it
+   is one C call.
 
    What is here (fold/lazy.py uses each where this module was built, and its own Python
    otherwise; FOLD_RECORDER=python turns both C fast paths off):
 
    - LazyBase: the storage of fold.lazy.Lazy (node, meta, rec), so Lazy values are made
      without running Python.
-   - fast(rec, fn, kind, args): the lookup of fold.lazy._fast_source, for up to MAX_FAST
-     arguments.  _MISS where the call does not fit or its key is new; the Python slow path
-     (fold.lazy._Recorder.record) then builds the key and fills the table.  A table entry is
-     (recorder, outputs, wrap): outputs is the single output's meta, a tuple of metas for a
-     flat tuple of outputs, or None, where wrap(nodes, rec) makes the outputs.
+   - fast(rec, fn, kind, args): the table lookup, for up to MAX_FAST arguments.  _MISS
+     where the call has no fast key or its key is new; the Python slow path
+     (fold.lazy._Recorder.record) then builds the op key, records the node, and files the
+     op's entry under fast_key(rec, fn, kind, args).  A table entry is (recorder, outputs,
+     wrap): outputs is the single output's meta, a tuple of metas for a flat tuple of
+     outputs, or None, where wrap(nodes, rec) makes the outputs.
    - BatchableBase: the call and descriptor of fold.batchable.  Its call takes the fast path
      while autobatch records (fold.lazy._LOCAL.rec set, not paused, no batched function
      running) with gradients on, no autocast and no keywords; every other call goes to the
@@ -25,8 +26,10 @@
    - Method: a tensor method or operator of Lazy (``x * y``, ``x.sum()``).
    - torch_function: Lazy.__torch_function__ (``torch.tanh(x)``).
 
-   The key layout is fold.lazy._fast_source's and _NUMBER_BRANCH's; a change there is a
-   change here too (tests/test_lazy_c.py compares both paths). */
+   The fast key must never join calls the slow path keys apart (key_build says how each
+   item keeps them apart); tests/test_clazy.py checks that every call the fast paths find
+   gives what the slow path gives.  Without this module, the generated Python of
+   fold.lazy._fast_source takes the narrower keys it files itself. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
