@@ -490,6 +490,26 @@ current_recorder(void)
     return rec;
 }
 
+/* The fast path of a call recorded by ``rec`` (NULL: the recorder of the autobatch call
+   recording on this thread, if one records now) in the mode the fast table is for: the
+   outputs, _MISS (a new reference) where there is no recorder, another mode is on, or the
+   fast path misses, NULL on error. */
+static PyObject *
+fast_now(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n)
+{
+    if (rec == NULL) {
+        rec = current_recorder();
+        if (rec == NULL)
+            return PyErr_Occurred() ? NULL : miss();
+    }
+    else
+        Py_INCREF(rec);
+    int usual = usual_mode();
+    PyObject *out = usual < 0 ? NULL : usual ? fast_impl(rec, fn, kind, args, n) : miss();
+    Py_DECREF(rec);
+    return out;
+}
+
 /* ------------------------------------------------------------------------- batchable */
 
 typedef struct {
@@ -527,24 +547,11 @@ batchable_call(BatchableBase *self, PyObject *args, PyObject *kwargs)
 {
     if (self->fn != NULL && self->fn != Py_None && self->kind != NULL &&
         self->kind != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
-        PyObject *rec = current_recorder();
-        if (rec == NULL && PyErr_Occurred())
-            return NULL;
-        if (rec != NULL) {
-            int usual = usual_mode();
-            PyObject *out = NULL;
-            if (usual > 0)
-                out = fast_impl(rec, self->fn, self->kind, &PyTuple_GET_ITEM(args, 0),
-                                PyTuple_GET_SIZE(args));
-            Py_DECREF(rec);
-            if (usual < 0)
-                return NULL;
-            if (usual > 0) {
-                if (out != g_miss)
-                    return out;
-                Py_DECREF(out);
-            }
-        }
+        PyObject *out = fast_now(NULL, self->fn, self->kind, &PyTuple_GET_ITEM(args, 0),
+                                 PyTuple_GET_SIZE(args));
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
     }
     PyObject *slow = PyObject_GetAttr((PyObject *)self, s_call);
     if (slow == NULL)
@@ -617,15 +624,10 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         return NULL;
     if (kwnames == NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
         LAZY(args[0])->rec != NULL) {
-        int usual = usual_mode();
-        if (usual < 0)
-            return NULL;
-        if (usual) {
-            PyObject *out = fast_impl(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
-            if (out != g_miss)
-                return out;
-            Py_DECREF(out);
-        }
+        PyObject *out = fast_now(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
     }
     PyObject *targs = PyTuple_New(n);
     if (targs == NULL)
@@ -727,24 +729,11 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
     if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3]) &&
         (nargs == 4 || args[4] == Py_None ||
          (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
-        PyObject *rec = current_recorder();
-        if (rec == NULL && PyErr_Occurred())
-            return NULL;
-        if (rec != NULL) {
-            int usual = usual_mode();
-            PyObject *out = NULL;
-            if (usual > 0)
-                out = fast_impl(rec, args[1], g_torch_kind, &PyTuple_GET_ITEM(args[3], 0),
-                                PyTuple_GET_SIZE(args[3]));
-            Py_DECREF(rec);
-            if (usual < 0)
-                return NULL;
-            if (usual > 0) {
-                if (out != g_miss)
-                    return out;
-                Py_DECREF(out);
-            }
-        }
+        PyObject *out = fast_now(NULL, args[1], g_torch_kind, &PyTuple_GET_ITEM(args[3], 0),
+                                 PyTuple_GET_SIZE(args[3]));
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
     }
     return PyObject_Vectorcall(g_slow_function, args, nargs, kwnames);
 }
