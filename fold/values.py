@@ -143,8 +143,9 @@ class Values:
     Value tables: the sources of one class (``shape[1:]``, dtype, output index) that reads
     need share one preallocated table, filled lazily (see ``fill_table``) when a column
     first needs rows of several of them, packed in the order they were first needed
-    (``table_rows`` translates a column's virtual rows).  A TreeLSTM level gathers its children (leaves and nodes of all lower
-    levels) with one ``index_select`` per argument, as hand-written level batching does.
+    (``table_rows`` translates a column's virtual rows).  A TreeLSTM level gathers its
+    children (leaves and nodes of all lower levels) with one ``index_select`` per argument,
+    as hand-written level batching does.
     """
 
     def __init__(
@@ -263,17 +264,17 @@ class Values:
         """The rows of class ``c``'s value table that hold virtual rows ``vrows`` (a column
         about to be read from it; node rows, an int64 array), copying in first the sources
         they come from that the table does not hold yet (see ``fill_table``)."""
-        starts = self.class_starts[c]
+        starts = np.asarray(self.class_starts[c], np.int64)
         off = self.table_off[c]
         off.extend([-1] * (len(starts) - len(off)))
         if len(starts) == 1:
             j = np.zeros(len(vrows), np.int64)
         else:
-            j = np.searchsorted(np.asarray(starts), vrows, side="right") - 1
+            j = np.searchsorted(starts, vrows, side="right") - 1
         missing = [x for x in distinct(j).tolist() if off[x] < 0]
         if missing:
             self.fill_table(c, missing)
-        return np.asarray(off, np.int64)[j] + (vrows - np.asarray(starts, np.int64)[j])
+        return np.asarray(off, np.int64)[j] + (vrows - starts[j])
 
     def fill_table(self, c: int, missing: list[int]) -> None:
         """Copy sources ``missing`` (positions among class ``c``'s sources) into its value
