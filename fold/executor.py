@@ -4,7 +4,10 @@ Each group's outputs stay batched tensors (*sources*); a node's value is the pai
 row).  Gathering an argument column costs nothing when its rows are a whole source in order,
 a ``narrow`` when they are a contiguous run of one source, and otherwise ONE
 ``index_select`` from a *value table*: the sources of one shape, dtype and output index in
-one tensor, filled lazily the first time a column draws from several of them.  So the number
+one tensor, filled lazily the first time a column draws from several of them.  Where no
+column is in order already, a group runs its nodes in the order of the rows they read
+(``_read_order``), and a column that is then a few runs of whole sources or of classes is
+gathered as those pieces and one ``cat``, with no table (``Values.pieces``).  So the number
 of tensor ops grows with steps x groups x arguments, never with nodes, and autograd flows
 back through the gathers unchanged.  A plan whose groups name their inputs (a chain of whole
 outputs, ``Plan.whole``) passes those outputs as they are and indexes no rows at all.
@@ -43,7 +46,7 @@ from fold.ops import (
 from fold.ragged import Ragged
 from fold.scheduler.chain import whole_output
 from fold.scheduler.plan import Input, Plan
-from fold.values import Recipe, Values
+from fold.values import How, Recipe, Values
 
 __all__ = ["Executor", "ModelBatched"]
 
@@ -68,6 +71,29 @@ class ModelBatched:
 
     def chunks(self, size: int) -> Iterator[slice]:
         raise NotImplementedError
+
+
+def _read_order(rows: np.ndarray) -> np.ndarray | None:
+    """The order to run a group's nodes in, by the virtual rows they read (nodes x columns);
+    None to keep theirs (recording order).
+
+    A node's value is found by its row wherever the group puts it, so a group may run its
+    nodes in any order.  Where no column is in order already, sorting the nodes by the rows
+    they read in the first column makes each read a few runs: where each torch op is a
+    node, a ``sigmoid`` of every cell's gates then reads each gate of the ``chunk`` before
+    it whole, in turn, rather than four gates of one cell, then of the next (see
+    ``Values.pieces``); and an ``index_select`` reads its rows in order.  A column in order
+    already (a chain of whole sources: an RNN) keeps its order, and so its narrows.
+    """
+    if rows.shape[0] < 2:
+        return None
+    for col in rows.T:  # (numpy's all() along axis 0 of a row-major array is slow)
+        if (col[1:] >= col[:-1]).all():
+            return None
+    return np.argsort(rows[:, 0], kind="stable")
+
+
+_CHEAP = (How.SOURCE, How.PIECES)
 
 
 class Arg(enum.Enum):
@@ -120,6 +146,9 @@ class Executor:
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
         self._values: Values | None = None  # made when a group or an output reads rows
+        # Signatures whose groups run in recording order, reading no pieces: those whose first
+        # group gathered nothing cheaply (see _read_order, Values.pieces).
+        self._plain: set[int] = set()
         self._rows_left = 0
 
     # ------------------------------------------------------------------ ops
@@ -156,6 +185,8 @@ class Executor:
 
     # ------------------------------------------------------------------ gathers
     def _run_group(self, step: int, members: np.ndarray, sid: int | None = None) -> None:
+        """Run one group: its arguments gathered (its members perhaps reordered, see
+        ``_read_order``), one batched call, its outputs registered."""
         a = self.arrays
         nid0 = int(members[0])
         if sid is None:
@@ -168,22 +199,11 @@ class Executor:
         whole_sig = n == a.count[sid]  # members are all of the signature's nodes, in order
         pos = None if whole_sig else a.pos[members]
 
-        # Phase 1: plan every argument column (and find columns whose sources differ in shape).
+        # Phase 1: plan every argument column (and find columns whose sources differ in shape):
+        # the node columns first (they may reorder the members, see _read_order), then the
+        # literal columns, in the members' order.
         idx: list[np.ndarray] = []
-        plans: list[Any] = []
-        for j, k in enumerate(kinds):
-            if k == NODE:
-                plans.append(None)  # below, all node columns at once
-            elif is_tensor_kind(k):
-                plans.append(
-                    (Arg.TENSORS, cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
-                )
-            elif k == LIST:  # below, after the node columns
-                plans.append(
-                    (Arg.RAGGED, cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()])
-                )
-            else:
-                plans.append((Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos]))
+        plans: list[Any] = [None] * len(kinds)
         v = self.values
         if node_js and n == 1 and not nobatch:
             # One node (an RNN step, the top of a tree): each argument is one row of one
@@ -211,13 +231,38 @@ class Executor:
                     decoded = decoded[:, :, keep]
             if gathered:
                 rows = v.rows(handles, decoded)
-                recipes = v.recipes(rows, idx)
+                arrange = sid not in self._plain
+                order = _read_order(rows) if arrange else None
+                if order is not None:
+                    members, rows = members[order], rows[order]
+                    pos = order if whole_sig else pos[order]
+                    whole_sig = False
+                recipes = v.recipes(rows, idx, arrange)
+                if arrange and not any(r is not None and r.how in _CHEAP for r in recipes):
+                    # Every read of the group a table's or an index_select: its signature's
+                    # later groups (a TreeLSTM's levels) are not arranged.
+                    self._plain.add(sid)
                 mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
                 if mixed:
                     self._run_subgroups(step, members, mixed)
                     return
                 for j, r in zip(gathered, recipes):
                     plans[j] = (Arg.GATHER, r)
+        for j, k in enumerate(kinds):
+            if k == NODE:
+                continue
+            if is_tensor_kind(k):
+                plans[j] = (
+                    Arg.TENSORS,
+                    cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()],
+                )
+            elif k == LIST:  # below, after the index arrays of the node columns
+                plans[j] = (
+                    Arg.RAGGED,
+                    cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()],
+                )
+            else:
+                plans[j] = (Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos])
         for j, k in enumerate(kinds):
             if k == LIST:  # every element of the group's lists: one gather
                 plans[j] = (Arg.RAGGED, self._plan_list(op, j, plans[j][1], idx))

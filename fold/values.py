@@ -26,6 +26,7 @@ class How(enum.Enum):
     SELECT = 1  # index_select from one source
     TABLE = 2  # index_select from a class's value table
     MIXED = 3  # rows of several classes of one shape: one index_select per class
+    PIECES = 4  # a few pieces read alone (each a recipe above), then a cat
 
 
 class Recipe(NamedTuple):
@@ -46,6 +47,10 @@ class Recipe(NamedTuple):
 # numpy operations, and their min/max tell whether they share a class or a source.
 _CLASS_SHIFT = 40
 _ROW_MASK = (1 << _CLASS_SHIFT) - 1
+# A PIECES gather: at most this many pieces; a source read whole as a piece has at least
+# _MIN_WHOLE rows (a shorter one is cheaper copied into a table with its neighbours).
+_MAX_PIECES = 8
+_MIN_WHOLE = 16
 
 
 class _TableGrad:
@@ -170,12 +175,15 @@ class Values:
         self.tables: list[torch.Tensor | None] = []  # outside autograd: see _TableRead
         self.anchors: list[torch.Tensor | None] = []  # per class: its latest fill's anchor
         self.table_grads: list[_TableGrad] = []
+        # Per class, per node row: the rows of the source that starts there, else 0.
+        self.first_rows: list[np.ndarray] = []
         # Per class, per source: its first row in the class's table (node rows), -1 where the
         # table does not hold it; and the tensor rows the table holds.
         self.table_off: list[list[int]] = []
         self.table_used: list[int] = []
         self.class_meta: list[tuple[Any, ...]] = []  # per class: (shape[1:], dtype, output)
         self.mixed: list[np.ndarray] = []  # rows of mixed-class gathers
+        self.parts: list[list[Recipe]] = []  # the pieces of PIECES gathers
         self.outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
         self.rows_left = rows_left  # nodes of the plan not run yet (sizes new tables)
 
@@ -224,41 +232,117 @@ class Values:
         h, node = int(handles[i]), int(nid[i])
         raise bad_split(self.arrays, node, split_count(h), int(self.nout[node]))
 
-    def recipes(self, rows: np.ndarray, idx: list[np.ndarray]) -> list[Recipe | None]:
+    def recipes(
+        self, rows: np.ndarray, idx: list[np.ndarray], pieces: bool = True
+    ) -> list[Recipe | None]:
         """Plan the gather of each column of virtual ``rows`` (nodes x columns); None for a
-        column whose rows span shape classes of different shapes or dtypes.
-
-        A handful of array operations serve all the columns of a group at once.
+        column whose rows span shape classes of different shapes or dtypes.  ``pieces``:
+        whether to try ``pieces`` (see ``recipe``).
         """
-        n = rows.shape[0]
         los, his = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
-        recipes: list[Recipe | None] = []
-        for col, (lo, hi) in enumerate(zip(los, his)):
-            c = lo >> _CLASS_SHIFT
-            if hi >> _CLASS_SHIFT != c:
-                column = rows[:, col]
-                classes = distinct(column >> _CLASS_SHIFT).tolist()
-                if len({self.class_meta[x][:2] for x in classes}) > 1:
-                    recipes.append(None)  # different shapes or dtypes: split the group
-                    continue
-                self.mixed.append(column)  # one shape, several output indices: per class
-                recipes.append(Recipe(How.MIXED, -1, 0, n, len(self.mixed) - 1))
-                continue
-            starts = self.class_starts[c]
-            j = bisect.bisect_right(starts, lo) - 1
-            start = starts[j]
-            src = self.class_srcs[c][j]
-            if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
-                # A column in order, one row after another (a group's own nodes): a narrow.
-                if hi - lo == n - 1 and (n == 1 or (np.diff(rows[:, col]) == 1).all()):
-                    recipes.append(Recipe(How.SOURCE, src, lo - start, n, -1))
-                    continue
-                idx.append(rows[:, col] - start)
-                recipes.append(Recipe(How.SELECT, src, 0, n, len(idx) - 1))
-                continue
-            idx.append(self.table_rows(c, rows[:, col]))
-            recipes.append(Recipe(How.TABLE, c, 0, n, len(idx) - 1))
-        return recipes
+        return [
+            self.recipe(rows[:, col], lo, hi, idx, pieces)
+            for col, (lo, hi) in enumerate(zip(los, his))
+        ]
+
+    def recipe(
+        self, column: np.ndarray, lo: int, hi: int, idx: list[np.ndarray], pieces: bool = True
+    ) -> Recipe | None:
+        """The gather of one column of virtual rows (``lo``, ``hi`` its least and greatest):
+        a source whole or a narrow of it; an ``index_select`` from one source; pieces (see
+        ``pieces``); a read of its class's value table; or one read per class (MIXED); None
+        where its classes differ in shape or dtype."""
+        n = len(column)
+        c = lo >> _CLASS_SHIFT
+        if hi >> _CLASS_SHIFT != c:
+            if pieces and (recipe := self.pieces(column, idx, False)) is not None:
+                return recipe
+            classes = distinct(column >> _CLASS_SHIFT).tolist()
+            if len({self.class_meta[x][:2] for x in classes}) > 1:
+                return None  # different shapes or dtypes: split the group
+            self.mixed.append(column)  # one shape, several output indices: per class
+            return Recipe(How.MIXED, -1, 0, n, len(self.mixed) - 1)
+        starts = self.class_starts[c]
+        j = bisect.bisect_right(starts, lo) - 1
+        start = starts[j]
+        src = self.class_srcs[c][j]
+        if hi < start + self.sources[src].shape[0] // self.models:  # all from one source
+            # A column in order, one row after another (a group's own nodes): a narrow.
+            if hi - lo == n - 1 and (n == 1 or (np.diff(column) == 1).all()):
+                return Recipe(How.SOURCE, src, lo - start, n, -1)
+            idx.append(column - start)
+            return Recipe(How.SELECT, src, 0, n, len(idx) - 1)
+        if pieces and (recipe := self.pieces(column, idx, True)) is not None:
+            return recipe
+        idx.append(self.table_rows(c, column))
+        return Recipe(How.TABLE, c, 0, n, len(idx) - 1)
+
+    def pieces(self, column: np.ndarray, idx: list[np.ndarray], one_class: bool) -> Recipe | None:
+        """The gather of a column of several sources as a few pieces, each read alone, then
+        one ``cat``; None where that does not pay.
+
+        The column is cut where its class changes, and around each run of rows that is a
+        source whole, in order (each such piece is the source itself: nothing copied into a
+        table, nothing zero-filled in backward).  Where each torch op is a node (autobatch
+        with no annotation) and a group's nodes run in the order of the rows they read
+        (``fold.executor``), a ``sigmoid`` of the gates of every cell reads each output of
+        the gate ``chunk`` whole, one after another, and a product reads one operand whole
+        beside values gathered from a table.  Pieces pay where every class change is a cut
+        (the classes come in runs, at most ``_MAX_PIECES``) and, within one class
+        (``one_class``), where a run is a source whole; else the caller reads a table (one
+        class) or each class apart (MIXED).
+        """
+        n = len(column)
+        if one_class:
+            bounds = [0, n]
+        else:
+            classes = column >> _CLASS_SHIFT
+            cuts = (np.flatnonzero(classes[1:] != classes[:-1]) + 1).tolist()
+            if len(cuts) >= _MAX_PIECES:
+                return None
+            if len({self.class_meta[x][:2] for x in classes[[0, *cuts]].tolist()}) > 1:
+                return None  # different shapes or dtypes: the caller splits the group
+            bounds = [0, *cuts, n]
+        spans: list[tuple[int, int]] = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for s, e in self.whole_runs(column[a:b]):
+                if s + a > (spans[-1][1] if spans else 0):
+                    spans.append((spans[-1][1] if spans else 0, s + a))
+                spans.append((s + a, e + a))
+            at = spans[-1][1] if spans else 0
+            if at < b:
+                spans.append((at, b))
+            if len(spans) > _MAX_PIECES:
+                return None
+        if len(spans) < 2:
+            return None
+        subs = []
+        for a, b in spans:
+            part = column[a:b]
+            sub = self.recipe(part, int(part.min()), int(part.max()), idx, pieces=False)
+            assert sub is not None  # one class
+            subs.append(sub)
+        self.parts.append(subs)
+        return Recipe(How.PIECES, -1, 0, n, len(self.parts) - 1)
+
+    def whole_runs(self, vrows: np.ndarray) -> list[tuple[int, int]]:
+        """The runs ``(start, end)`` of ``vrows`` (virtual rows of one class) that are a
+        source of the class whole, in order, and at least ``_MIN_WHOLE`` rows long."""
+        if len(vrows) < _MIN_WHOLE:
+            return []
+        c = int(vrows[0]) >> _CLASS_SHIFT
+        # Where a row is a source's first: the source's length (see add_sources).
+        length = self.first_rows[c][vrows - (c << _CLASS_SHIFT)]
+        first = np.flatnonzero(length >= _MIN_WHOLE)
+        if not len(first) or len(first) > 2 * _MAX_PIECES:
+            return []  # none, or more than pieces pay for
+        runs = []
+        for i, k in zip(first.tolist(), length[first].tolist()):
+            # Runs cannot overlap: each holds its own source's rows only.
+            if i + k <= len(vrows) and vrows[i + k - 1] - vrows[i] == k - 1:
+                if (np.diff(vrows[i : i + k]) == 1).all():
+                    runs.append((i, i + k))
+        return runs
 
     def table_rows(self, c: int, vrows: np.ndarray) -> np.ndarray:
         """The rows of class ``c``'s value table that hold virtual rows ``vrows`` (a column
@@ -377,6 +461,8 @@ class Values:
         how, src, start, length, ix = recipe
         if how is How.MIXED:
             return self.gather_mixed(self.mixed[ix])
+        if how is How.PIECES:
+            return torch.cat([self.gather(r, itensors) for r in self.parts[ix]])
         if how is How.TABLE:
             return self.read_table(src, itensors[ix])
         t = self.sources[src]
@@ -423,10 +509,18 @@ class Values:
                 self.table_used.append(0)
                 self.outs_per_row.append(0)
                 self.class_meta.append(meta)
+                self.first_rows.append(np.zeros(max(n, 64), np.int64))
             seen[c] = seen.get(c, 0) + 1
             self.outs_per_row[c] = seen[c]
-            voff = c << _CLASS_SHIFT | self.class_rows[c]
+            row = self.class_rows[c]
+            voff = c << _CLASS_SHIFT | row
             self.class_rows[c] += n
+            first = self.first_rows[c]
+            if len(first) < row + n:
+                grown = np.zeros(max(2 * len(first), row + n), np.int64)
+                grown[: len(first)] = first
+                first = self.first_rows[c] = grown
+            first[row] = n
             self.class_starts[c].append(voff)
             self.class_srcs[c].append(s)
             if n == 1:

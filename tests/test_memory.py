@@ -334,3 +334,71 @@ def test_a_table_gradient_buffer_is_fresh_in_each_backward_pass() -> None:
     assert state.current() is None  # outside any backward pass
     torch.testing.assert_close(seen[0], torch.zeros(3, 2))
     torch.testing.assert_close(seen[1], torch.zeros(3, 2))
+
+
+class _Gates(torch.nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.rand(4, generator=g, dtype=torch.float64) + 0.5)
+
+    def start(self, k):
+        return k[:, None] * self.w
+
+    def split3(self, k):
+        x = k[:, None] * self.w
+        return x, x * x, x + 1.0
+
+    def act(self, x):
+        return torch.tanh(x) * self.w
+
+    def mix(self, a, b):
+        return a * b + a
+
+
+def _gates_graph(f):
+    """Per example: three gates (``split3``), each through ``act`` (one group of 72 that
+    reads the gates interleaved: output 0, 1, 2 of one node, then of the next), then ``mix``
+    of gate 0's with a ``start`` value and of gate 2's with gate 1's (one group of 48,
+    interleaved too)."""
+    outs = []
+    for i in range(24):
+        a = f.add("start", float(i + 1))
+        s = f.add("split3", 0.1 * (i + 1)).split(3)
+        g = [f.add("act", s[j]) for j in range(3)]
+        outs += [f.add("mix", g[0], a), f.add("mix", g[2], g[1])]
+    return outs
+
+
+def test_groups_read_in_row_order_take_whole_sources_without_tables() -> None:
+    """A group whose nodes read their rows interleaved runs them in the order of those rows
+    (fold.executor._read_order): ``act`` then reads the three gate outputs each whole, in
+    turn, and ``mix`` reads the ``start`` values whole beside a run of ``act``'s outputs.
+    Each such column is a few pieces and one cat (``Values.pieces``): no value table is
+    filled at all (before, both groups filled tables, one per gate).  Values and gradients
+    equal Unfold's."""
+    from fold.values import How
+
+    values, _ = _tables_checked_against_unfold(_Gates(), _gates_graph)
+    assert all(t is None for t in values.tables), [t.shape for t in values.tables if t is not None]
+    pieces = [[r.how for r in p] for p in values.parts]
+    assert [How.SOURCE] * 3 in pieces  # the three gates, each whole
+    assert any(len(p) == 2 for p in pieces), pieces  # start's values whole, then a narrow
+
+
+def test_groups_read_in_row_order_with_n_models() -> None:
+    """The same graph on a BatchModule of 3 models in one pass (rows of (node, model)
+    pairs): each model's values and gradients equal Unfold's on that model alone."""
+    models = [_Gates(seed) for seed in range(3)]
+    with pytest.warns(UserWarning, match="no batched layer"):  # _Gates runs under vmap
+        bm = BatchModule.from_modules(models)
+    bm.chunk_size = 3
+    f = fold.Fold()
+    (got,) = f.apply(bm, [_gates_graph(f)])
+    (g,) = torch.autograd.grad(got.square().sum(), [p for n, p in bm.named_parameters()])
+    for k, model in enumerate(models):
+        u = fold.Unfold(model)
+        (want,) = u.apply(model, [_gates_graph(u)])
+        (g_want,) = torch.autograd.grad(want.square().sum(), model.w)
+        torch.testing.assert_close(got[k], want)
+        torch.testing.assert_close(g[k], g_want)
