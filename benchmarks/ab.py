@@ -16,7 +16,9 @@ Figures: TreeLSTM fold / level at hidden 150 and 32, recording us per node with 
 recorders and with ``f.add(...).split(2)`` (``tree_lstm.py``); per-sample MNIST fold /
 batched (``mnist.py``); GRU over 256 sequences fold / hand, depth and agenda (``rnn.py``);
 tensor ops per apply forward and backward, 8 and 32 trees (``count_ops`` of
-``tests/test_executor.py``).
+``tests/test_executor.py``); TreeLSTM autobatch / explicit fold, with ``@fold.batchable`` cells
+and with no annotation, hidden 150 and 32 (``autobatch.py``; a base without
+``--eager-reps 0`` fails there: leave it out with ``--only``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ def _ops(d: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _autobatch(d: dict[str, Any]) -> dict[str, float]:
+    return {
+        f"TreeLSTM {r['method']}/fold, hidden {r['hidden']}": r["vs_fold"]
+        for r in d["trees"]
+        if r["method"].startswith("autobatch")
+    }
+
+
 def jobs(quick: bool) -> list[tuple[str, list[str], str | None, Callable[[dict], dict]]]:
     """(name, command, JSON result file or None for stdout, extractor)."""
     reps = ["--reps", "5"] if quick else ["--reps", "9"]
@@ -101,6 +111,12 @@ def jobs(quick: bool) -> list[tuple[str, list[str], str | None, Callable[[dict],
             _rnn,
         ),
         ("ops", ["-c", OPS], None, _ops),
+        (
+            "autobatch",
+            ["benchmarks/autobatch.py", "--only", "trees", *reps, "--eager-reps", "0"],
+            "autobatch.json",
+            _autobatch,
+        ),
     ]
 
 
@@ -145,7 +161,9 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="a revision; default: the working tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer reps per benchmark run")
-    ap.add_argument("--only", nargs="+", default=None, help="run these of: tree_lstm mnist rnn ops")
+    ap.add_argument(
+        "--only", nargs="+", default=None, help="run these of: tree_lstm mnist rnn ops autobatch"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"before": export(args.base, Path(tmp) / "before")}

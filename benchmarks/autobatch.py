@@ -122,23 +122,16 @@ def tree_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
             return run
 
         times = interleaved({k: step(v) for k, v in variants.items()}, args.reps)
-        times.update(
-            interleaved(
-                {"eager": step(lambda m, t: eager_roots(Cells(m), t))}, args.eager_reps, warmup=0
-            )
-        )
+        if args.eager_reps:  # (0: no eager runs, as benchmarks/ab.py asks)
+            eager = {"eager": step(lambda m, t: eager_roots(Cells(m), t))}
+            times.update(interleaved(eager, args.eager_reps, warmup=0))
         med = {k: median(v) for k, v in times.items()}
         for name, t in med.items():
-            rows.append(
-                {
-                    "hidden": hidden,
-                    "method": name,
-                    "median_ms": 1e3 * t,
-                    "vs_fold": t / med["explicit fold"],
-                    "eager_speedup": med["eager"] / t,
-                    "reps": len(times[name]),
-                }
-            )
+            row = {"hidden": hidden, "method": name, "median_ms": 1e3 * t}
+            row["vs_fold"] = t / med["explicit fold"]
+            if "eager" in med:
+                row["eager_speedup"] = med["eager"] / t
+            rows.append(row | {"reps": len(times[name])})
     return rows
 
 
