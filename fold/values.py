@@ -304,14 +304,16 @@ class Values:
                 return None  # different shapes or dtypes: the caller splits the group
             bounds = [0, *cuts, n]
         spans: list[tuple[int, int]] = []
+        at = 0  # where the next piece starts
         for a, b in zip(bounds[:-1], bounds[1:]):
             for s, e in self.whole_runs(column[a:b]):
-                if s + a > (spans[-1][1] if spans else 0):
-                    spans.append((spans[-1][1] if spans else 0, s + a))
-                spans.append((s + a, e + a))
-            at = spans[-1][1] if spans else 0
+                if a + s > at:
+                    spans.append((at, a + s))
+                spans.append((a + s, a + e))
+                at = a + e
             if at < b:
                 spans.append((at, b))
+                at = b
             if len(spans) > _MAX_PIECES:
                 return None
         if len(spans) < 2:
