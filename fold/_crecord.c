@@ -190,6 +190,10 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             }
             PyTuple_SET_ITEM(key, i, part);
         }
+        /* Its items are ints, floats and bytes, which hold no references: the memo keeps
+           the key for the graph's life, and a tracked key would be traversed by the first
+           collection after recording (the collector untracks such tuples only then). */
+        PyObject_GC_UnTrack(key);
     }
     /* One step after the deepest node; a depth that would leave int64 is the Python
        recorder's (unbounded ints). */

@@ -1514,10 +1514,10 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
         with collector_paused():
             for i, example in enumerate(zip(*iterables)):
                 rec.example = i
-                leaves, s = pytree.tree_flatten(fn(*example))
+                leaves, s = _flatten(fn(*example))
                 if spec is None:
                     spec = s
-                elif s != spec:
+                elif s is not spec and s != spec:
                     raise FoldError(
                         f"autobatch: example {i} returned a structure {s} but example 0 "
                         f"returned {spec}; results are stacked per position, so every example "
@@ -1529,6 +1529,31 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
     if spec is None:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")
     return rec, results, spec
+
+
+# The structure of a result that is one tensor or Lazy value, and of flat tuples of them,
+# by length: pytree.tree_flatten costs ~5 us a call and leaves a reference cycle behind (its
+# recursive helper), which set off a collection after every autobatch call.
+_LEAF_SPEC = pytree.tree_flatten(0)[1]
+_TUPLE_SPECS: dict[int, Any] = {}
+
+
+def _flatten(out: Any) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten(out)``, without its cost for the common results."""
+    t = type(out)
+    if t is Lazy or t is torch.Tensor:
+        return [out], _LEAF_SPEC
+    if t is tuple and len(out) <= 8:
+        for x in out:
+            tx = type(x)
+            if tx is not Lazy and tx is not torch.Tensor:
+                break
+        else:
+            spec = _TUPLE_SPECS.get(len(out))
+            if spec is None:
+                spec = _TUPLE_SPECS[len(out)] = pytree.tree_flatten(out)[1]
+            return list(out), spec
+    return pytree.tree_flatten(out)
 
 
 def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:

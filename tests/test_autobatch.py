@@ -3,6 +3,7 @@ example (values and gradients, float64), and the errors it gives for bad use."""
 
 from __future__ import annotations
 
+import gc
 import random
 import re
 import warnings
@@ -328,6 +329,36 @@ def test_output_structures_and_eager_leaves():
     out = assert_same(fn, list(lin.parameters()), xs)
     assert out["y"].shape == (5, 4) and out["pair"][0].shape == (5,)
     assert out["pair"][1].shape == (5, 2) and out["list"][0].shape == (5, 4)
+
+
+@pytest.mark.parametrize("cls", [BatchableCells, Cells], ids=["batchable", "no annotation"])
+def test_autobatch_leaves_no_cyclic_garbage(cls):
+    """Recording and applying free everything by reference counting: no reference cycle is
+    left per example (pytree.tree_flatten's helper left one), so no collection follows."""
+    cells, ts = cls(), trees()
+    fold.autobatch(lambda t: encode(cells, t), ts)  # ops and shapes made
+    for fn in (lambda t: encode(cells, t), lambda t: encode(cells, t)[0]):
+        gc.collect()
+        gc.disable()  # (else a collection could come first, after recording)
+        try:
+            out = fold.autobatch(fn, ts)
+            del out
+        finally:
+            gc.enable()
+        assert gc.collect() == 0
+
+
+def test_results_of_other_structures_than_the_first_are_refused():
+    lin = nn.Linear(2, 2)
+    xs = [torch.randn(2)] * 3
+    for kinds in (["t", "t", "d"], ["d", "d", "t"], ["1", "t", "t"], ["t", "1", "t"]):
+
+        def fn(x, k):
+            y = lin(x)
+            return {"t": (y, y), "d": {"a": y, "b": y}, "1": y}[k]
+
+        with pytest.raises(fold.FoldError, match="example [12] returned a structure"):
+            fold.autobatch(fn, xs, kinds)
 
 
 def test_mixed_lazy_and_eager_results_at_one_position():
