@@ -3,8 +3,8 @@
     python benchmarks/ab.py --base REV            # REV against the working tree
     python benchmarks/ab.py --base REV --head HEAD --rounds 5
 
-Each side is a source tree (the base exported from git into a temporary folder; the head the
-working tree, or a revision exported the same way).  A round runs every benchmark once per
+Each side is a source tree (the base exported from git into a temporary folder, its C
+extensions built there; the head the working tree, or a revision exported the same way).  A round runs every benchmark once per
 side, each as its own process with that side's ``fold`` first on ``sys.path`` and that
 side's own benchmark script, the order of the sides swapped every other round so that
 neither always runs first on a warm or a busy machine.  Each benchmark already measures its
@@ -121,9 +121,16 @@ def jobs(quick: bool) -> list[tuple[str, list[str], str | None, Callable[[dict],
 
 
 def export(rev: str, into: Path) -> Path:
-    """The tree of ``rev`` (fold/, benchmarks/, tests/) in ``into``."""
+    """The tree of ``rev`` (fold/, benchmarks/, tests/) in ``into``, with its C extensions
+    built in place where ``rev`` has them (as an install builds them): without them fold
+    records with its Python fallback, which would make the side slower than it is."""
+    paths = ["fold", "benchmarks", "tests"]
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev], cwd=ROOT, check=True, capture_output=True
+    ).stdout.split()
+    builds = b"setup.py" in listed
     data = subprocess.run(
-        ["git", "archive", rev, "fold", "benchmarks", "tests"],
+        ["git", "archive", rev, *paths, *(["setup.py", "pyproject.toml"] if builds else [])],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -134,6 +141,13 @@ def export(rev: str, into: Path) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     archive.unlink()
+    if builds:
+        subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=into,
+            check=True,
+            capture_output=True,
+        )
     return into
 
 
