@@ -251,21 +251,15 @@ class Executor:
         for j, k in enumerate(kinds):
             if k == NODE:
                 continue
-            if is_tensor_kind(k):
-                plans[j] = (
-                    Arg.TENSORS,
-                    cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()],
-                )
-            elif k == LIST:  # below, after the index arrays of the node columns
-                plans[j] = (
-                    Arg.RAGGED,
-                    cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()],
-                )
-            else:
+            if not (is_tensor_kind(k) or k == LIST):
                 plans[j] = (Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos])
-        for j, k in enumerate(kinds):
-            if k == LIST:  # every element of the group's lists: one gather
-                plans[j] = (Arg.RAGGED, self._plan_list(op, j, plans[j][1], idx))
+                continue
+            picked = cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()]
+            if k == LIST:  # every element of the group's lists: one gather, its index array
+                # after the node columns'
+                plans[j] = (Arg.RAGGED, self._plan_list(op, j, picked, idx))
+            else:
+                plans[j] = (Arg.TENSORS, picked)
 
         # Phase 2: index tensors, then the argument values.
         itensors = v.index_tensors(idx)
