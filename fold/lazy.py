@@ -1820,7 +1820,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         rec, trace, out = _record_once(fn, metas)
     except Exception as err:
         return _untraceable(key, "recording", err)
-    leaves, spec = pytree.tree_flatten(out)
+    leaves, spec = _flatten(out)
     try:
         with _call_programs():
             values = trace.run(inputs, n)
