@@ -4,20 +4,21 @@
     python benchmarks/ab.py --base REV --head HEAD --rounds 5
 
 Each side is a source tree (the base exported from git into a temporary folder, its C
-extensions built there; the head the working tree, or a revision exported the same way).  A round runs every benchmark once per
-side, each as its own process with that side's ``fold`` first on ``sys.path`` and that
-side's own benchmark script, the order of the sides swapped every other round so that
-neither always runs first on a warm or a busy machine.  Each benchmark already measures its
-figure as a ratio inside one process (fold against hand-batched code, side by side); this
-script reports per figure the median over the rounds for each side, their ratio, and the
-run-to-run spread (min-max over the rounds) that a change has to stay within.
+extensions built there; the head the working tree, or a revision exported the same way). A
+round runs every benchmark once per side, each as its own process with that side's ``fold``
+first on ``sys.path`` and that side's own benchmark script, the order of the sides swapped
+every other round so that neither always runs first on a warm or a busy machine. Each
+benchmark already measures its figure as a ratio inside one process (fold against
+hand-batched code, side by side); this script reports per figure the median over the rounds
+for each side, their ratio, and the run-to-run spread (min-max over the rounds) that a
+change has to stay within.
 
 Figures: TreeLSTM fold / level at hidden 150 and 32, recording us per node with ``Fold.op``
 recorders and with ``f.add(...).split(2)`` (``tree_lstm.py``); per-sample MNIST fold /
 batched (``mnist.py``); GRU over 256 sequences fold / hand, depth and agenda (``rnn.py``);
 tensor ops per apply forward and backward, 8 and 32 trees (``count_ops`` of
-``tests/test_executor.py``); TreeLSTM autobatch / explicit fold, with ``@fold.batchable`` cells
-and with no annotation, hidden 150 and 32 (``autobatch.py``; a base without
+``tests/test_executor.py``); TreeLSTM autobatch / explicit fold, with ``@fold.batchable``
+cells and with no annotation, hidden 150 and 32 (``autobatch.py``; a base without
 ``--eager-reps 0`` fails there: leave it out with ``--only``).
 """
 
