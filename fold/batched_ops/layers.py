@@ -116,8 +116,16 @@ class BatchConv(AbstractBatchModule):
         return y.reshape(-1, *y.shape[2:])
 
 
+def _define(name: str, base: type, base_class: type) -> None:
+    """A layer class for ``base_class`` made from a generic one, defined as a module global
+    of this module (under its ``__qualname__``) so that pickle and ``torch.save`` find it."""
+    cls = type(name, (base,), {"base_class": base_class, "__module__": __name__})
+    cls.__qualname__ = name
+    globals()[name] = register_batch_module(cls)
+
+
 for _base in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    register_batch_module(type(f"Batch{_base.__name__}", (BatchConv,), {"base_class": _base}))
+    _define(f"Batch{_base.__name__}", BatchConv, _base)
 
 
 class BatchBatchNorm(AbstractBatchModule):
@@ -162,7 +170,7 @@ class BatchBatchNorm(AbstractBatchModule):
 
 
 for _base in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-    register_batch_module(type(f"Batch{_base.__name__}", (BatchBatchNorm,), {"base_class": _base}))
+    _define(f"Batch{_base.__name__}", BatchBatchNorm, _base)
 
 
 def _affine(
@@ -388,20 +396,30 @@ class BatchConvTranspose(BatchConv):
         super().__init__(modules)
         m: Any = modules[0]
         self.output_padding = m.output_padding
-        fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[
+        self._transposed = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[
             len(m.kernel_size)
         ]
-        # Same call shape as a convolution: (x, w, b, stride, padding, dilation, groups).
-        self._conv = lambda x, w, b, stride, padding, dilation, groups: fn(
-            x, w, b, stride, padding, self.output_padding, groups, dilation
-        )
+        # A bound method, not a lambda, so that the layer pickles.
+        self._conv = self._conv_transpose
         self.out_channels = m.out_channels
+
+    def _conv_transpose(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: Any,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        groups: int,
+    ) -> torch.Tensor:
+        """A transposed convolution with a convolution's call shape (x, w, b, stride,
+        padding, dilation, groups)."""
+        return self._transposed(x, w, b, stride, padding, self.output_padding, groups, dilation)
 
 
 for _base in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    register_batch_module(
-        type(f"Batch{_base.__name__}", (BatchConvTranspose,), {"base_class": _base})
-    )
+    _define(f"Batch{_base.__name__}", BatchConvTranspose, _base)
 
 
 @register_batch_module
