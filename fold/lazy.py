@@ -76,12 +76,15 @@ How a call is recorded (the choices the contract leaves open):
   Python slow path, ``_Recorder.record``, which alone builds op keys and raises errors.
   Without the extension (or with ``FOLD_RECORDER=python``) generated Python functions
   (``_fast_source``) do the lookup for lazy arguments, a module first, or a number tensor.
-- **Module calls.**  The first ``autobatch`` call makes ``nn.Module.__call__`` a wrapper that
-  records module calls while autobatch records and passes every other call through, and
-  leaves it installed (about 0.4 us more per module call outside autobatch).  Setting the
-  attribute invalidates the method caches of every ``nn.Module`` subclass, so swapping it in
-  and out around each call cost about 80 us per autobatch call.  :func:`clear_cache` puts
-  the original back.
+- **Module calls.**  For the length of an ``autobatch`` call (and only then),
+  ``nn.Module.__call__`` is a wrapper that records module calls while autobatch records and
+  passes every other call through, and ``torch.tensor`` one that records data holding lazy
+  values (``torch.tensor([a, b])`` of recorded scalars: their stack, detached, in the dtype
+  torch infers).  Both are put back when the call returns; a wrapper another library
+  installs over them meanwhile is never dropped (see ``_Patches``).  Installing costs about
+  45 us per call.  A module's op runs the module as ``nn.Module.__call__`` does (forward and
+  hooks): a subclass that overrides ``__call__`` had what it does around
+  ``super().__call__`` recorded around the module's node.
 - **Examples from a tensor.**  A tensor passed as an iterable is split into its rows in one
   call (as iterating it gives), and each row's batched form (its batch-of-one view, or the
   Python number of a 0-dim row) is prepared with it, not per call.
@@ -454,6 +457,8 @@ class _Op:
     ) -> None:
         self.fn = fn
         self.kind = kind
+        # How the op's function is called: a module as nn.Module.__call__ calls it.
+        self.call = functools.partial(_call_module, fn) if kind == "module" else fn
         self.args = args
         self.kwargs = kwargs
         self.where = where
@@ -479,7 +484,7 @@ class _Op:
     # -------------------------------------------------------------- per example
     def per_example(self, *values: Any) -> Any:
         args, kwargs = _fill((self.args, self.kwargs), values)
-        return self.fn(*args, **kwargs)
+        return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
         try:
@@ -507,7 +512,7 @@ class _Op:
             args, kwargs = _fill(self.run_args, values)
             if self.fn in _LOSSES:
                 return _loss(self.fn, args, kwargs)
-            return self.fn(*args, **kwargs)
+            return self.call(*args, **kwargs)
         if mode is _MODELS:
             return self._models(values)
         if self.kind is _PER_EXAMPLE:
@@ -637,15 +642,12 @@ _KW_PARTS_MAX = 4096
 
 def clear_cache() -> None:
     """Forget every recorded op signature and its inferred shapes (and the modules and
-    parameters they hold), and put back the ``nn.Module.__call__`` that autobatch's
-    pass-through wrapper replaced (see ``_install_module_call``)."""
+    parameters they hold)."""
     _OPS.clear()
     _MODE_OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
-    if nn.Module.__call__ is _recording_module_call:
-        nn.Module.__call__ = _INNER_CALL  # type: ignore[method-assign]
 
 
 def _source_line() -> str:
@@ -680,14 +682,18 @@ def _fn_name(fn: Any, kind: str) -> str:
 
 # ---------------------------------------------------------------------------- lazy values
 class _PyLazyBase:
-    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built."""
+    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built; set once,
+    by the constructor (Lazy refuses later changes, as the C storage's read-only fields do)."""
 
     __slots__ = ("node", "meta", "rec")
 
     def __init__(self, node: Any, meta: _Meta, rec: _Recorder) -> None:
-        self.node = node
-        self.meta = meta
-        self.rec = rec
+        _set(self, "node", node)
+        _set(self, "meta", meta)
+        _set(self, "rec", rec)
+
+
+_set = object.__setattr__
 
 
 def _torch_function(
@@ -777,6 +783,55 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
 
     __hash__ = object.__hash__
 
+    # -------------------------------------------------------------- identity and autograd
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FoldError(
+            f"autobatch: setting .{name} of a lazy value; recorded values are immutable. "
+            "Fix: keep what you need beside it (a dict keyed by the value, or a tuple)."
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise FoldError(
+            f"autobatch: deleting .{name} of a lazy value; recorded values are immutable."
+        )
+
+    def __copy__(self) -> Lazy:
+        # As copy.copy of an eager non-leaf tensor: the same values, cut from the history
+        # (eager makes a new leaf sharing the storage: no gradient reaches what made it).
+        return self.detach()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise FoldError(
+            "autobatch: copy.deepcopy of a lazy value (a recorded result, not a graph leaf; "
+            "eager torch refuses to deep-copy such tensors too). Fix: x.clone(), or "
+            "x.detach().clone() for a copy that carries no gradient."
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise FoldError(
+            "autobatch: pickling a lazy value; its value exists only once the graph runs. "
+            "Fix: pickle the results autobatch returns."
+        )
+
+    @property
+    def data(self) -> Lazy:
+        """The value without its autograd history, as ``tensor.data`` reads (``.detach()``;
+        writing through it is refused like every in-place change)."""
+        return self.detach()
+
+    def _autograd(self, what: str) -> Any:
+        raise FoldError(
+            f"autobatch: example {self.rec.example}: {what} of a lazy value: its autograd "
+            "graph exists only once every example is recorded and the graph runs. Fix: read "
+            "it on the results autobatch returns (or on the parameters), or compute with "
+            "torch.no_grad() / .detach() instead of testing it."
+        )
+
+    requires_grad = property(lambda self: self._autograd(".requires_grad"))
+    grad_fn = property(lambda self: self._autograd(".grad_fn"))
+    grad = property(lambda self: self._autograd(".grad"))
+    is_leaf = property(lambda self: self._autograd(".is_leaf"))
+
     # -------------------------------------------------------------- reads
     def _read(self, what: str) -> Any:
         rec = self.rec
@@ -784,8 +839,9 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
             f"{describe(self.meta.shape, self.meta.dtype)}, which is computed only after every "
             "example is recorded. Fix: branch on what is known while recording (the example's "
-            "structure, shapes), or compute the value outside autobatch and pass it in; "
-            "data-dependent control flow is not batched yet."
+            "structure, shapes), or compute the value outside autobatch and pass it in; for "
+            "builtin max()/min() and comparisons in `if`, use torch.maximum, torch.minimum or "
+            "torch.where; data-dependent control flow is not batched yet."
         )
 
     def __bool__(self) -> bool:
@@ -834,6 +890,53 @@ def _inplace(self: Lazy, name: str) -> None:
         f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
         "values are immutable. Fix: use the out-of-place form (x = x.add(y), torch.where, "
         "index_put without underscore)."
+    )
+
+
+def _is_inplace(fn: Any) -> bool:
+    """Whether torch function or method ``fn`` changes its first argument in place: a name
+    ending in one underscore (``add_``, ``copy_``, ``nn.init.normal_``), an augmented
+    assignment operator (``__iadd__``), or ``__setitem__``."""
+    name = getattr(fn, "__name__", None)
+    if type(name) is not str:
+        return False
+    if name.startswith("__") and name.endswith("__"):
+        return name == "__setitem__" or (name.startswith("__i") and name[3:-2] in _AUGMENTED)
+    return name.endswith("_") and not name.endswith("__")
+
+
+_AUGMENTED = frozenset(
+    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
+)
+
+
+class _InplaceTable(dict):  # type: ignore[type-arg]
+    """fn -> whether it works in place, filled on first sight (see _is_inplace)."""
+
+    def __missing__(self, fn: Any) -> bool:
+        out = self[fn] = _is_inplace(fn)
+        return out
+
+
+_INPLACE = _InplaceTable()
+
+
+def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A FoldError for an in-place torch call with a lazy argument.  On an eager tensor
+    (``buf.add_(y)``, ``buf.copy_(y)``, ``acc += y``, ``buf[0] = y``, ``out=buf``) it would
+    change nothing that the Fold computes: the tensor stays as it was, and every alias of it
+    with it."""
+    name = _fn_name(fn, "torch")
+    target = kwargs.get("out", args[0] if args else None)
+    if type(target) is Lazy:
+        _inplace(target, name)
+    what = "out=" if "out" in kwargs else name
+    raise FoldError(
+        f"autobatch: example {rec.example}: {what} writes a recorded value into an eager "
+        "tensor in place. Inside autobatch a recorded value is computed only after every "
+        "example is recorded, so the eager tensor (and every alias of it) would keep its old "
+        "value. Fix: compute out of place and rebind the name: buf = buf + y (for buf.add_(y) "
+        "or acc += y), buf = y (for buf.copy_(y)), torch.where or torch.cat (for buf[i] = y)."
     )
 
 
@@ -957,6 +1060,9 @@ class _Recorder:
         self.fold = Fold() if fold is None else fold
         self.example = 0
         self.paused = False
+        # Set when the autobatch call (or the recording made once) that this recorder serves
+        # has ended: a lazy value kept beyond it records nothing (see close).
+        self.closed = False
         self.device: torch.device | None = None
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
@@ -964,6 +1070,12 @@ class _Recorder:
         # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
         # iterates over, prepared in one call per tensor (see ``rows``).
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
+
+    def close(self) -> None:
+        """End the recording: every later call on one of its lazy values is a FoldError.
+        The fast table is emptied, so such a call misses it and the slow path says so."""
+        self.closed = True
+        self._fast.clear()
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
@@ -995,10 +1107,23 @@ class _Recorder:
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
-        if not kwargs and mode is None and 0 < len(args) <= _FAST_MAX:
+        fast = not kwargs and mode is None and 0 < len(args) <= _FAST_MAX
+        if fast:
             out = _fast_path(self, fn, kind, args)
             if out is not _MISS:
                 return out
+        if self.closed:
+            raise FoldError(
+                f"{_fn_name(fn, kind)}: a lazy value was used after the autobatch call that "
+                "recorded it returned (kept in a list, a global or an attribute). Its value "
+                "exists only in that call's results. Fix: return it from the function autobatch "
+                "runs and use the result autobatch returns."
+            )
+        if kind == "torch" and (_INPLACE[fn] or "out" in kwargs):
+            _inplace_call(self, fn, args, kwargs)
+        # The fast key is taken from the arguments as given, before the call: shape inference
+        # runs the function, which may change a list argument in place.
+        fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None
         fargs: list[Any] = []
         shared: list[torch.Tensor] = []
         parts: list[Any] = [fn, kind]
@@ -1046,10 +1171,8 @@ class _Recorder:
         if mode is not None:
             return out
         if _C is not None:  # later calls of this op with the same fast key take the C path
-            if 0 < k <= _FAST_MAX and not kwargs:
-                fast_key = _C.fast_key(self, fn, kind, args)
-                if fast_key is not None:
-                    self._fast[fast_key] = _entry(op, r)
+            if fast_key is not None:
+                self._fast[fast_key] = _entry(op, r)
         elif (
             0 < k <= _FAST_MAX
             and not kwargs
@@ -1087,7 +1210,7 @@ class _Recorder:
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":
-            return _INNER_CALL(fn, *args, **kwargs)
+            return _call_module(fn, *args, **kwargs)
         if kind == _BATCHED:
             return _batch_of_one(fn, args, kwargs)
         return fn(*args, **kwargs)
@@ -1352,33 +1475,148 @@ if _C is not None:
     )
 
 
-def _recording_module_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    rec = _LOCAL.rec
-    if rec is None or rec.paused:
-        return _INNER_CALL(self, *args, **kwargs)
-    return rec.record(self, "module", args, kwargs)
+# ---------------------------------------------------------------------------- patches
+# What autobatch installs in torch for the length of a call, and only then: a wrapper over
+# ``nn.Module.__call__`` that records module calls, and over ``torch.tensor`` for data that
+# holds lazy values.  Installed by the first of the calls running at once (threads; nested
+# uses such as ``record_examples`` inside ``autobatch``), put back by the last one.  A wrapper
+# that another library installs over ours while a call runs is never dropped: ours then stays
+# beneath it, passing every call through, and the next call installs a new one on top.
+# Setting ``nn.Module.__call__`` invalidates the method caches of every nn.Module subclass:
+# installing and restoring costs about 45 us per autobatch call.
+class _Patches:
+    users = 0
+    module_call: Any = None  # the installed wrapper, None while none is
+    token: object = None  # the installed wrapper's identity (see _make_module_call)
+    inner: Any = None  # what it passes through to
+    tensor: Any = None  # torch.tensor as found
 
 
-# What _recording_module_call passes through to: nn.Module.__call__ as it was when autobatch
-# first installed the wrapper (see _install_module_call); None until then.
-_INNER_CALL: Any = None
+_PATCH_LOCK = threading.Lock()
+_PATCHES = _Patches()
+# nn.Module.__call__ as fold found it at import: runs a module call's op where no wrapper of
+# autobatch's is installed (a graph from record_examples applied later).
+_MODULE_CALL = nn.Module.__call__
 
 
-def _install_module_call() -> None:
-    """Make ``nn.Module.__call__`` the recording wrapper, once; it stays installed, passing
-    every call made outside autobatch through (one thread-local read per call).  Setting a
-    class attribute of ``nn.Module`` invalidates the method caches of its ~400 subclasses:
-    swapping it in and out around every autobatch call cost about 80 us per call."""
-    global _INNER_CALL
-    current = nn.Module.__call__
-    if current is not _recording_module_call:
-        # What to pass through to is taken once, at the first install: a wrapper installed
-        # over ours since then (which may call ours) must not become it, or a call would go
-        # round the two for ever; that wrapper is dropped, as restoring the original around
-        # every call dropped it before.
-        if _INNER_CALL is None:
-            _INNER_CALL = current
-        nn.Module.__call__ = _recording_module_call  # type: ignore[method-assign]
+def _make_module_call(inner: Any, token: object) -> Any:
+    # The wrapper knows itself by ``token`` (installed with it): a reference to itself would
+    # make a reference cycle, left for the collector at the end of every call.
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        rec = _LOCAL.rec
+        if rec is None or rec.paused or _PATCHES.token is not token:
+            return inner(self, *args, **kwargs)
+        return rec.record(self, "module", args, kwargs)
+
+    __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"
+    return __call__
+
+
+def _module_inner() -> Any:
+    """The ``nn.Module.__call__`` a module call runs through unrecorded: what autobatch's
+    wrapper wraps, while one is installed."""
+    inner = _PATCHES.inner
+    return _MODULE_CALL if inner is None else inner
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module called as ``nn.Module.__call__`` calls it (forward and hooks), not through a
+    subclass's own ``__call__``: what such an override does around ``super().__call__`` was
+    recorded around the module's node."""
+    return _module_inner()(module, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _installed() -> Any:
+    """Install autobatch's wrappers for the length of the ``with`` (see ``_Patches``)."""
+    p = _PATCHES
+    with _PATCH_LOCK:
+        if p.users == 0:
+            p.inner = nn.Module.__call__
+            p.token = object()
+            p.module_call = _make_module_call(p.inner, p.token)
+            nn.Module.__call__ = p.module_call  # type: ignore[method-assign]
+            p.tensor = torch.tensor
+            torch.tensor = _recording_tensor
+        p.users += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            p.users -= 1
+            if p.users == 0:
+                if nn.Module.__call__ is p.module_call:
+                    nn.Module.__call__ = p.inner  # type: ignore[method-assign]
+                if torch.tensor is _recording_tensor:
+                    torch.tensor = p.tensor
+                p.module_call = p.inner = p.tensor = p.token = None
+
+
+_TORCH_TENSOR = torch.tensor
+_SEQUENCES = (list, tuple)
+
+
+def _recording_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.tensor`` while autobatch runs: data holding lazy values (``torch.tensor([a,
+    b])`` of recorded scalars) is recorded; anything else goes to torch."""
+    tensor = _PATCHES.tensor or _TORCH_TENSOR
+    if type(data) in _SEQUENCES:
+        rec = _LOCAL.rec
+        if rec is not None and not rec.paused and _holds_lazy(data):
+            return _tensor_of_lazy(tensor, data, *args, **kwargs)
+    return tensor(data, *args, **kwargs)
+
+
+def _holds_lazy(data: Any) -> bool:
+    for x in data:
+        t = type(x)
+        if t is Lazy or (t in _SEQUENCES and _holds_lazy(x)):
+            return True
+    return False
+
+
+def _tensor_of_lazy(
+    tensor: Any,
+    data: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+) -> Any:
+    """``torch.tensor(data)`` for nested lists holding lazy values: their elements stacked,
+    in the dtype torch infers (the promotion of the elements' dtypes, Python numbers as
+    torch.tensor makes them), without autograd history, as torch.tensor gives."""
+    if requires_grad:
+        raise FoldError(
+            "autobatch: torch.tensor(..., requires_grad=True) of recorded values: a new leaf "
+            "per example cannot be batched. Fix: make the parameter outside the function."
+        )
+
+    def convert(x: Any) -> Any:
+        if type(x) is Lazy:
+            if x.meta.ndim:
+                raise FoldError(
+                    f"autobatch: example {x.rec.example}: torch.tensor of a list holding a "
+                    f"lazy value of shape {tuple(x.meta.shape)}; torch.tensor takes numbers "
+                    "and 0-d tensors. Fix: torch.stack(values)."
+                )
+            return x
+        if type(x) in _SEQUENCES:
+            return [convert(e) for e in x]
+        return tensor(x)
+
+    def dtypes(x: Any) -> list[torch.dtype]:
+        return [d for e in x for d in dtypes(e)] if type(x) is list else [x.dtype]
+
+    def stack(x: Any, want: torch.dtype) -> Any:
+        if type(x) is list:
+            return torch.stack([stack(e, want) for e in x])
+        return x if x.dtype == want else x.to(want)
+
+    converted = convert(data)
+    want = dtype or functools.reduce(torch.promote_types, dtypes(converted))
+    out = stack(converted, want).detach()
+    return out if device is None else out.to(device)
 
 
 # ---------------------------------------------------------------------------- batchable
@@ -1491,12 +1729,13 @@ def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any], per_example: bo
             "autobatch: called inside a function autobatch is running. Fix: call the inner "
             "function directly; it is recorded into the same graph."
         )
-    if not per_example and iterables:
-        out = _traced(fn, iterables)
-        if out is not _MISS:
-            return out
-    rec, results, spec = record_examples(fn, *iterables)
-    return pytree.tree_unflatten(_stack(rec, results), spec)
+    with _installed():
+        if not per_example and iterables:
+            out = _traced(fn, iterables)
+            if out is not _MISS:
+                return out
+        rec, results, spec = record_examples(fn, *iterables)
+        return pytree.tree_unflatten(_stack(rec, results), spec)
 
 
 def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[Any, ...]:
@@ -1505,8 +1744,9 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
     rec = _Recorder()
     results: list[list[Any]] = []
     spec = None
-    _install_module_call()
     _LOCAL.rec = rec
+    installed = _installed()
+    installed.__enter__()
     try:
         iterables = tuple(
             rec.rows(it) if isinstance(it, torch.Tensor) and it.ndim else it for it in iterables
@@ -1514,7 +1754,14 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
         with collector_paused():
             for i, example in enumerate(zip(*iterables)):
                 rec.example = i
-                leaves, s = _flatten(fn(*example))
+                try:
+                    result = fn(*example)
+                except (TypeError, ValueError) as err:
+                    explained = _misuse(err, i)
+                    if explained is err:
+                        raise
+                    raise explained from err
+                leaves, s = _flatten(result)
                 if spec is None:
                     spec = s
                 elif s is not spec and s != spec:
@@ -1526,9 +1773,38 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
                 results.append(leaves)
     finally:
         _LOCAL.rec = None
+        rec.close()
+        installed.__exit__(None, None, None)
     if spec is None:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")
     return rec, results, spec
+
+
+def _misuse(err: Exception, i: int) -> Exception:
+    """A FoldError for what torch raises where it meets a lazy value it cannot take
+    (``err`` itself for any other error): an unbound tensor method, or ``torch.func.vmap``
+    inside the per-example function."""
+    text = str(err)
+    if isinstance(err, FoldError) or "Lazy" not in text:
+        return err
+    if "vmap" in text:
+        fix = (
+            "torch.func.vmap (or torch.vmap) inside the function autobatch runs: autobatch "
+            "already batches it. Fix: call the vmapped function on the example's values "
+            "directly, or loop over them."
+        )
+    elif "descriptor" in text:
+        fix = (
+            "an unbound tensor method (torch.Tensor.add(x, 1)) was called on a lazy value, "
+            "which is not a torch.Tensor. Fix: call it as a method (x.add(1)) or as a torch "
+            "function (torch.add(x, 1))."
+        )
+    else:
+        fix = (
+            "a lazy value reached code that takes only torch.Tensor objects. Fix: use torch "
+            "functions, tensor methods and operators on it."
+        )
+    return FoldError(f"autobatch: example {i}: {fix} ({type(err).__name__}: {text})")
 
 
 # The structure of a result that is one tensor or Lazy value, and of flat tuples of them,
@@ -1563,6 +1839,7 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
     where: list[int | None] = []
     out: list[Any] = []
     for j, col in enumerate(columns):
+        _check_column(rec, j, col)
         if all(type(v) is Lazy for v in col):
             where.append(len(lists))
             lists.append([v.node for v in col])
@@ -1595,11 +1872,44 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
             with _call_programs():
                 values = rec.fold.apply(obj, lists)
         except FoldError as err:
-            raise _explained(err) from err.__cause__
+            cause = err.__cause__
+            if isinstance(cause, _OpFailed):  # chained to the user's exception, as apply is
+                raise _explained(err) from cause.__cause__
+            raise
         for j, w in enumerate(where):
             if w is not None:
                 out[j] = values[w]
     return out
+
+
+def _check_column(rec: _Recorder, j: int, col: tuple[Any, ...]) -> None:
+    """Output ``j`` of every example: lazy values of this call, and one shape and dtype
+    where they are tensors or lazy values (they are stacked); a FoldError naming the first
+    example that differs."""
+    first: Any = None
+    for i, v in enumerate(col):
+        t = type(v)
+        if t is Lazy:
+            if v.rec is not rec:
+                raise FoldError(
+                    f"autobatch: example {i} returned (as output {j}) a lazy value of an "
+                    "earlier autobatch call, kept beyond it. Its value exists only in that "
+                    "call's results. Fix: pass that call's result in as an input."
+                )
+            shape, dtype = v.meta.shape, v.meta.dtype
+        elif isinstance(v, torch.Tensor):
+            shape, dtype = v.shape, v.dtype
+        else:
+            continue
+        if first is None:
+            first = (i, shape, dtype)
+        elif shape != first[1] or dtype != first[2]:
+            raise FoldError(
+                f"autobatch: example {i} returned {describe(shape, dtype)} as output {j}, "
+                f"example {first[0]} {describe(first[1], first[2])}; results are stacked "
+                "along a new dim 0, so every example's output must have one shape and dtype. "
+                "Fix: pad or reduce to a common shape inside the function."
+            )
 
 
 # ---------------------------------------------------------------------------- tensor rows
@@ -1748,7 +2058,7 @@ def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder,
     _LOCAL.rec = rec
     rng = _rng_states()
     try:
-        with collector_paused():
+        with collector_paused(), _installed():
             out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
@@ -1757,6 +2067,7 @@ def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder,
         raise
     finally:
         _LOCAL.rec = outer
+        rec.close()
     return rec, trace, out
 
 
@@ -1815,7 +2126,6 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     if n == 0 or key in _UNTRACEABLE:
         return _MISS
     inputs = [t if len(t) == n else t[:n] for t in iterables]
-    _install_module_call()
     try:
         rec, trace, out = _record_once(fn, metas)
     except Exception as err:

@@ -73,7 +73,8 @@ class _World:
         self.scale = _Scale()
         self.rec = L._Recorder()
         other = L._Recorder()
-        L._install_module_call()
+        installed = L._installed()
+        installed.__enter__()
         L._LOCAL.rec = other
         try:
             self.foreign = self.lin(torch.randn(3))
@@ -112,6 +113,7 @@ class _World:
                 self.rec.record(fn, kind, args, {})
         finally:
             L._LOCAL.rec = None
+            installed.__exit__(None, None, None)
         self.values = [
             *self.lazies,
             self.foreign,
