@@ -68,20 +68,25 @@ typedef struct {
 
 static PyTypeObject LazyBaseType;
 
-static int
-lazy_init(LazyBase *self, PyObject *args, PyObject *kwds)
+/* LazyBase(node, meta, rec): the fields are set here, once, and read-only from Python, so a
+   lazy value never lacks one (but after tp_clear, which the fast paths check for). */
+static PyObject *
+lazy_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"node", "meta", "rec", NULL};
     PyObject *node, *meta, *rec;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", names, &node, &meta, &rec))
-        return -1;
+        return NULL;
+    LazyBase *self = (LazyBase *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
     Py_INCREF(node);
     Py_INCREF(meta);
     Py_INCREF(rec);
-    Py_XSETREF(self->node, node);
-    Py_XSETREF(self->meta, meta);
-    Py_XSETREF(self->rec, rec);
-    return 0;
+    self->node = node;
+    self->meta = meta;
+    self->rec = rec;
+    return (PyObject *)self;
 }
 
 static int
@@ -111,9 +116,10 @@ lazy_dealloc(LazyBase *self)
 }
 
 static PyMemberDef lazy_members[] = {
-    {"node", T_OBJECT_EX, offsetof(LazyBase, node), 0, "the recorded node (or trace handle)"},
-    {"meta", T_OBJECT_EX, offsetof(LazyBase, meta), 0, "per-example shape, dtype, device"},
-    {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), 0, "the autobatch recorder"},
+    {"node", T_OBJECT_EX, offsetof(LazyBase, node), READONLY,
+     "the recorded node (or trace handle)"},
+    {"meta", T_OBJECT_EX, offsetof(LazyBase, meta), READONLY, "per-example shape, dtype, device"},
+    {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), READONLY, "the autobatch recorder"},
     {NULL},
 };
 
@@ -123,8 +129,7 @@ static PyTypeObject LazyBaseType = {
     .tp_doc = PyDoc_STR("LazyBase(node, meta, rec): the storage of fold.lazy.Lazy."),
     .tp_basicsize = sizeof(LazyBase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)lazy_init,
+    .tp_new = lazy_new,
     .tp_dealloc = (destructor)lazy_dealloc,
     .tp_traverse = (traverseproc)lazy_traverse,
     .tp_clear = (inquiry)lazy_clear,
@@ -133,10 +138,12 @@ static PyTypeObject LazyBaseType = {
 
 #define LAZY(o) ((LazyBase *)(o))
 
+/* A lazy value of ``rec`` with its fields set (tp_clear, reachable from Python code that a
+   collection runs, leaves them NULL: such a value takes the slow path, which refuses it). */
 static inline int
 is_lazy_of(PyObject *a, PyObject *rec)
 {
-    return (PyObject *)Py_TYPE(a) == g_lazy_type && LAZY(a)->rec == rec &&
+    return (PyObject *)Py_TYPE(a) == g_lazy_type && LAZY(a)->rec == rec && rec != NULL &&
            LAZY(a)->meta != NULL && LAZY(a)->node != NULL;
 }
 
@@ -196,6 +203,16 @@ number_tensor(PyObject *t)
     return needs < 0 ? -1 : !needs;
 }
 
+/* 1 where ``m`` (a module) hashes and compares by identity, as nn.Module does: the slow
+   path keys such modules by themselves, any other by identity. */
+static inline int
+identity_keyed(PyObject *m)
+{
+    PyTypeObject *t = Py_TYPE(m);
+    return t->tp_hash == PyBaseObject_Type.tp_hash &&
+           t->tp_richcompare == PyBaseObject_Type.tp_richcompare;
+}
+
 /* The entry's outputs made from the recorder's result ``res`` (stolen). */
 static PyObject *
 emit(PyObject *entry, PyObject *res, PyObject *rec)
@@ -244,73 +261,98 @@ done:
 #define MAX_ITEMS 64
 #define MAX_NODES 64
 
+/* Every reference a Key holds is its own: building a key and the call after it run Python
+   (a module's __hash__ and __eq__ in the table lookup, a collection, the recorder), which may
+   drop what the arguments held (a list argument emptied, a lazy value cleared). */
 typedef struct {
     PyObject *items[MAX_ITEMS];
     PyObject *nodes[MAX_NODES];
-    PyObject *owned[2]; /* dtype, device of a number tensor: references held */
-    PyObject *number;   /* the number tensor, borrowed */
+    PyObject *number; /* the number tensor whose .item() the recorder takes, or NULL */
     Py_ssize_t nk, nn;
 } Key;
+
+static inline void
+key_item(Key *k, PyObject *o)
+{
+    Py_INCREF(o);
+    k->items[k->nk++] = o;
+}
+
+static inline void
+key_node(Key *k, PyObject *o)
+{
+    Py_INCREF(o);
+    k->nodes[k->nn++] = o;
+}
 
 static void
 key_release(Key *k)
 {
-    Py_CLEAR(k->owned[0]);
-    Py_CLEAR(k->owned[1]);
+    for (Py_ssize_t i = 0; i < k->nk; i++)
+        Py_DECREF(k->items[i]);
+    for (Py_ssize_t i = 0; i < k->nn; i++)
+        Py_DECREF(k->nodes[i]);
+    Py_CLEAR(k->number);
+    k->nk = k->nn = 0;
 }
 
-/* 1 where the call has a fast key (in k), 0 where not, -1 on error. */
+/* 1 where the call has a fast key (in k), 0 where not, -1 on error; k holds references in
+   every case, for key_release. */
 static int
 key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args,
           Py_ssize_t n)
 {
     k->nk = k->nn = 0;
-    k->owned[0] = k->owned[1] = NULL;
     k->number = NULL;
     if (!configured())
         return -1;
     if (n < 1 || n > MAX_FAST)
         return 0;
-    k->items[k->nk++] = fn;
-    k->items[k->nk++] = kind;
+    /* A module keyed by its own __eq__/__hash__ could join two modules that compare equal
+       (the slow path keys modules by identity): such calls take the slow path. */
+    if (PyObject_TypeCheck(fn, (PyTypeObject *)g_module_type) && !identity_keyed(fn))
+        return 0;
+    key_item(k, fn);
+    key_item(k, kind);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *a = args[i];
         PyTypeObject *t = Py_TYPE(a);
         if (k->nk + 2 > MAX_ITEMS)
             return 0;
         if ((PyObject *)t == g_lazy_type && LAZY(a)->rec == rec) {
-            if (k->nn >= MAX_NODES)
+            if (k->nn >= MAX_NODES || !is_lazy_of(a, rec))
                 return 0;
-            k->items[k->nk++] = LAZY(a)->meta;
-            k->nodes[k->nn++] = LAZY(a)->node;
+            key_item(k, LAZY(a)->meta);
+            key_node(k, LAZY(a)->node);
         }
         else if (t == &PyLong_Type || t == &PyBool_Type ||
                  (t == &PyFloat_Type && PyFloat_AS_DOUBLE(a) != 0.0)) {
-            k->items[k->nk++] = (PyObject *)t;
-            k->items[k->nk++] = a;
+            key_item(k, (PyObject *)t);
+            key_item(k, a);
         }
         else if (a == Py_None) {
-            k->items[k->nk++] = a;
+            key_item(k, a);
         }
         else if ((t == &PyList_Type || t == &PyTuple_Type) && kind != g_batched_kind) {
             Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
             PyObject **el = PySequence_Fast_ITEMS(a);
-            if (k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
+            if (m >= 64 || k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
                 return 0;
             for (Py_ssize_t j = 0; j < m; j++)
-                if ((PyObject *)Py_TYPE(el[j]) != g_lazy_type || LAZY(el[j])->rec != rec)
+                if (!is_lazy_of(el[j], rec))
                     return 0;
-            k->items[k->nk++] = (PyObject *)t;
-            k->items[k->nk++] = m < 64 ? g_small[m] : NULL;
-            if (k->items[k->nk - 1] == NULL)
-                return 0;
+            /* No Python runs from here to the loop's end: the list keeps its elements. */
+            key_item(k, (PyObject *)t);
+            key_item(k, g_small[m]);
             for (Py_ssize_t j = 0; j < m; j++) {
-                k->items[k->nk++] = LAZY(el[j])->meta;
-                k->nodes[k->nn++] = LAZY(el[j])->node;
+                key_item(k, LAZY(el[j])->meta);
+                key_node(k, LAZY(el[j])->node);
             }
         }
         else if (i == 0 && PyObject_TypeCheck(a, (PyTypeObject *)g_module_type)) {
-            k->items[k->nk++] = a;
+            if (!identity_keyed(a))
+                return 0;
+            key_item(k, a);
         }
         else if ((PyObject *)t == g_tensor_type &&
                  (n == 1 || (n == 2 && i == 1 && !PyObject_TypeCheck(args[0], &LazyBaseType) &&
@@ -318,28 +360,26 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             int ok = number_tensor(a);
             if (ok <= 0)
                 return ok;
-            if ((k->owned[0] = PyObject_GetAttr(a, s_dtype)) == NULL ||
-                (k->owned[1] = PyObject_GetAttr(a, s_device)) == NULL) {
-                key_release(k);
+            PyObject *dtype = PyObject_GetAttr(a, s_dtype);
+            if (dtype == NULL)
                 return -1;
-            }
+            k->items[k->nk++] = dtype; /* owned */
+            PyObject *device = PyObject_GetAttr(a, s_device);
+            if (device == NULL)
+                return -1;
+            k->items[k->nk++] = device;
             /* Only a tensor that travels as a Python number (fold.lazy._as_number): long,
                bool, or the default dtype. */
-            if (k->owned[0] != g_long && k->owned[0] != g_bool) {
+            if (dtype != g_long && dtype != g_bool) {
                 PyObject *d = PyObject_CallNoArgs(g_default_dtype);
-                if (d == NULL) {
-                    key_release(k);
+                if (d == NULL)
                     return -1;
-                }
                 Py_DECREF(d);
-                if (d != k->owned[0]) {
-                    key_release(k);
+                if (d != dtype)
                     return 0;
-                }
             }
-            k->items[k->nk++] = k->owned[0];
-            k->items[k->nk++] = k->owned[1];
-            k->number = a;
+            Py_INCREF(a);
+            Py_XSETREF(k->number, a);
         }
         else
             return 0;
@@ -366,10 +406,12 @@ static PyObject *
 fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n)
 {
     Key k;
-    PyObject *result = NULL, *key = NULL, *table = NULL, *item = NULL;
+    PyObject *result = NULL, *key = NULL, *table = NULL;
     int ok = key_build(&k, rec, fn, kind, args, n);
-    if (ok <= 0)
+    if (ok <= 0) {
+        key_release(&k);
         return ok < 0 ? NULL : miss();
+    }
     key = key_tuple(&k);
     if (key == NULL)
         goto out;
@@ -392,12 +434,12 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
     }
     Py_INCREF(entry); /* the recorder may run Python that changes the table */
     if (k.number != NULL) {
-        item = PyObject_CallMethodNoArgs(k.number, s_item);
+        PyObject *item = PyObject_CallMethodNoArgs(k.number, s_item);
         if (item == NULL) {
             Py_DECREF(entry);
             goto out;
         }
-        k.nodes[k.nn++] = item;
+        k.nodes[k.nn++] = item; /* owned, released with the key */
     }
     PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), k.nodes, k.nn, NULL);
     result = res == NULL ? NULL : emit(entry, res, rec);
@@ -405,7 +447,6 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
 out:
     Py_XDECREF(key);
     Py_XDECREF(table);
-    Py_XDECREF(item);
     key_release(&k);
     return result;
 }
@@ -423,6 +464,7 @@ fast_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int ok = key_build(&k, args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
                        PyTuple_GET_SIZE(args[3]));
     if (ok <= 0) {
+        key_release(&k);
         if (ok < 0)
             return NULL;
         Py_RETURN_NONE;

@@ -80,7 +80,7 @@ handles_into(PyObject *const *items, Py_ssize_t n, PyObject *node_type, char *bu
         if (node_type != NULL && (PyObject *)Py_TYPE(items[j]) != node_type)
             return 0;
         int64_t v = handle_of(items[j], &ok);
-        if (!ok)
+        if (!ok || v < 0) /* a negative handle is forged: the Python recorder's */
             return 0;
         memcpy(buf + 8 * j, &v, 8);
         if (v > *deepest)
@@ -123,6 +123,13 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
 {
     Recorder *self = (Recorder *)op;
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (self->fallback == NULL || self->types == NULL || self->node_type == NULL ||
+        self->memo == NULL || self->ids == NULL) {
+        /* tp_clear ran (the collector, or gc.get_objects() and a caller of tp_clear). */
+        PyErr_SetString(PyExc_ReferenceError, "fold: this recorder was cleared; its Fold is "
+                                              "gone. Fix: record with a live Fold's add/op.");
+        return NULL;
+    }
     if (kwnames != NULL || n != self->nargs)
         return fall_back(self, args, nargsf, kwnames);
     for (Py_ssize_t i = 0; i < n; i++)
@@ -150,6 +157,8 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             switch (self->kinds[i]) {
             case K_NODE: {
                 int64_t v = handle_of(a, &ok);
+                if (ok && v < 0) /* forged (see handles_into) */
+                    ok = 0;
                 if (ok) {
                     part = PyLong_FromLongLong(v);
                     if (part == NULL) {
@@ -320,6 +329,21 @@ recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                                                   "bool or list");
             return NULL;
         }
+        /* Each kind's argument type: what recorder_call compares exactly, and what its
+           branch reads the argument as (a node as an int, a float's double, a list's items). */
+        PyObject *t = PyTuple_GET_ITEM(types, i);
+        int fits = k == K_NODE    ? t == node_type && PyType_IsSubtype((PyTypeObject *)t,
+                                                                         &PyLong_Type)
+                   : k == K_INT   ? t == (PyObject *)&PyLong_Type
+                   : k == K_FLOAT ? t == (PyObject *)&PyFloat_Type
+                   : k == K_BOOL  ? t == (PyObject *)&PyBool_Type
+                                  : t == (PyObject *)&PyList_Type;
+        if (!fits) {
+            Py_DECREF(self);
+            PyErr_Format(PyExc_TypeError, "Recorder: argument %zd's type does not fit its kind "
+                                          "(node_type, int, float, bool or list)", i);
+            return NULL;
+        }
         self->kinds[i] = (unsigned char)k;
         packed &= k == K_NODE;
     }
@@ -381,13 +405,15 @@ static PyObject *
 recorder_repr(Recorder *self)
 {
     if (self->name == NULL)
-        return PyUnicode_FromString("<fold recorder>");
+        return PyUnicode_FromString("<cleared fold recorder>");
     return PyUnicode_FromFormat("<fold recorder %U>", self->name);
 }
 
 static PyObject *
 recorder_get_name(Recorder *self, void *closure)
 {
+    if (self->name == NULL)
+        return PyUnicode_FromString("<cleared fold recorder>");
     Py_INCREF(self->name);
     return self->name;
 }
@@ -407,9 +433,26 @@ recorder_set_name(Recorder *self, PyObject *value, void *closure)
 static PyObject *
 recorder_get_fallback(Recorder *self, void *closure)
 {
+    if (self->fallback == NULL)
+        Py_RETURN_NONE; /* cleared */
     Py_INCREF(self->fallback);
     return self->fallback;
 }
+
+/* _clear(): what the collector's tp_clear does, for tests of a cleared recorder (one that
+   Python code reached through gc.get_objects() while a collection cleared it). */
+static PyObject *
+recorder_clear_method(Recorder *self, PyObject *unused)
+{
+    recorder_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef recorder_methods[] = {
+    {"_clear", (PyCFunction)recorder_clear_method, METH_NOARGS,
+     "clear the fields as the garbage collector's tp_clear does (tests only)"},
+    {NULL},
+};
 
 static PyGetSetDef recorder_getset[] = {
     {"__name__", (getter)recorder_get_name, (setter)recorder_set_name, NULL, NULL},
@@ -435,6 +478,7 @@ static PyTypeObject RecorderType = {
     .tp_weaklistoffset = offsetof(Recorder, weakrefs),
     .tp_repr = (reprfunc)recorder_repr,
     .tp_getset = recorder_getset,
+    .tp_methods = recorder_methods,
 };
 
 static struct PyModuleDef module = {

@@ -224,6 +224,14 @@ class GraphArrays:
                     pos[ids] = np.arange(len(h))
                     depth[ids] = depth_of(h)
                 per_node = (sig, pos, depth)
+            depth = per_node[2]
+            if depth.size and depth.min() < 0:  # made from a forged (negative) handle
+                nid = int(np.argmin(depth))
+                raise FoldError(
+                    f"apply: op {op_name(self.signatures[int(per_node[0][nid])][0])!r} was recorded "
+                    "with a node argument that is not a handle this Fold recorded (a Node made "
+                    "from a negative int). Fix: pass the nodes add() returns."
+                )
             self._per_node = per_node
         return self._per_node
 
@@ -318,6 +326,7 @@ class GraphArrays:
             if packed(kinds):  # node arguments only: one buffer
                 hmat = packed_matrix(self._memos[sid], len(kinds))
                 entry = ([None] * len(kinds), node_js, hmat, np.stack(decode(hmat)))
+                self._check_handles(sid, hmat, entry[3][0])
                 self._columns[sid] = entry
                 return entry
             rows = self.rows(sid)
@@ -353,5 +362,25 @@ class GraphArrays:
                     np.stack([handles_array(raw[j]) for j in node_js], axis=1) if node_js else None
                 )
                 entry = (cols, node_js, hmat, None if hmat is None else np.stack(decode(hmat)))
+            if entry[2] is not None:
+                self._check_handles(sid, entry[2], entry[3][0])
             self._columns[sid] = entry
         return entry
+
+    def _check_handles(self, sid: int, hmat: np.ndarray, ids: np.ndarray) -> None:
+        """Node arguments are handles this Fold made: a handle forged from an int (a
+        negative one, an id beyond the graph, or another node's depth) is a FoldError, where
+        it would read another node's value or run before its source."""
+        if not hmat.size:
+            return
+        bad = (hmat < 0) | (ids >= self.n)
+        if not bad.any():
+            bad = depth_of(hmat) != self.depth[ids]
+            if not bad.any():
+                return
+        op = self.signatures[sid][0]
+        h = int(hmat[np.nonzero(bad)][0])
+        raise FoldError(
+            f"apply: op {op_name(op)!r} has a node argument {h} that is not a handle this Fold "
+            "recorded (a Node made from an int). Fix: pass the nodes add() returns."
+        )

@@ -199,9 +199,18 @@ def _meta(shape: Any, dtype: torch.dtype, device: torch.device) -> _Meta:
 
 # Key markers (tagged tuples in an op key; a bare tuple never appears in one).
 _PARAM = "shared tensor"
+_BY_ID = "module keyed by identity"
 _RAGGED = "list of lazy values"
 _KW = "keywords"
 _NUMBER_DTYPES = (torch.long, torch.bool)
+
+
+def _identity_keyed(m: Any) -> bool:
+    """Whether module ``m`` hashes and compares by identity, as nn.Module does.  Keys hold
+    such a module itself; any other (a custom ``__eq__``/``__hash__`` that may call two
+    modules equal) is keyed by its id, never merged with another, and takes no fast path."""
+    t = type(m)
+    return t.__hash__ is object.__hash__ and t.__eq__ is object.__eq__
 
 
 def _as_number(dtype: torch.dtype) -> bool:
@@ -687,10 +696,12 @@ class _PyLazyBase:
 
     __slots__ = ("node", "meta", "rec")
 
-    def __init__(self, node: Any, meta: _Meta, rec: _Recorder) -> None:
+    def __new__(cls, node: Any, meta: _Meta, rec: _Recorder) -> Any:
+        self = object.__new__(cls)
         _set(self, "node", node)
         _set(self, "meta", meta)
         _set(self, "rec", rec)
+        return self
 
 
 _set = object.__setattr__
@@ -942,7 +953,18 @@ def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[s
 
 def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A tensor method or operator called on a lazy value ``args[0]``: record it."""
-    return args[0].rec.record(func, "torch", args, kwargs)
+    rec = getattr(args[0], "rec", None)
+    if rec is None:
+        raise _unfilled(_fn_name(func, "torch"))
+    return rec.record(func, "torch", args, kwargs)
+
+
+def _unfilled(what: str) -> FoldError:
+    return FoldError(
+        f"{what}: a lazy value lacks its node, meta or recorder (made without autobatch, "
+        "or cleared by the garbage collector). Fix: use the lazy values autobatch makes, "
+        "inside the function it runs."
+    )
 
 
 def _method(func: Any) -> Callable[..., Any]:
@@ -1104,6 +1126,18 @@ class _Recorder:
         the node, and return its outputs as Lazy values.  The recording hot path: a call
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
+        try:
+            return self._record(fn, kind, args, kwargs)
+        except AttributeError:
+            for a in (*args, *kwargs.values()):
+                for x in a if type(a) in (list, tuple) else (a,):
+                    if isinstance(x, Lazy) and not all(
+                        hasattr(x, f) for f in ("node", "meta", "rec")
+                    ):
+                        raise _unfilled(_fn_name(fn, kind)) from None
+            raise
+
+    def _record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
@@ -1127,6 +1161,8 @@ class _Recorder:
         fargs: list[Any] = []
         shared: list[torch.Tensor] = []
         parts: list[Any] = [fn, kind]
+        if kind == "module" and not _identity_keyed(fn):
+            parts[0] = (_BY_ID, id(fn))  # the op holds fn: the id stays its own
         append = parts.append
         lazies = 0
         for a in args:
@@ -1173,6 +1209,8 @@ class _Recorder:
         if _C is not None:  # later calls of this op with the same fast key take the C path
             if fast_key is not None:
                 self._fast[fast_key] = _entry(op, r)
+        elif any(type(p) is tuple and p and p[0] is _BY_ID for p in parts):
+            pass  # keyed by identity: no fast key of the generated recorders holds that
         elif (
             0 < k <= _FAST_MAX
             and not kwargs
@@ -1256,8 +1294,11 @@ class _Recorder:
             else:
                 fargs.append(a.unsqueeze(0))
             return _meta(a.shape, dtype, device)
-        if isinstance(a, nn.Module):  # hashable by identity: a module, a method's self
-            return a
+        if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
+            if _identity_keyed(a):
+                return a
+            shared.append(a)  # the op holds it (see _template): the id stays its own
+            return (_BY_ID, id(a))
         if t is tuple or t is list or t is torch.Size:
             if ragged and t is list and all(type(x) is Lazy for x in a):
                 return self._ragged(a, fargs)
@@ -1330,7 +1371,7 @@ class _Recorder:
             return s
         if type(p) is tuple:
             tag = p[0]
-            if tag is _PARAM:
+            if tag is _PARAM or tag is _BY_ID:
                 return next(shared)
             if tag is _RAGGED:
                 s = _Slot(counter[0], p[1], ragged=True)

@@ -78,7 +78,8 @@ def calls(draw: Any) -> list[tuple[Any, ...]]:
             elif choice == 18:
                 args.append(("list", [*draw(st.lists(node, max_size=2)), -1]))  # a foreign one
             else:
-                args.append(("deep", draw(st.sampled_from([((1 << 19) - 1) << 44, 1 << 63]))))
+                forged = [((1 << 19) - 1) << 44, 1 << 63, -1, -5, -(1 << 50), -(1 << 62)]
+                args.append(("deep", draw(st.sampled_from(forged))))
         outputs = draw(st.sampled_from([None, None, 2, 3]))
         op = draw(st.sampled_from(["a", "b", len]))  # a callable op too
         out.append((op, draw(st.sampled_from(["add", "op"])), outputs, args))
@@ -180,3 +181,52 @@ def test_c_recorder_keys_and_errors(monkeypatch: Any) -> None:
     # A depth past int64 is recorded as the Python recorder records it, with Python ints.
     deep = f.add("pair", x, f._node_type(((1 << 19) - 1) << 44))
     assert deep.depth == 1 << 19
+
+
+@pytest.mark.parametrize("handle", [-1, -(1 << 50), 1 << 20, (5 << 44) | (3 << 16)])
+@pytest.mark.parametrize("c", [True, False], ids=["C", "Python"])
+def test_forged_handles_are_refused_at_apply(handle: int, c: bool, monkeypatch: Any) -> None:
+    """A Node made from an int (negative, beyond the graph, or at another node's depth)
+    records the same node on both paths and is a FoldError at apply, never an IndexError
+    or another node's value."""
+    if c and C is None:
+        pytest.skip("fold._crecord not built")
+    monkeypatch.setattr(graph, "_CRecorder", C if c else None)
+
+    class M(torch.nn.Module):
+        def leaf(self, x):
+            return x[:, None] * torch.ones(1, 2)
+
+        def node(self, a):
+            return a * 2
+
+    f = fold.Fold()
+    f.add("leaf", 1.0)
+    n = f.add("node", f._node_type(handle))
+    with pytest.raises(FoldError, match="op 'node'.*not a handle this Fold recorded.*Fix"):
+        f.apply(M(), [[n]])
+
+
+@pytest.mark.skipif(C is None, reason="fold._crecord not built")
+def test_a_cleared_recorder_refuses_calls_and_its_getters_hold() -> None:
+    """tp_clear (the collector's, reachable through gc.get_objects()) leaves NULL fields:
+    a call raises, the getters answer, nothing crashes."""
+    f = fold.Fold()
+    f.add("leaf", 1)
+    (rec,) = f._by_op.values()
+    assert type(rec) is C
+    rec._clear()  # what the collector's tp_clear does
+    with pytest.raises(ReferenceError, match="cleared"):
+        rec(2)
+    assert rec.fallback is None and "cleared" in rec.__name__ and "cleared" in repr(rec)
+
+
+@pytest.mark.skipif(C is None, reason="fold._crecord not built")
+@pytest.mark.parametrize(
+    "kinds, types",
+    [((0,), (int,)), ((1,), (float,)), ((2,), (int,)), ((3,), (int,)), ((4,), (tuple,))],
+)
+def test_recorder_constructor_checks_kinds_against_types(kinds: Any, types: Any) -> None:
+    f = fold.Fold()
+    with pytest.raises(TypeError, match="does not fit its kind"):
+        C(lambda *a: None, kinds, types, f._node_type, {}, iter(range(9)), None, 0, "x")
