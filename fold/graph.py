@@ -456,11 +456,18 @@ class Fold:
         sig_key = (op, kinds)
         sid = self._sig_ids.get(sig_key)
         if sid is None:
-            sid = self._sig_ids[sig_key] = len(self.signatures)
-            self.signatures.append(sig_key)
-            self._memos.append({})
+            sid = len(self.signatures)
             # Literal tensors: memo keys are tensor ids, so the arguments are kept here.
-            self._targs.append([] if any(map(is_tensor_kind, kinds)) else None)
+            targs = [] if any(map(is_tensor_kind, kinds)) else None
+            try:  # the three lists in step, and the signature known, or none of it
+                self.signatures.append(sig_key)
+                self._memos.append({})
+                self._targs.append(targs)
+                self._sig_ids[sig_key] = sid
+            except BaseException:  # KeyboardInterrupt, a signal handler's exception
+                del self.signatures[sid:], self._memos[sid:], self._targs[sid:]
+                self._sig_ids.pop(sig_key, None)
+                raise
         return sid
 
     def __len__(self) -> int:
@@ -474,6 +481,7 @@ class Fold:
         key = (len(self), len(self.nobatch_ids))
         cached = self._snapshot
         if cached is None or cached[0] != key:
+            self._check_intact(key[0])
             sigs, memos, targs = self.signatures, self._memos, self._targs
             if not all(memos):
                 # A call that raised after its signature was made (a list holding a node of
@@ -483,6 +491,21 @@ class Fold:
             arrays = GraphArrays(sigs, memos, targs, self.nobatch_ids, self._node_type, key[0])
             cached = self._snapshot = (key, arrays)
         return cached[1]
+
+    def _check_intact(self, n: int) -> None:
+        """Every node id handed out is a recorded node, and the per-signature lists are in
+        step.  Recording from several threads at once breaks that (two threads that both miss
+        the memo each take an id; one is lost), and so may an exception raised between a
+        recorder's steps (a KeyboardInterrupt); the Fold cannot be applied then."""
+        issued = int(repr(self._ids)[6:-1])  # "count(n)": n, the next id it gives
+        lists = {len(self.signatures), len(self._memos), len(self._targs), len(self._sig_ids)}
+        if issued != n or len(lists) != 1:
+            raise FoldError(
+                f"apply: this Fold handed out {issued} node ids but holds {n} nodes: its "
+                "recording was interrupted between two steps, or it was recorded from several "
+                "threads at once. A Fold records from one thread at a time. Fix: record it "
+                "again, one Fold per thread (or a lock around its add calls)."
+            )
 
     def arrays(self) -> GraphArrays:
         """The same as :meth:`snapshot`."""

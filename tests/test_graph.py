@@ -538,3 +538,106 @@ def test_apply_on_a_compiled_module_warns_that_ops_run_uncompiled() -> None:
     with pytest.warns(UserWarning, match=r"op 'leaf' runs uncompiled.*torch.compile\(model.leaf\)"):
         (out,) = f.apply(compiled, [[n]])
     torch.testing.assert_close(out, m.leaf(torch.ones(1, 2)))
+
+
+class _Sum(torch.nn.Module):
+    def leaf(self, x):
+        return x[:, None] * torch.ones(1, 2)
+
+    def pair(self, a, b):
+        return a + 2 * b
+
+
+def _interrupt_at(code: object, line: int):
+    """A trace function raising KeyboardInterrupt the first time ``code`` reaches ``line``."""
+    import sys
+
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(line)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    sys.settrace(tracer)
+    return fired
+
+
+def test_an_interrupt_while_a_signature_is_made_leaves_the_fold_usable() -> None:
+    """A KeyboardInterrupt at any line of Fold._signature leaves the Fold as it was: the
+    next records and apply give what Unfold gives."""
+    import sys
+
+    code = fold.Fold._signature.__code__
+    lines = sorted({ln for _, _, ln in code.co_lines() if ln is not None})[1:]
+    for line in lines:
+        f = fold.Fold()
+        a = f.add("leaf", 1.0)
+        fired = _interrupt_at(code, line)
+        try:
+            f.add("pair", a, a)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        b = f.add("pair", a, a)
+        c = f.add("pair", b, a)
+        got = f.apply(_Sum(), [[b, c]])[0]
+        m = _Sum()
+        u = fold.Unfold(m)
+        ua = u.add("leaf", 1.0)
+        ub = u.add("pair", ua, ua)
+        want = u.apply(m, [[ub, u.add("pair", ub, ua)]])[0]
+        torch.testing.assert_close(got, want, msg=f"line {line} (fired: {fired})")
+
+
+def test_a_lost_node_id_is_a_fold_error_at_apply() -> None:
+    """What two threads recording one Fold at once do (both miss the memo, each takes an
+    id, one is lost): apply refuses, naming threads and the fix."""
+    f = fold.Fold()
+    a = f.add("leaf", 1.0)
+    next(f._ids)  # the losing thread's id
+    b = f.add("pair", a, a)
+    with pytest.raises(fold.FoldError, match="several threads.*Fix: record it again"):
+        f.apply(_Sum(), [[b]])
+
+
+def test_one_fold_recorded_from_threads_is_right_or_refused(monkeypatch) -> None:
+    """Threads racing on one Fold (the Python recorders, which can switch between steps):
+    apply gives Unfold's values, or the FoldError that names threads; nothing else."""
+    import sys
+    import threading
+
+    from fold import graph
+
+    monkeypatch.setattr(graph, "_CRecorder", None)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        f = fold.Fold()
+        per_thread: list = [None] * 4
+
+        def work(k: int) -> None:
+            leaves = [f.add("leaf", float(i % 7)) for i in range(200)]
+            per_thread[k] = [f.add("pair", x, y) for x, y in zip(leaves, leaves[1:])]
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    roots = [r for rs in per_thread for r in rs]
+    try:
+        got = f.apply(_Sum(), [roots])[0]
+    except fold.FoldError as err:
+        assert "several threads" in str(err)
+        return
+    leaf = [torch.full((2,), float(i % 7)) for i in range(200)]
+    want = torch.stack([x + 2 * y for x, y in zip(leaf, leaf[1:])] * 4)
+    torch.testing.assert_close(got, want)
