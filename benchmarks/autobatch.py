@@ -138,7 +138,7 @@ def tree_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 def phase_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Where the time goes: recording, apply and backward, autobatch against explicit fold
     (medians of --reps runs), and the user's own tree walk with torch.tensor per leaf."""
-    from fold.lazy import _stack, record_examples
+    from fold.autobatch.driver import _stack, record_examples
 
     trees = make_trees(args.trees, 5, 35, args.vocab)
     rows = []
@@ -292,7 +292,7 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Recording alone (no apply): us per lazy op for per-example chains of growing length,
     the same total number of ops each time."""
-    from fold.lazy import record_examples
+    from fold.autobatch import record_examples
 
     lin = nn.Linear(16, 16)
 

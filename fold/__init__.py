@@ -16,11 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fold.autobatch import autobatch as autobatch
+from fold.autobatch import batchable as batchable
 from fold.distributed import FoldModule as FoldModule
 from fold.errors import FoldError as FoldError
 from fold.graph import Fold as Fold
-from fold.lazy import autobatch as autobatch
-from fold.lazy import batchable as batchable
 from fold.node import Node as Node
 from fold.ragged import Ragged as Ragged
 from fold.unfold import Unfold as Unfold

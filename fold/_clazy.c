@@ -1,4 +1,4 @@
-/* fold._clazy: the hot path of autobatch's recording (fold/lazy.py), in C.
+/* fold._clazy: the hot path of autobatch's recording (fold/autobatch/), in C.
 
    Inside fold.autobatch every @fold.batchable call, tensor method, operator and torch
    function on a lazy value records a node.  A call seen before is found in the recorder's
@@ -8,19 +8,19 @@
    thread-local recorder, the mode check, the key, two lambdas, the Lazy outputs); here it
    is one C call.
 
-   What is here (fold/lazy.py uses each where this module was built, and its own Python
+   What is here (fold/autobatch/ uses each where this module was built, and its own Python
    otherwise; FOLD_RECORDER=python turns both C fast paths off):
 
-   - LazyBase: the storage of fold.lazy.Lazy (node, meta, rec), so Lazy values are made
+   - LazyBase: the storage of fold.autobatch.Lazy (node, meta, rec), so Lazy values are made
      without running Python.
    - fast(rec, fn, kind, args): the table lookup, for up to MAX_FAST arguments.  _MISS
      where the call has no fast key or its key is new; the Python slow path
-     (fold.lazy._Recorder.record) then builds the op key, records the node, and files the
+     (fold.autobatch.recorder._Recorder.record) then builds the op key, records the node, and files the
      op's entry under fast_key(rec, fn, kind, args).  A table entry is (recorder, outputs,
      wrap): outputs is the single output's meta, a tuple of metas for a flat tuple of
      outputs, or None, where wrap(nodes, rec) makes the outputs.
    - BatchableBase: the call and descriptor of fold.batchable.  Its call takes the fast path
-     while autobatch records (fold.lazy._LOCAL.rec set, not paused, no batched function
+     while autobatch records (fold.autobatch.common._LOCAL.rec set, not paused, no batched function
      running) with gradients on, no autocast and no keywords; every other call goes to the
      Python ``_call``.
    - Method: a tensor method or operator of Lazy (``x * y``, ``x.sum()``).
@@ -29,7 +29,7 @@
    The fast key must never join calls the slow path keys apart (key_build says how each
    item keeps them apart); tests/test_clazy.py checks that every call the fast paths find
    gives what the slow path gives.  Without this module, the generated Python of
-   fold.lazy._fast_source takes the narrower keys it files itself. */
+   fold.autobatch.recorder._fast_source takes the narrower keys it files itself. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,18 +38,18 @@
 
 #define MAX_FAST 16
 
-/* Set once by configure() from fold/lazy.py. */
-static PyObject *g_lazy_type;      /* fold.lazy.Lazy, a subclass of LazyBase */
+/* Set once by configure() from fold/autobatch/values.py. */
+static PyObject *g_lazy_type;      /* fold.autobatch.Lazy, a subclass of LazyBase */
 static PyObject *g_module_type;    /* torch.nn.Module */
 static PyObject *g_tensor_type;    /* torch.Tensor */
-static PyObject *g_miss;           /* fold.lazy._MISS */
-static PyObject *g_local;          /* fold.lazy._LOCAL */
+static PyObject *g_miss;           /* fold.autobatch.common._MISS */
+static PyObject *g_local;          /* fold.autobatch.common._LOCAL */
 static PyObject *g_grad_enabled;   /* torch.is_grad_enabled */
 static PyObject *g_any_autocast;   /* torch._C._is_any_autocast_enabled */
 static PyObject *g_torch_kind;     /* "torch", the kind of a torch function or method */
-static PyObject *g_slow_method;    /* fold.lazy._record_method(func, args, kwargs) */
-static PyObject *g_slow_function;  /* fold.lazy._torch_function(cls, func, types, args, kw) */
-static PyObject *g_batched_kind;   /* fold.lazy._BATCHED, the kind of a batched=True function */
+static PyObject *g_slow_method;    /* fold.autobatch.values._record_method(func, args, kwargs) */
+static PyObject *g_slow_function;  /* fold.autobatch.values._torch_function(cls, func, types, args, kw) */
+static PyObject *g_batched_kind;   /* fold.autobatch.common._BATCHED, the kind of a batched=True function */
 static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
 static PyObject *g_default_dtype;  /* torch.get_default_dtype */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
@@ -126,7 +126,7 @@ static PyMemberDef lazy_members[] = {
 static PyTypeObject LazyBaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fold._clazy.LazyBase",
-    .tp_doc = PyDoc_STR("LazyBase(node, meta, rec): the storage of fold.lazy.Lazy."),
+    .tp_doc = PyDoc_STR("LazyBase(node, meta, rec): the storage of fold.autobatch.Lazy."),
     .tp_basicsize = sizeof(LazyBase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = lazy_new,
@@ -147,14 +147,14 @@ is_lazy_of(PyObject *a, PyObject *rec)
            LAZY(a)->meta != NULL && LAZY(a)->node != NULL;
 }
 
-/* 0 with an error set where fold.lazy has not called configure() (the module imported on
+/* 0 with an error set where fold.autobatch has not called configure() (the module imported on
    its own): every path that calls back into Python checks it first. */
 static int
 configured(void)
 {
     if (g_lazy_type != NULL)
         return 1;
-    PyErr_SetString(PyExc_RuntimeError, "fold._clazy is used through fold.lazy only");
+    PyErr_SetString(PyExc_RuntimeError, "fold._clazy is used through fold.autobatch only");
     return 0;
 }
 
@@ -254,9 +254,9 @@ done:
    a nonzero float: its type, then itself (types keep 1, True and 1.0 apart; zeros are left
    to the slow path, which keys -0.0 apart from 0.0); None; a list or tuple of lazy values of
    rec (not for a batched=True function, whose lists become Ragged): its type, its length,
-   their metas; a module, first: itself.  The slow path (fold.lazy._Recorder.record) makes one
+   their metas; a module, first: itself.  The slow path (fold.autobatch.recorder._Recorder.record) makes one
    op of all calls whose fast keys are equal: each item above is what its key holds, or
-   tells apart what its key tells apart.  And, as fold.lazy._NUMBER_BRANCH: a 0-dim tensor
+   tells apart what its key tells apart.  And, as fold.autobatch.recorder._NUMBER_BRANCH: a 0-dim tensor
    that needs no gradient, alone or after a module: (fn, kind, [module,] dtype, device). */
 #define MAX_ITEMS 64
 #define MAX_NODES 64
@@ -368,7 +368,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             if (device == NULL)
                 return -1;
             k->items[k->nk++] = device;
-            /* Only a tensor that travels as a Python number (fold.lazy._as_number): long,
+            /* Only a tensor that travels as a Python number (fold.autobatch.recorder._as_number): long,
                bool, or the default dtype. */
             if (dtype != g_long && dtype != g_bool) {
                 PyObject *d = PyObject_CallNoArgs(g_default_dtype);
@@ -622,7 +622,7 @@ static PyMemberDef batchable_members[] = {
 static PyTypeObject BatchableBaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fold._clazy.BatchableBase",
-    .tp_doc = PyDoc_STR("The call and descriptor of fold.batchable (see fold.lazy)."),
+    .tp_doc = PyDoc_STR("The call and descriptor of fold.batchable (see fold.autobatch)."),
     .tp_basicsize = sizeof(BatchableBase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC |
                 Py_TPFLAGS_METHOD_DESCRIPTOR,
@@ -822,7 +822,7 @@ static PyMethodDef functions[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "fold._clazy",
-    .m_doc = PyDoc_STR("The hot path of autobatch's recording, in C (see fold.lazy)."),
+    .m_doc = PyDoc_STR("The hot path of autobatch's recording, in C (see fold.autobatch)."),
     .m_size = -1,
     .m_methods = functions,
 };

@@ -143,3 +143,32 @@ def test_handle_bits_are_read_through_the_encoding_module_only() -> None:
             if _RAW_BITS.search(code):
                 offenders.append(f"{name}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_autobatch_parts_import_only_the_parts_before_them() -> None:
+    """fold/autobatch/ is one job per file, in a one-way order (the package docstring's):
+    each part imports only the parts before it (a part above reaches a part below through
+    ``common.HOOKS``), the package's ``__init__`` only re-exports, and nothing else in fold
+    but ``fold/__init__`` imports autobatch."""
+    graph = _graph()
+    order = ["common", "values", "patches", "batchable", "ops", "tables", "recorder"]
+    order = [f"fold.autobatch.{m}" for m in [*order, "traced", "driver"]]
+    parts = {m for m in graph if m.startswith("fold.autobatch.")}
+    assert parts == set(order), "a part of fold/autobatch/ is missing from the order"
+    for i, m in enumerate(order):
+        later = {x for x in graph[m] if x in order[i + 1 :] or x == "fold.autobatch"}
+        assert not later, f"{m} imports {sorted(later)}, a later part"
+    outside = {
+        m
+        for m, deps in graph.items()
+        if not m.startswith("fold.autobatch")
+        and m != "fold"
+        and any(d.startswith("fold.autobatch") for d in deps)
+    }
+    assert not outside, f"{sorted(outside)} import autobatch"
+    # autobatch records into a Fold and applies it: it sits above every stage.
+    stages = {"fold.graph", "fold.run", "fold.executor", "fold.arrays", "fold.scheduler"}
+    for m in order:
+        assert not {d for d in graph[m] if d.startswith("fold.autobatch")} - set(order)
+        assert graph[m] <= set(graph) and not (graph[m] & {"fold"}), m
+    assert stages & set().union(*(graph[m] for m in order))

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-import fold.lazy
-from fold.lazy import _OPS, Lazy
+from fold.autobatch import Lazy, common, traced
+from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.treebank import Tree, random_dep_tree, random_tree
 
@@ -180,7 +180,7 @@ def test_repeated_calls_take_the_fast_path_and_keep_shapes_apart():
 def test_a_module_and_a_number_tensor_take_the_fast_path(monkeypatch):
     """``model.embed(torch.tensor(word))`` seen before skips the key building too: keyed by
     the module and the tensor's dtype and device, the word read with .item()."""
-    from fold.lazy import _Recorder
+    from fold.autobatch.recorder import _Recorder
 
     emb = nn.Embedding(10, 3)
     parts = []
@@ -580,7 +580,7 @@ def test_tensor_rows_that_cannot_be_traced_record_per_example():
     x, k = torch.randn(4, 3), torch.tensor([1, 2, 3, 4])
     for fn in (reads, in_place, empty):
         # A callable object is remembered by id: one freed by an earlier test may share it.
-        fold.lazy._UNTRACEABLE.clear()
+        traced._UNTRACEABLE.clear()
         f = Counted(fn)
         want = eager_stack(fn, x.clone(), k)
         torch.testing.assert_close(fold.autobatch(f, x.clone(), k), want)
@@ -618,7 +618,7 @@ def test_random_draws_are_not_shared_by_a_recording_made_once():
     assert not torch.allclose(first[0], first[1])  # a draw per row
     assert not torch.allclose(first, second)  # and per call
     (op,) = [op for op in _OPS.values() if op.fn is jitter.fn]
-    assert fold.lazy._compile(op) is False
+    assert traced._compile(op) is False
 
 
 def test_a_batchable_function_reads_its_state_in_each_call():
@@ -700,18 +700,18 @@ def test_batchable_function_runs_as_its_calls_not_under_vmap():
         return h, m, constant(h)
 
     made = {}
-    compile_ = fold.lazy._compile
+    compile_ = common.HOOKS.compile
 
     def spy(op):
         made[op.name] = compile_(op)
         return made[op.name]
 
-    fold.lazy._compile = spy
+    common.HOOKS.compile = spy
     try:
         xs = [torch.randn(6) for _ in range(5)]
         assert_same(fn, [*lin.parameters(), w], xs)
     finally:
-        fold.lazy._compile = compile_
+        common.HOOKS.compile = compile_
     programs = made
     assert callable(
         programs["test_batchable_function_runs_as_its_calls_not_under_vmap.<locals>.cell"]

@@ -1,6 +1,6 @@
 """The C hot path of autobatch's recording (fold/_clazy.c) against the slow path.
 
-``fold.lazy`` looks a call up in the recorder's fast table with ``_C.fast`` where the
+``fold.autobatch.recorder`` looks a call up in the recorder's fast table with ``_C.fast`` where the
 extension is built and with the generated Python functions (``_py_fast``) otherwise.  Where
 either finds a call, it must give what the slow path (``_Recorder.record`` building the op
 key) gives for it: the same node, with the same per-example outputs (single, tuple, or
@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-from fold import lazy as L
+from fold.autobatch import common, patches, recorder, values
 
-C = L._C
+C = common._C
 
 
 def test_c_lazy_path_is_built() -> None:
@@ -34,8 +34,8 @@ def test_c_lazy_path_is_built() -> None:
     if os.environ.get("FOLD_RECORDER") == "python":
         pytest.skip("FOLD_RECORDER=python: recording without the C fast paths, as asked")
     assert C is not None, "fold._clazy was not built: reinstall with a C compiler"
-    assert L.Lazy.__mro__[1] is C.LazyBase
-    assert L._fast_path is C.fast
+    assert values.Lazy.__mro__[1] is C.LazyBase
+    assert recorder._fast_path is C.fast
 
 
 def _pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,19 +71,19 @@ class _World:
         self.lin = nn.Linear(3, 3)
         self.emb = nn.Embedding(10, 3)
         self.scale = _Scale()
-        self.rec = L._Recorder()
-        other = L._Recorder()
-        installed = L._installed()
+        self.rec = recorder._Recorder()
+        other = recorder._Recorder()
+        installed = patches._installed()
         installed.__enter__()
-        L._LOCAL.rec = other
+        common._LOCAL.rec = other
         try:
             self.foreign = self.lin(torch.randn(3))
-            L._LOCAL.rec = self.rec
+            common._LOCAL.rec = self.rec
             a = self.lin(torch.randn(3))
             b = self.lin(torch.randn(3))
             c = torch.cat([a, b])
             self.lazies = [a, b, c]
-            per = L._PER_EXAMPLE
+            per = common._PER_EXAMPLE
             T = torch.Tensor
             self.calls = [
                 (T.chunk, "torch", (c, 2)),
@@ -112,7 +112,7 @@ class _World:
             for fn, kind, args in self.calls:
                 self.rec.record(fn, kind, args, {})
         finally:
-            L._LOCAL.rec = None
+            common._LOCAL.rec = None
             installed.__exit__(None, None, None)
         self.values = [
             *self.lazies,
@@ -155,30 +155,30 @@ def _world() -> _World:
 
 def _slow(rec: Any, fn: Any, kind: str, args: tuple[Any, ...]) -> Any:
     """The call through the slow path alone (the fast path made to miss)."""
-    old = L._fast_path
-    L._fast_path = lambda *a: L._MISS
+    old = recorder._fast_path
+    recorder._fast_path = lambda *a: common._MISS
     try:
         return rec.record(fn, kind, args, {})
     finally:
-        L._fast_path = old
+        recorder._fast_path = old
 
 
 def _check(w: _World, fn: Any, kind: str, args: tuple[Any, ...]) -> int:
     """Each fast path's outcome equals the slow path's where it finds the call; the number
     of paths that found it."""
     hits = 0
-    for path in (C.fast, L._py_fast):
-        if path is L._py_fast and not 0 < len(args) <= len(L._FAST):
+    for path in (C.fast, recorder._py_fast):
+        if path is recorder._py_fast and not 0 < len(args) <= len(recorder._FAST):
             continue
         got = _outcome(path, w.rec, fn, kind, args)
         if got == "miss":
             continue
         hits += 1
-        L._LOCAL.rec = w.rec
+        common._LOCAL.rec = w.rec
         try:
             want = _outcome(_slow, w.rec, fn, kind, args)
         finally:
-            L._LOCAL.rec = None
+            common._LOCAL.rec = None
         assert got == want, (path, fn, kind, args)
     return hits
 
@@ -188,13 +188,13 @@ def _outcome(fn: Any, *args: Any) -> Any:
         out = fn(*args)
     except Exception as err:  # both paths must raise alike
         return ("raised", type(err))
-    if out is L._MISS:
+    if out is common._MISS:
         return "miss"
     leaves = [x for x in _flat(out)]
     return (
         type(out),
-        [(type(x), x.node if isinstance(x, L.Lazy) else x) for x in leaves],
-        [x.meta if isinstance(x, L.Lazy) else None for x in leaves],
+        [(type(x), x.node if isinstance(x, values.Lazy) else x) for x in leaves],
+        [x.meta if isinstance(x, values.Lazy) else None for x in leaves],
     )
 
 
@@ -249,7 +249,7 @@ def test_every_recorded_call_is_a_hit_in_both_paths() -> None:
         assert (_outcome(C.fast, w.rec, fn, kind, args) == "miss") == slow
     structures = {fn: _outcome(C.fast, w.rec, fn, kind, args)[0] for fn, kind, args in w.calls}
     assert structures[_pair] is tuple and structures[_nested] is dict
-    assert structures[torch.tanh] is L.Lazy
+    assert structures[torch.tanh] is values.Lazy
 
 
 @pytest.mark.skipif(C is None, reason="fold._clazy not built")
@@ -263,7 +263,7 @@ def test_the_c_path_takes_more_arguments_than_python() -> None:
 
     lin = nn.Linear(2, 2)
     slow = []
-    record = L._Recorder.record
+    record = recorder._Recorder.record
 
     def counted(self: Any, fn: Any, kind: str, args: Any, kwargs: Any) -> Any:
         if fn is many.fn:
@@ -276,19 +276,19 @@ def test_the_c_path_takes_more_arguments_than_python() -> None:
 
     xs = torch.randn(4, 2)
     ref = torch.stack([fn(x) for x in xs])
-    L._Recorder.record = counted  # type: ignore[method-assign]
+    recorder._Recorder.record = counted  # type: ignore[method-assign]
     try:
         out = fold.autobatch(fn, list(xs), per_example=True)
     finally:
-        L._Recorder.record = record  # type: ignore[method-assign]
+        recorder._Recorder.record = record  # type: ignore[method-assign]
     torch.testing.assert_close(out, ref)
     # Only the first of the 8 calls builds its key; the other 7 share it (same metas).
     assert C.MAX_FAST >= 10 and slow == [10]
 
 
 def test_methods_and_batchable_keep_their_names() -> None:
-    assert L.Lazy.__add__.__name__ == "__add__"
-    assert L.Lazy.sum.__name__ == "sum"
+    assert values.Lazy.__add__.__name__ == "__add__"
+    assert values.Lazy.sum.__name__ == "sum"
 
     @fold.batchable
     def cell(x: torch.Tensor) -> torch.Tensor:
@@ -302,7 +302,8 @@ def test_methods_and_batchable_keep_their_names() -> None:
 # ------------------------------------------------------- crashes found by fuzzing (issue 31)
 _SLOTS_SCRIPT = r"""
 import gc, torch, fold
-from fold.lazy import Lazy, FoldError
+from fold import FoldError
+from fold.autobatch import Lazy
 lin = torch.nn.Linear(3, 3)
 out = []
 

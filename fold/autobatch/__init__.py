@@ -1,0 +1,133 @@
+"""``fold.autobatch``: run unchanged per-example eager code batched.
+
+The package, one job per file, each importing only the ones above it in this list:
+``common`` (the C extension, per-thread state, modes, names), ``values`` (lazy values),
+``patches`` (what is installed in torch while a call runs), ``batchable``, ``ops`` (recorded
+ops and how a group runs), ``tables`` (which torch calls run directly, which work in
+place), ``recorder`` (op keys, the fast table, shape inference), ``traced`` (recordings that
+stand for a whole batch or group), ``driver`` (``autobatch`` itself, stacking the results).
+``fold.autobatch`` is the function; the parts are imported as ``from fold.autobatch import
+recorder`` (``import fold.autobatch.recorder`` would look the part up on the function).
+
+The user's function is written for ONE example, with no batch dim, as under ``torch.vmap``::
+
+    def encode(model, tree):
+        if tree.is_leaf:
+            return model.leaf(torch.tensor(tree.word))
+        (lh, lc), (rh, rc) = encode(model, tree.left), encode(model, tree.right)
+        return model.cell(lh, lc, rh, rc)
+
+    h, c = fold.autobatch(lambda t: encode(model, t), trees)   # each (len(trees), hidden)
+
+:func:`autobatch` calls it once per example with recording on.  Values that depend on a
+recorded result are :class:`Lazy`: torch functions, tensor methods and operators on them
+record one node each into a :class:`fold.Fold`; a ``@batchable`` function and an
+``nn.Module`` call record one node per call.  Then the graph runs with fold's scheduler, every
+group of same-signature calls as ONE batched call, and the per-example results come back
+stacked along a new dim 0, values and gradients equal to running the function eagerly per
+example and stacking.
+
+How a call is recorded (the choices the contract leaves open):
+
+- **Arguments.**  A Lazy value, and a tensor made per example (``torch.tensor(word)``, an
+  image row), is a *batched* argument: the group receives the examples' values stacked along
+  a new dim 0 (0-dim int64, bool and default-dtype tensors travel as Python numbers).  A leaf
+  tensor that requires grad (a parameter) is *shared*: it is passed whole, and is part of
+  the op, like every other argument: numbers, dims, shapes, dtypes, modules.  Calls whose
+  shared arguments differ are different ops (``x * 0.5`` and ``x * 0.25`` never share a
+  group); calls are grouped by op, shared arguments and the batched arguments' shapes.
+- **What is recorded.**  A torch function, tensor method or operator is recorded when an
+  argument is Lazy; otherwise it runs at once.  Inside ``autobatch`` an ``nn.Module`` call or
+  a ``@batchable`` call is recorded whenever it has a batched argument, Lazy or made per
+  example: ``model.embed(torch.tensor(word))`` run once per example is exactly the
+  batch-of-one work autobatch removes.  A call with no batched argument runs at once.
+- **How a group runs.**  Calls known to be batch-polymorphic run directly on the stacked
+  arguments (elementwise ops, ``F.linear`` and ``nn.Linear``, ``nn.Embedding``, the RNN cells,
+  activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
+  dim, a ``BatchModule``'s rows merged into its batch).  A group of ``@batchable``
+  per-example calls runs as the calls the function makes: the function is recorded once per
+  op and autobatch call on lazy values standing for a group (it can only see their shapes,
+  so the recording holds for every group of the call; the next call records it again, so
+  Python state it reads, such as ``self.training``, is read afresh) and each call it makes
+  runs once on the group's batch, in its own mode; a function that cannot be recorded so
+  (it reads or changes a value, draws random numbers eagerly, returns one that depends on
+  no argument) runs under vmap.  Every other call runs under ``torch.func.vmap``
+  (``randomness="different"``), which gives vmap's semantics.
+  ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
+  (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
+  :class:`fold.Ragged` (lists may differ in length across the group).
+- **Shapes.**  Every recorded call's output shapes are inferred once per signature on fake
+  tensors (no computation; a batch of one on zeros where fake tensors cannot run the op) and
+  cached, so ``x.shape``, ``x.size()`` and ``len(x)`` are known while recording.  A shape
+  error in the per-example code surfaces there, as a FoldError naming the line.
+- **Gradient and autocast mode.**  A call recorded under ``torch.no_grad()`` (a target
+  network, a stop-gradient) or in a ``torch.autocast`` region is another op than the same
+  call recorded with gradients on and no autocast, and its group runs in the mode it was
+  recorded in: no gradient reaches a no-grad call's parameters or flows through its
+  results, and an autocast call computes in the autocast dtype, as in eager code.
+- **Identical calls** on identical arguments share one node (fold memoises records): the
+  functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
+- **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
+  value need its value before any is computed: FoldError naming the read, the example and the
+  fix.  In-place ops on Lazy values are FoldErrors too.
+- A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
+  ``dtype``, ``device``, ``ndim`` and ``size()``.
+- Errors inside a batched call name the user's source line that first recorded that call.
+- Caches of ops and shapes live for the process (they hold the modules and parameters they
+  name); :func:`clear_cache` empties them.
+- **Recording in C.**  A call seen before in this autobatch call, with the same function,
+  kind, modules, lazy arguments' metas and constant arguments (ints, bools, nonzero floats,
+  None; lists or tuples of lazy values), is found by one lookup in the recorder's ``_fast``
+  table: where ``fold/_clazy.c`` is built that lookup, the node's recording and the Lazy
+  outputs run in C, from the ``batchable`` call, a Lazy method or ``__torch_function__``
+  (``_C.fast``; ``_C.fast_key`` builds the key the slow path files each op under).  Every
+  other call (keywords, another grad or autocast mode, a zero float, a new key) takes the
+  Python slow path, ``_Recorder.record``, which alone builds op keys and raises errors.
+  Without the extension (or with ``FOLD_RECORDER=python``) generated Python functions
+  (``_fast_source``) do the lookup for lazy arguments, a module first, or a number tensor.
+- **Module calls.**  For the length of an ``autobatch`` call (and only then),
+  ``nn.Module.__call__`` is a wrapper that records module calls while autobatch records and
+  passes every other call through, and ``torch.tensor`` one that records data holding lazy
+  values (``torch.tensor([a, b])`` of recorded scalars: their stack, detached, in the dtype
+  torch infers).  Both are put back when the call returns; a wrapper another library
+  installs over them meanwhile is never dropped (see ``_Patches``).  Installing costs about
+  45 us per call.  A module's op runs the module as ``nn.Module.__call__`` does (forward and
+  hooks): a subclass that overrides ``__call__`` had what it does around
+  ``super().__call__`` recorded around the module's node.
+- **Examples from a tensor.**  A tensor passed as an iterable is split into its rows in one
+  call (as iterating it gives), and each row's batched form (its batch-of-one view, or the
+  Python number of a 0-dim row) is prepared with it, not per call.
+- **One recording for tensor rows.**  Where every iterable is a tensor (``autobatch(loss,
+  images, labels)``), the examples differ only in their rows' values, which the per-example
+  code cannot read without a FoldError; so it records the same calls for every example.
+  autobatch then calls ``fn`` ONCE, on lazy rows standing for all examples (row shape,
+  dtype, device), and runs each recorded call once on the whole batch, in the same modes
+  (direct, vmap, batched) a group of those calls runs in; values made inside ``fn`` that
+  depend on no row are the same for every example and are repeated over the batch.  This
+  is what ``torch.vmap(fn)(images, labels)`` computes, without vmap's per-op cost where a
+  call runs directly.  It falls back to recording per example, which gives the same values
+  (or the error naming the example), where ``fn`` reads a row (``int(label)``), changes one in
+  place, draws random numbers eagerly (``torch.randn(3)`` with no lazy argument: one draw
+  would be shared by every example; the random state is put back, so per example it draws
+  what eager code draws), returns something other than tensors and numbers, gives a
+  ``batched=True`` function an empty list, or a call's batched output disagrees with the
+  shape inferred for it; that function (by its code) and row shapes then record per
+  example from the start.  (Shape inference never draws from the random stream.)  Only
+  torch's default generators are checked: a draw from Python's ``random`` or numpy inside
+  ``fn`` (a coin flip for augmentation) is made once and shared by every row; checking
+  their states costs 30-90 us a call, so such code should pass ``per_example=True``.
+  Consequences: ``fn`` runs once, not once per example (its side effects happen once; as
+  elsewhere the functions are taken as pure), and results may be views of the inputs where
+  a call returns one (``x[0]``), as under vmap.  ``autobatch(..., per_example=True)`` always
+  records per example.  Rows of unequal tensors pair up as ``zip`` pairs them.
+"""
+
+from __future__ import annotations
+
+from fold.autobatch.batchable import batchable as batchable
+from fold.autobatch.driver import autobatch as autobatch
+from fold.autobatch.driver import clear_cache as clear_cache
+from fold.autobatch.driver import record_examples as record_examples
+from fold.autobatch.values import Lazy as Lazy
+
+__all__ = ["Lazy", "autobatch", "batchable", "clear_cache", "record_examples"]

@@ -1,0 +1,237 @@
+"""Recorded ops: one call signature (the function, its argument template with shared values in
+place and slots for the batched ones, its per-example outputs) and how a group of its calls
+runs on the stacked values (directly, under vmap, as a batched function, with N models'
+rows merged, or as the calls a ``@batchable`` function makes)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+
+from fold.autobatch.common import (
+    _BATCHED,
+    _DIRECT,
+    _LOCAL,
+    _MODELS,
+    _PER_EXAMPLE,
+    _USUAL_MODE,
+    _VMAP,
+    HOOKS,
+    _any_autocast,
+    _in_mode,
+)
+from fold.autobatch.patches import _call_module
+from fold.autobatch.values import Lazy, _Meta
+
+_LOG = logging.getLogger(__name__)
+
+
+class _Slot:
+    """Where a batched argument goes in an op's argument template."""
+
+    __slots__ = ("i", "meta", "ragged")
+
+    def __init__(self, i: int, meta: _Meta | None, ragged: bool = False) -> None:
+        self.i = i
+        self.meta = meta
+        self.ragged = ragged
+
+
+def _fill(t: Any, values: Any) -> Any:
+    """The template ``t`` with its slots replaced by ``values[slot.i]``."""
+    tt = type(t)
+    if tt is _Slot:
+        return values[t.i]
+    if tt is tuple or tt is list or tt is torch.Size:
+        return tt([_fill(x, values) for x in t])
+    if tt is dict:
+        return {k: _fill(v, values) for k, v in t.items()}
+    if tt is slice:
+        return slice(_fill(t.start, values), _fill(t.stop, values), _fill(t.step, values))
+    return t
+
+
+def _leaves(t: Any, kind: type) -> list[Any]:
+    """The values of type ``kind`` in a template, its containers walked in order."""
+    if isinstance(t, kind):
+        return [t]
+    if type(t) in (tuple, list, torch.Size):
+        return [s for x in t for s in _leaves(x, kind)]
+    if type(t) is dict:
+        return [s for v in t.values() for s in _leaves(v, kind)]
+    return []
+
+
+def _slots(t: Any) -> list[_Slot]:
+    """The batched arguments' slots in a template."""
+    return _leaves(t, _Slot)
+
+
+def _tensors(t: Any) -> list[torch.Tensor]:
+    """The shared tensors in a template."""
+    return _leaves(t, torch.Tensor)
+
+
+_LOSSES = {F.cross_entropy, F.nll_loss}
+
+
+class _Op:
+    """One recorded call signature: the function, its argument template (shared values in
+    place, slots for the batched ones), how its group runs, and its per-example outputs.
+
+    It is the op fold records (grouped by identity), and called by fold's executor with the
+    group's stacked values."""
+
+    def __init__(
+        self,
+        fn: Any,
+        kind: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        where: str,
+        name: str,
+    ) -> None:
+        self.fn = fn
+        self.kind = kind
+        # How the op's function is called: a module as nn.Module.__call__ calls it.
+        self.call = functools.partial(_call_module, fn) if kind == "module" else fn
+        self.args = args
+        self.kwargs = kwargs
+        self.where = where
+        self.__qualname__ = self.__name__ = f"{name} ({where})" if where else name
+        self.name = name
+        self.mode = _VMAP
+        self.run_args: tuple[list[Any], dict[str, Any]] = (args, kwargs)
+        self.outs: list[_Meta] = []
+        self.treedef: Any = None
+        self.single = True
+        self.wrap: Callable[[Any, Any], Any] = _no_wrap
+        # The outputs' metas as the C fast path makes them (see _entry).
+        self.fast_outs: Any = None
+        self._vmapped: Callable[..., Any] | None = None
+        # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
+        # usual one; a group runs in it (a target network under torch.no_grad(), a region
+        # under torch.autocast).
+        self.recorded_in: tuple[Any, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"<autobatch op {self.__qualname__}>"
+
+    # -------------------------------------------------------------- per example
+    def per_example(self, *values: Any) -> Any:
+        args, kwargs = _fill((self.args, self.kwargs), values)
+        return self.call(*args, **kwargs)
+
+    def __call__(self, *values: Any) -> Any:
+        try:
+            if self.recorded_in is None and torch.is_grad_enabled() and not _any_autocast():
+                out = self._run(values)
+            else:  # run in the mode the calls were recorded in
+                with _in_mode(self.recorded_in or _USUAL_MODE):
+                    out = self._run(values)
+        except Exception as err:
+            raise _OpFailed(self, values) from err
+        if self.single:
+            return out
+        return tuple(pytree.tree_leaves(out))
+
+    def _run(self, values: tuple[Any, ...]) -> Any:
+        mode = self.mode
+        if mode is _BATCHED:
+            args, kwargs = _fill(self.run_args, values)
+            _LOCAL.running += 1
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                _LOCAL.running -= 1
+        if mode is _DIRECT:
+            args, kwargs = _fill(self.run_args, values)
+            if self.fn in _LOSSES:
+                return _loss(self.fn, args, kwargs)
+            return self.call(*args, **kwargs)
+        if mode is _MODELS:
+            return self._models(values)
+        if self.kind is _PER_EXAMPLE:
+            programs = _LOCAL.programs
+            if programs is None:  # not inside an autobatch call's run: for this group only
+                programs = {}
+            program = programs.get(self)
+            if program is None:
+                program = programs[self] = HOOKS.compile(self)
+            if program is not False:
+                try:
+                    return program(values)
+                except Exception as err:  # vmap gives the same values, or the error
+                    programs[self] = False
+                    _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
+        if self._vmapped is None:
+            self._vmapped = torch.func.vmap(self.per_example, randomness="different")
+        return self._vmapped(*values)
+
+    def _models(self, values: tuple[Any, ...]) -> Any:
+        """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
+        become (N, n * b, ...), one call, and back."""
+        n = values[0].shape[0]
+        merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
+        out = self.per_example(*merged)
+        return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
+
+
+def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _infer)
+    raise AssertionError("op used before its outputs were inferred")
+
+
+def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """A per-example mean/sum classification loss over a group, one value per example."""
+    kwargs = dict(kwargs)
+    reduction = kwargs.get("reduction", "mean")
+    kwargs["reduction"] = "none"
+    out = fn(*args, **kwargs)
+    if reduction != "mean":
+        return out  # a sum over nothing is 0, as 'none' gives an ignored target
+    target = args[1]
+    ignore = kwargs.get("ignore_index", -100)
+    # One example whose target is ignored averages nothing: nan, as eager gives.
+    return torch.where(target == ignore, float("nan"), out)
+
+
+def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, Any], Any]:
+    """How an op's recorded node (or split nodes) becomes its Lazy outputs."""
+    if single:
+        m = metas[0]
+        return lambda node, rec: Lazy(node, m, rec)
+    if treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
+        if len(metas) == 2:  # an LSTM cell's (h, c): unrolled
+            m0, m1 = metas
+            return lambda nodes, rec: (Lazy(nodes[0], m0, rec), Lazy(nodes[1], m1, rec))
+        return lambda nodes, rec: tuple([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
+    return lambda nodes, rec: pytree.tree_unflatten(
+        [Lazy(h, m, rec) for h, m in zip(nodes, metas)], treedef
+    )
+
+
+class _OpFailed(Exception):
+    """A batched call raised; carries the op for autobatch's message."""
+
+    def __init__(self, op: _Op, values: tuple[Any, ...]) -> None:
+        super().__init__(op.__qualname__)
+        self.op = op
+        self.values = values
+
+
+def _op_device(op: _Op) -> torch.device | None:
+    """The device of an op's shared tensors or of its module's parameters, if it has any."""
+    for t in _tensors((op.args, op.kwargs)):
+        return t.device
+    for x in (op.fn, *op.args):
+        if isinstance(x, nn.Module):
+            for t in x.parameters():
+                return t.device
+    return None

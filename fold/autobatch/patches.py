@@ -1,0 +1,167 @@
+"""What autobatch installs in torch for the length of a call, and only then: the wrapper over
+``nn.Module.__call__`` that records module calls, and the one over ``torch.tensor`` that
+records data holding lazy values.  Never left behind, never dropping another library's
+wrapper (see ``_Patches``)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from fold.autobatch.common import _LOCAL
+from fold.autobatch.values import Lazy
+from fold.errors import FoldError
+
+
+# What autobatch installs in torch for the length of a call, and only then: a wrapper over
+# ``nn.Module.__call__`` that records module calls, and over ``torch.tensor`` for data that
+# holds lazy values.  Installed by the first of the calls running at once (threads; nested
+# uses such as ``record_examples`` inside ``autobatch``), put back by the last one.  A wrapper
+# that another library installs over ours while a call runs is never dropped: ours then stays
+# beneath it, passing every call through, and the next call installs a new one on top.
+# Setting ``nn.Module.__call__`` invalidates the method caches of every nn.Module subclass:
+# installing and restoring costs about 45 us per autobatch call.
+class _Patches:
+    users = 0
+    module_call: Any = None  # the installed wrapper, None while none is
+    token: object = None  # the installed wrapper's identity (see _make_module_call)
+    inner: Any = None  # what it passes through to
+    tensor: Any = None  # torch.tensor as found
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+_PATCHES = _Patches()
+
+
+# nn.Module.__call__ as fold found it at import: runs a module call's op where no wrapper of
+# autobatch's is installed (a graph from record_examples applied later).
+_MODULE_CALL = nn.Module.__call__
+
+
+def _make_module_call(inner: Any, token: object) -> Any:
+    # The wrapper knows itself by ``token`` (installed with it): a reference to itself would
+    # make a reference cycle, left for the collector at the end of every call.
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        rec = _LOCAL.rec
+        if rec is None or rec.paused or _PATCHES.token is not token:
+            return inner(self, *args, **kwargs)
+        return rec.record(self, "module", args, kwargs)
+
+    __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"
+    return __call__
+
+
+def _module_inner() -> Any:
+    """The ``nn.Module.__call__`` a module call runs through unrecorded: what autobatch's
+    wrapper wraps, while one is installed."""
+    inner = _PATCHES.inner
+    return _MODULE_CALL if inner is None else inner
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module called as ``nn.Module.__call__`` calls it (forward and hooks), not through a
+    subclass's own ``__call__``: what such an override does around ``super().__call__`` was
+    recorded around the module's node."""
+    return _module_inner()(module, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _installed() -> Any:
+    """Install autobatch's wrappers for the length of the ``with`` (see ``_Patches``)."""
+    p = _PATCHES
+    with _PATCH_LOCK:
+        if p.users == 0:
+            p.inner = nn.Module.__call__
+            p.token = object()
+            p.module_call = _make_module_call(p.inner, p.token)
+            nn.Module.__call__ = p.module_call  # type: ignore[method-assign]
+            p.tensor = torch.tensor
+            torch.tensor = _recording_tensor
+        p.users += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            p.users -= 1
+            if p.users == 0:
+                if nn.Module.__call__ is p.module_call:
+                    nn.Module.__call__ = p.inner  # type: ignore[method-assign]
+                if torch.tensor is _recording_tensor:
+                    torch.tensor = p.tensor
+                p.module_call = p.inner = p.tensor = p.token = None
+
+
+_TORCH_TENSOR = torch.tensor
+
+
+_SEQUENCES = (list, tuple)
+
+
+def _recording_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.tensor`` while autobatch runs: data holding lazy values (``torch.tensor([a,
+    b])`` of recorded scalars) is recorded; anything else goes to torch."""
+    tensor = _PATCHES.tensor or _TORCH_TENSOR
+    if type(data) in _SEQUENCES:
+        rec = _LOCAL.rec
+        if rec is not None and not rec.paused and _holds_lazy(data):
+            return _tensor_of_lazy(tensor, data, *args, **kwargs)
+    return tensor(data, *args, **kwargs)
+
+
+def _holds_lazy(data: Any) -> bool:
+    for x in data:
+        t = type(x)
+        if t is Lazy or (t in _SEQUENCES and _holds_lazy(x)):
+            return True
+    return False
+
+
+def _tensor_of_lazy(
+    tensor: Any,
+    data: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+) -> Any:
+    """``torch.tensor(data)`` for nested lists holding lazy values: their elements stacked,
+    in the dtype torch infers (the promotion of the elements' dtypes, Python numbers as
+    torch.tensor makes them), without autograd history, as torch.tensor gives."""
+    if requires_grad:
+        raise FoldError(
+            "autobatch: torch.tensor(..., requires_grad=True) of recorded values: a new leaf "
+            "per example cannot be batched. Fix: make the parameter outside the function."
+        )
+
+    def convert(x: Any) -> Any:
+        if type(x) is Lazy:
+            if x.meta.ndim:
+                raise FoldError(
+                    f"autobatch: example {x.rec.example}: torch.tensor of a list holding a "
+                    f"lazy value of shape {tuple(x.meta.shape)}; torch.tensor takes numbers "
+                    "and 0-d tensors. Fix: torch.stack(values)."
+                )
+            return x
+        if type(x) in _SEQUENCES:
+            return [convert(e) for e in x]
+        return tensor(x)
+
+    def dtypes(x: Any) -> list[torch.dtype]:
+        return [d for e in x for d in dtypes(e)] if type(x) is list else [x.dtype]
+
+    def stack(x: Any, want: torch.dtype) -> Any:
+        if type(x) is list:
+            return torch.stack([stack(e, want) for e in x])
+        return x if x.dtype == want else x.to(want)
+
+    converted = convert(data)
+    want = dtype or functools.reduce(torch.promote_types, dtypes(converted))
+    out = stack(converted, want).detach()
+    return out if device is None else out.to(device)

@@ -1,0 +1,575 @@
+"""The recorder of one autobatch call: op keys (the slow path, which alone builds keys and
+raises errors), the fast table a call seen before is found in (in C where
+``fold/_clazy.c`` is built, else generated Python), shape inference on fake tensors, and
+the node recorded into the call's Fold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fold._encoding import float_key
+from fold.autobatch.batchable import _batch_of_one
+from fold.autobatch.common import (
+    _BATCHED,
+    _C,
+    _DIRECT,
+    _LOCAL,
+    _MISS,
+    _MODELS,
+    _VMAP,
+    _any_autocast,
+    _current_mode,
+    _fn_name,
+    _rng_restore,
+    _rng_states,
+    _source_line,
+)
+from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
+from fold.autobatch.patches import _call_module
+from fold.autobatch.tables import _INPLACE, _direct_template, _module_mode
+from fold.autobatch.values import Lazy, _inplace_call, _Meta, _meta, _unfilled
+from fold.errors import FoldError
+from fold.graph import Fold
+from fold.ragged import Ragged
+
+# Key markers (tagged tuples in an op key; a bare tuple never appears in one).
+_PARAM = "shared tensor"
+
+
+_BY_ID = "module keyed by identity"
+
+
+_RAGGED = "list of lazy values"
+
+
+_KW = "keywords"
+
+
+_NUMBER_DTYPES = (torch.long, torch.bool)
+
+
+def _identity_keyed(m: Any) -> bool:
+    """Whether module ``m`` hashes and compares by identity, as nn.Module does.  Keys hold
+    such a module itself; any other (a custom ``__eq__``/``__hash__`` that may call two
+    modules equal) is keyed by its id, never merged with another, and takes no fast path."""
+    t = type(m)
+    return t.__hash__ is object.__hash__ and t.__eq__ is object.__eq__
+
+
+def _as_number(dtype: torch.dtype) -> bool:
+    """Whether a 0-dim per-example tensor of ``dtype`` travels as a Python number (which
+    fold batches into a tensor of the same dtype)."""
+    return dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype()
+
+
+_OPS: dict[Any, _Op] = {}
+
+
+# The same for calls recorded in another grad/autocast mode (torch.no_grad(), an autocast
+# region): other ops, by mode.
+_MODE_OPS: dict[tuple[Any, ...], dict[Any, _Op]] = {}
+
+
+# Keyword arguments that are constants only (numbers, strings, None), as F.cross_entropy's
+# defaults: (names, ids of the values) -> (the values, their key part), made once (see
+# _Recorder.record).
+_CONSTANTS = frozenset({int, float, bool, str, type(None)})
+
+
+_KW_PARTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+_KW_PARTS_MAX = 4096
+
+
+def _fast_source(k: int) -> str:
+    """A fast recorder for calls of ``k`` positional arguments, every one a lazy value of
+    the recorder but the first, which may be a module (a batchable method's ``self``, or a
+    module's submodule): the op key is the function, the kind, the module and the lazy
+    values' metas, looked up in the recorder's ``_fast`` table, filled by ``record``'s slow
+    path; ``_MISS`` where the call does not fit or the key is new.  At ``k <= 2`` also a
+    0-dim tensor made per example that travels as a number, after a module perhaps
+    (``model.embed(torch.tensor(word))``, ``cells.leaf(torch.tensor(word))``), keyed by the
+    module and the tensor's dtype and device (see ``_NUMBER_BRANCH``)."""
+    names = [f"a{i}" for i in range(k)]
+    lazy = " and ".join(f"type({a}) is Lazy and {a}.rec is rec" for a in names[1:]) or "True"
+    metas = "".join(f", {a}.meta" for a in names[1:])
+    nodes = ", ".join(f"{a}.node" for a in names[1:])
+    return (
+        "def make(Lazy, Module, MISS):\n"
+        "    def fast(rec, fn, kind, args):\n"
+        f"        {', '.join(names)}, = args\n"
+        f"        if {lazy}:\n"
+        "            if type(a0) is Lazy and a0.rec is rec:\n"
+        f"                e = rec._fast.get((fn, kind, a0.meta{metas}))\n"
+        "                if e is not None:\n"
+        f"                    return e[2](e[0](a0.node{', ' if nodes else ''}{nodes}), rec)\n"
+        "            elif isinstance(a0, Module):\n"
+        f"                e = rec._fast.get((fn, kind, a0{metas}))\n"
+        "                if e is not None:\n"
+        f"                    return e[2](e[0]({nodes}), rec)\n"
+        + _NUMBER_BRANCH.get(k, "")
+        + "        return MISS\n"
+        "    return fast\n"
+    )
+
+
+# The fast recorders' branch for a 0-dim tensor made per example that travels as a number,
+# last: alone (a module call), or after a module (a batchable method's self).
+_NUMBER_BRANCH = {
+    1: (
+        "            elif type(a0) is Tensor and not a0.ndim and not a0.requires_grad:\n"
+        "                e = rec._fast.get((fn, kind, a0.dtype, a0.device))\n"
+        "                if e is not None:\n"
+        "                    return e[2](e[0](a0.item()), rec)\n"
+    ),
+    2: (
+        "        elif type(a1) is Tensor and isinstance(a0, Module):\n"
+        "            if not a1.ndim and not a1.requires_grad:\n"
+        "                e = rec._fast.get((fn, kind, a0, a1.dtype, a1.device))\n"
+        "                if e is not None:\n"
+        "                    return e[2](e[0](a1.item()), rec)\n"
+    ),
+}
+
+
+def _make_fast(k: int) -> Callable[..., Any]:
+    env: dict[str, Any] = {"Tensor": torch.Tensor}
+    exec(compile(_fast_source(k), f"<autobatch fast recorder {k}>", "exec"), env)
+    return env["make"](Lazy, nn.Module, _MISS)
+
+
+def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
+    """A ``_fast`` table entry: (the op's recorder, its outputs' metas as the C path makes
+    them: one meta, a tuple of them for a flat tuple, or None, wrap)."""
+    return (r, op.fast_outs, op.wrap)
+
+
+class _Recorder:
+    """One autobatch call: its Fold, the example being recorded, the device."""
+
+    def __init__(self, fold: Any = None) -> None:
+        # A Fold, or a _Trace when autobatch records once on lazy rows (see _traced).
+        self.fold = Fold() if fold is None else fold
+        self.example = 0
+        self.paused = False
+        # Set when the autobatch call (or the recording made once) that this recorder serves
+        # has ended: a lazy value kept beyond it records nothing (see close).
+        self.closed = False
+        self.device: torch.device | None = None
+        self._recorders: dict[_Op, Callable[..., Any]] = {}
+        # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
+        self._fast: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
+        # iterates over, prepared in one call per tensor (see ``rows``).
+        self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
+
+    def close(self) -> None:
+        """End the recording: every later call on one of its lazy values is a FoldError.
+        The fast table is emptied, so such a call misses it and the slow path says so."""
+        self.closed = True
+        self._fast.clear()
+
+    def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
+        gives, each prepared as a batched argument in one call for all: its batch-of-one view
+        (from ``t.split(1)``), or the Python number a 0-dim int, bool or default-dtype row
+        travels as.  ``_part`` takes a row from here while its version shows no in-place
+        change; it computes anything else (a row changed in place, a new tensor) itself."""
+        rows = t.unbind(0)
+        if not rows or t.requires_grad:  # rows that carry gradients: the general path
+            return rows
+        if self.device is None:
+            self.device = t.device
+        if t.ndim == 1 and _as_number(t.dtype):
+            values: Any = t.tolist()
+        else:
+            values = t.split(1)
+        meta = _meta(t.shape[1:], t.dtype, t.device)
+        version = t._version
+        table = self._rows
+        for row, value in zip(rows, values):
+            table[id(row)] = (row, version, value, meta)
+        return rows
+
+    def record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record ``fn(*args, **kwargs)``: look its op up by key (made on first sight), add
+        the node, and return its outputs as Lazy values.  The recording hot path: a call
+        seen before whose arguments are all lazy values (a method's module first, perhaps)
+        goes through ``_fast``; others build their key here."""
+        try:
+            return self._record(fn, kind, args, kwargs)
+        except AttributeError:
+            for a in (*args, *kwargs.values()):
+                for x in a if type(a) in (list, tuple) else (a,):
+                    if isinstance(x, Lazy) and not all(
+                        hasattr(x, f) for f in ("node", "meta", "rec")
+                    ):
+                        raise _unfilled(_fn_name(fn, kind)) from None
+            raise
+
+    def _record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The grad/autocast mode the call is recorded in; None for the usual one (gradients
+        # on, no autocast), the only one the fast table holds.
+        mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
+        fast = not kwargs and mode is None and 0 < len(args) <= _FAST_MAX
+        if fast:
+            out = _fast_path(self, fn, kind, args)
+            if out is not _MISS:
+                return out
+        if self.closed:
+            raise FoldError(
+                f"{_fn_name(fn, kind)}: a lazy value was used after the autobatch call that "
+                "recorded it returned (kept in a list, a global or an attribute). Its value "
+                "exists only in that call's results. Fix: return it from the function autobatch "
+                "runs and use the result autobatch returns."
+            )
+        if kind == "torch" and (_INPLACE[fn] or "out" in kwargs):
+            _inplace_call(self, fn, args, kwargs)
+        # The fast key is taken from the arguments as given, before the call: shape inference
+        # runs the function, which may change a list argument in place.
+        fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None
+        fargs: list[Any] = []
+        shared: list[torch.Tensor] = []
+        parts: list[Any] = [fn, kind]
+        if kind == "module" and not _identity_keyed(fn):
+            parts[0] = (_BY_ID, id(fn))  # the op holds fn: the id stays its own
+        append = parts.append
+        lazies = 0
+        for a in args:
+            if type(a) is Lazy and a.rec is self:
+                fargs.append(a.node)
+                append(a.meta)
+                lazies += 1
+            else:
+                append(self._part(a, fargs, shared, kind is _BATCHED))
+        if kwargs:
+            values = tuple(kwargs.values())
+            types = tuple(map(type, values))
+            if _CONSTANTS.issuperset(types):  # numbers, strings, None: the part made once
+                # Keyed by the objects' ids (equality would take -0.0 for 0.0, 1 for True);
+                # the entry keeps the objects, so no id is reused while it lives.
+                kk = (tuple(kwargs), *map(id, values))
+                kw = _KW_PARTS.get(kk)
+                if kw is None:
+                    if len(_KW_PARTS) >= _KW_PARTS_MAX:  # values made afresh per call
+                        _KW_PARTS.clear()
+                    kw = _KW_PARTS[kk] = (values, self._kw_part(kwargs, fargs, shared, kind))
+                append(kw[1])
+            else:
+                append(self._kw_part(kwargs, fargs, shared, kind))
+        if not fargs:  # nothing batched: it runs now, as eager code
+            return self._eager(fn, kind, args, kwargs)
+        key = tuple(parts)
+        ops = _OPS if mode is None else _MODE_OPS.setdefault(mode, {})
+        op = ops.get(key)
+        if op is None:
+            op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
+            op.recorded_in = mode
+        r = self._recorders.get(op)
+        if r is None:  # the first call specialises Fold.op's recorder: keep that one
+            outputs = None if op.single else len(op.outs)
+            nodes = self.fold.op(op, outputs)(*fargs)
+            r = self._recorders[op] = self.fold.op(op, outputs)
+            out = op.wrap(nodes, self)
+        else:
+            out = op.wrap(r(*fargs), self)
+        k = len(args)
+        if mode is not None:
+            return out
+        if _C is not None:  # later calls of this op with the same fast key take the C path
+            if fast_key is not None:
+                self._fast[fast_key] = _entry(op, r)
+        elif any(type(p) is tuple and p and p[0] is _BY_ID for p in parts):
+            pass  # keyed by identity: no fast key of the generated recorders holds that
+        elif (
+            0 < k <= _FAST_MAX
+            and not kwargs
+            and (
+                lazies == k
+                or (
+                    lazies == k - 1 and type(args[0]) is not Lazy and isinstance(args[0], nn.Module)
+                )
+            )
+        ):  # every argument lazy (but a module first): later calls take the fast path
+            self._fast[key] = _entry(op, r)
+        elif (
+            k <= 2
+            and not kwargs
+            and not lazies
+            and type(args[-1]) is torch.Tensor
+            and type(fargs[-1]) in (int, float, bool)  # the 0-dim tensor travelled as a number
+            and (k == 1 or isinstance(args[0], nn.Module))
+        ):  # a number tensor, after a module perhaps (see _NUMBER_BRANCH)
+            a = args[-1]
+            self._fast[(fn, kind, *args[:-1], a.dtype, a.device)] = _entry(op, r)
+        return out
+
+    def _kw_part(
+        self, kwargs: dict[str, Any], fargs: list[Any], shared: list[Any], kind: str
+    ) -> tuple[Any, ...]:
+        """The key part of the keyword arguments."""
+        part = self._part
+        ragged = kind is _BATCHED
+        return (
+            _KW,
+            tuple(kwargs),
+            tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
+        )
+
+    def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kind == "module":
+            return _call_module(fn, *args, **kwargs)
+        if kind == _BATCHED:
+            return _batch_of_one(fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def _part(self, a: Any, fargs: list[Any], shared: list[Any], ragged: bool) -> Any:
+        """The key part of one argument; batched values go to ``fargs``, shared tensors to
+        ``shared`` (the key holds their ids)."""
+        t = type(a)
+        if t is Lazy:
+            if a.rec is not self:
+                raise FoldError(
+                    f"autobatch: example {self.example}: a lazy value from another autobatch "
+                    "call (or an earlier one) was passed in. Fix: return it from that call "
+                    "and pass the result as an input."
+                )
+            fargs.append(a.node)
+            return a.meta
+        if t is int or t is str or a is None:
+            return a
+        if t is float:  # -0.0 keyed apart from 0.0 (1 / x tells them apart)
+            return (t, float_key(a))
+        if t is bool:
+            return (t, a)
+        if isinstance(a, torch.Tensor):
+            row = self._rows.get(id(a))
+            if (
+                row is not None
+                and row[0] is a
+                and row[1] == a._version
+                and not a.requires_grad  # requires_grad_() on the row: the general path
+            ):
+                fargs.append(row[2])
+                return row[3]
+            grad = a.requires_grad
+            if grad and a.is_leaf:
+                shared.append(a)
+                return (_PARAM, id(a))
+            dtype, device = a.dtype, a.device
+            if self.device is None:
+                self.device = device
+            if not grad and not a.ndim and _as_number(dtype):
+                fargs.append(a.item())
+            else:
+                fargs.append(a.unsqueeze(0))
+            return _meta(a.shape, dtype, device)
+        if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
+            if _identity_keyed(a):
+                return a
+            shared.append(a)  # the op holds it (see _template): the id stays its own
+            return (_BY_ID, id(a))
+        if t is tuple or t is list or t is torch.Size:
+            if ragged and t is list and all(type(x) is Lazy for x in a):
+                return self._ragged(a, fargs)
+            return (t, tuple([self._part(x, fargs, shared, ragged) for x in a]))
+        if t is dict:
+            return (
+                dict,
+                tuple(a),
+                tuple([self._part(v, fargs, shared, ragged) for v in a.values()]),
+            )
+        if t is slice:
+            return (slice, (a.start, a.stop, a.step))
+        try:
+            hash(a)
+        except TypeError:
+            raise FoldError(
+                f"autobatch: example {self.example}: an argument of type {t.__name__} cannot "
+                "be part of a recorded call (it is not hashable, so calls cannot be grouped "
+                "by it). Fix: pass tensors, numbers, tuples, lists or dicts of them."
+            ) from None
+        return a
+
+    def _ragged(self, items: list[Lazy], fargs: list[Any]) -> Any:
+        metas = {x.meta for x in items}
+        if len(metas) > 1:
+            first = items[0].meta
+            bad = next(i for i, x in enumerate(items) if x.meta is not first)
+            raise FoldError(
+                f"autobatch: example {self.example}: element {bad} of a list passed to a "
+                f"batched function is {items[bad].meta}, element 0 {first}; the elements of a "
+                "list argument are concatenated, so they must agree in shape and dtype."
+            )
+        for x in items:
+            if x.rec is not self:
+                raise FoldError(
+                    f"autobatch: example {self.example}: a list holds a lazy value from another "
+                    "autobatch call. Fix: pass values of this call."
+                )
+        fargs.append([x.node for x in items])
+        return (_RAGGED, items[0].meta if items else None)
+
+    # -------------------------------------------------------------- new ops
+    def _new_op(self, key: Any, nargs: int, fn: Any, kind: str, shared: list[Any]) -> _Op:
+        counter = [0]
+        shared_iter = iter(shared)
+        args = [self._template(p, counter, shared_iter) for p in key[2 : 2 + nargs]]
+        kwargs: dict[str, Any] = {}
+        if len(key) > 2 + nargs:
+            _, names, parts = key[-1]
+            kwargs = {n: self._template(p, counter, shared_iter) for n, p in zip(names, parts)}
+        where = _source_line()
+        op = _Op(fn, kind, args, kwargs, where, _fn_name(fn, kind))
+        self._infer(op)
+        if kind == "torch":
+            direct = _direct_template(fn, args, kwargs, op.outs)
+            if direct is not None:
+                op.mode, op.run_args = _DIRECT, direct
+        elif kind == "module":
+            op.mode = _module_mode(fn, args, kwargs)
+            if op.mode is _MODELS and not self._merges_models(op):
+                op.mode = _VMAP
+        elif kind == _BATCHED:
+            op.mode = _BATCHED
+        return op
+
+    def _template(self, p: Any, counter: list[int], shared: Any) -> Any:
+        if type(p) is _Meta:
+            s = _Slot(counter[0], p)
+            counter[0] += 1
+            return s
+        if type(p) is tuple:
+            tag = p[0]
+            if tag is _PARAM or tag is _BY_ID:
+                return next(shared)
+            if tag is _RAGGED:
+                s = _Slot(counter[0], p[1], ragged=True)
+                counter[0] += 1
+                return s
+            if tag is float:
+                return float(p[1])  # a plain float again (see fold._encoding.float_key)
+            if tag is bool:
+                return p[1]
+            if tag is slice:
+                return slice(*p[1])
+            if tag is dict:
+                return {k: self._template(v, counter, shared) for k, v in zip(p[1], p[2])}
+            return tag([self._template(x, counter, shared) for x in p[1]])
+        return p
+
+    def _merges_models(self, op: _Op) -> bool:
+        slots = _slots((op.args, op.kwargs))
+        if op.kwargs or _tensors(op.args) or not slots:
+            return False
+        rows = {s.meta.shape[1] if s.meta.ndim >= 2 else None for s in slots}
+        rows |= {m.shape[1] if m.ndim >= 2 else None for m in op.outs}
+        return len(rows) == 1 and None not in rows
+
+    def _infer(self, op: _Op) -> None:
+        """The op's per-example outputs, on fake tensors (a batch of one on zeros where
+        fake tensors cannot run it); a FoldError naming the line where the call fails."""
+        slots = _slots((op.args, op.kwargs))
+        self.paused = True
+        running = op.kind == _BATCHED
+        _LOCAL.running += running
+        rng = _rng_states()  # inference draws nothing from the user's random stream
+        try:
+            try:
+                out = self._run_fake(op, slots)
+            except Exception:
+                out = self._run_zeros(op, slots)
+        except Exception as err:
+            raise FoldError(
+                f"autobatch: example {self.example}: {op.name} at {op.where or '?'} fails on "
+                f"one example's shapes ({', '.join(repr(s.meta) for s in slots)}): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        finally:
+            self.paused = False
+            _LOCAL.running -= running
+            _rng_restore(rng)
+        leaves, treedef = pytree.tree_flatten(out)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise FoldError(
+                f"autobatch: {op.name} at {op.where or '?'} returns "
+                f"{type(out).__name__}, not tensors; a recorded call must return a tensor or "
+                "a structure of tensors. Fix: compute Python values outside the recorded call."
+            )
+        if op.mode is _BATCHED or op.kind == _BATCHED:
+            bad = [t for t in leaves if t.dim() == 0 or t.shape[0] != 1]
+            if bad:
+                raise FoldError(
+                    f"autobatch: {op.name} at {op.where or '?'} is batchable(batched=True) but "
+                    f"returned {tuple(bad[0].shape)} for a batch of one; a batched function keeps "
+                    "the batch in dim 0. Fix: keep dim 0, or drop batched=True."
+                )
+            metas = [_meta(t.shape[1:], t.dtype, t.device) for t in leaves]
+        else:
+            metas = [_meta(t.shape, t.dtype, t.device) for t in leaves]
+        op.outs = metas
+        op.treedef = treedef
+        op.single = isinstance(out, torch.Tensor)
+        op.wrap = _wrapper(op.single, metas, treedef)
+        if op.single:
+            op.fast_outs = metas[0]
+        elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
+            op.fast_outs = tuple(metas)
+
+    def _inputs(self, op: _Op, slots: list[_Slot], make: Callable[..., Any]) -> list[Any]:
+        values: list[Any] = [None] * len(slots)
+        batched = op.kind == _BATCHED
+        for s in slots:
+            if s.ragged:
+                m = s.meta
+                values[s.i] = (
+                    Ragged(make((1, *m.shape), m.dtype, m.device), torch.ones(1, dtype=torch.long))
+                    if m is not None
+                    else Ragged(
+                        make((0,), torch.get_default_dtype(), None),
+                        torch.zeros(1, dtype=torch.long),
+                    )
+                )
+            else:
+                shape = (1, *s.meta.shape) if batched else s.meta.shape
+                values[s.i] = make(shape, s.meta.dtype, s.meta.device)
+        return values
+
+    def _run_fake(self, op: _Op, slots: list[_Slot]) -> Any:
+        if any(s.ragged for s in slots):
+            raise NotImplementedError("lists run on zeros")
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            values = self._inputs(
+                op, slots, lambda sh, dt, dev: torch.empty(sh, dtype=dt, device=dev)
+            )
+            return op.per_example(*values)
+
+    def _run_zeros(self, op: _Op, slots: list[_Slot]) -> Any:
+        with torch.no_grad():
+            values = self._inputs(
+                op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
+            )
+            return op.per_example(*values)
+
+
+_FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}
+
+
+def _py_fast(rec: _Recorder, fn: Any, kind: str, args: tuple[Any, ...]) -> Any:
+    return _FAST[len(args)](rec, fn, kind, args)
+
+
+# The fast path of _Recorder.record (fold/_clazy.c's, or the generated Python recorders)
+# and the most arguments it takes.
+_fast_path = _py_fast if _C is None else _C.fast
+
+
+_FAST_MAX = len(_FAST) if _C is None else _C.MAX_FAST

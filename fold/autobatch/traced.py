@@ -1,0 +1,276 @@
+"""Recordings that stand for many calls: a function recorded once on lazy values standing for a
+whole batch (tensor rows, ``_traced``) or for a group (a ``@batchable`` function's program,
+``_compile``), and each recorded call run once on the batch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fold.autobatch.common import _LOCAL, _MISS, HOOKS, _rng_restore, _rng_same, _rng_states
+from fold.autobatch.ops import _Op, _op_device, _slots
+from fold.autobatch.patches import _installed
+from fold.autobatch.recorder import _Recorder
+from fold.autobatch.values import Lazy, _Meta, _meta
+from fold.errors import describe
+from fold.ragged import Ragged
+from fold.run import collector_paused
+
+_LOG = logging.getLogger(__name__)
+
+
+# The structure of a result that is one tensor or Lazy value, and of flat tuples of them,
+# by length: pytree.tree_flatten costs ~5 us a call and leaves a reference cycle behind (its
+# recursive helper), which set off a collection after every autobatch call.
+_LEAF_SPEC = pytree.tree_flatten(0)[1]
+
+
+_TUPLE_SPECS: dict[int, Any] = {}
+
+
+def _flatten(out: Any) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten(out)``, without its cost for the common results."""
+    t = type(out)
+    if t is Lazy or t is torch.Tensor:
+        return [out], _LEAF_SPEC
+    if t is tuple and len(out) <= 8:
+        for x in out:
+            tx = type(x)
+            if tx is not Lazy and tx is not torch.Tensor:
+                break
+        else:
+            spec = _TUPLE_SPECS.get(len(out))
+            if spec is None:
+                spec = _TUPLE_SPECS[len(out)] = pytree.tree_flatten(out)[1]
+            return list(out), spec
+    return pytree.tree_flatten(out)
+
+
+class _Handle:
+    """An output recorded by a :class:`_Trace`: its index in the trace's values."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class _Untraceable(Exception):
+    """A recording on lazy rows that cannot stand for every example (see ``_traced``)."""
+
+
+class _Trace:
+    """What a recorder records into, in place of a Fold, when autobatch records ``fn`` once
+    on lazy rows: the calls in order, each with its arguments (handles of earlier outputs, or
+    literals made while recording) and the handle of its first output."""
+
+    def __init__(self, inputs: int) -> None:
+        self.size = inputs
+        self.calls: list[tuple[_Op, tuple[Any, ...], int, int | None]] = []
+
+    def op(self, op: _Op, outputs: int | None) -> Callable[..., Any]:
+        """A recorder like ``Fold.op``'s: ``record(*args)`` returns the output handle(s)."""
+        calls = self.calls
+
+        def record(*args: Any) -> Any:
+            first = self.size
+            calls.append((op, args, first, outputs))
+            if outputs is None:
+                self.size += 1
+                return _Handle(first)
+            self.size += outputs
+            return tuple([_Handle(first + j) for j in range(outputs)])
+
+        return record
+
+    def run(self, inputs: list[torch.Tensor], n: int) -> list[Any]:
+        """Every call once, on the whole batch of ``n`` examples, in recording order; the
+        values of all handles.  Outputs are checked against the shapes inferred while
+        recording (``_Untraceable`` where they differ)."""
+        values: list[Any] = [*inputs, *([None] * (self.size - len(inputs)))]
+        for op, args, first, outputs in self.calls:
+            out = op(*[_batch_value(a, values, n, op, inputs) for a in args])
+            outs = (out,) if outputs is None else out
+            if len(outs) != len(op.outs):
+                raise _Untraceable(f"{op.name} returned {len(outs)} outputs")
+            for j, (t, meta) in enumerate(zip(outs, op.outs)):
+                if t.shape[:1] != (n,) or t.shape[1:] != meta.shape or t.dtype != meta.dtype:
+                    raise _Untraceable(
+                        f"{op.name} returned {describe(t.shape, t.dtype)} for {n} examples of "
+                        f"{meta}"
+                    )
+                values[first + j] = t
+        return values
+
+
+_NUMBER_TYPES = {bool: torch.bool, int: torch.long}
+
+
+def _batch_value(a: Any, values: list[Any], n: int, op: _Op, inputs: list[torch.Tensor]) -> Any:
+    """An argument of ``op`` traced for all ``n`` examples: a handle's value; a list of
+    handles as a Ragged of ``n`` equal lists; a literal (one example's number or
+    batch-of-one tensor, the same for every example) repeated ``n`` times, numbers on the
+    op's device (of its parameters, else of the inputs), as ``_stack`` places them."""
+    t = type(a)
+    if t is _Handle:
+        return values[a.i]
+    if t is list:
+        if not a:
+            raise _Untraceable("an empty list argument")
+        flat = torch.stack([values[h.i] for h in a], 1).flatten(0, 1)
+        return Ragged(flat, torch.full((n,), len(a), dtype=torch.long, device=flat.device))
+    if t in (bool, int, float):
+        dtype = _NUMBER_TYPES.get(t, torch.get_default_dtype())
+        device = _op_device(op)
+        return torch.full(
+            (n,), a, dtype=dtype, device=inputs[0].device if device is None else device
+        )
+    if isinstance(a, torch.Tensor):  # a batch of one (see _Recorder._part)
+        return a.expand(n, *a.shape[1:]).contiguous()
+    raise _Untraceable(f"an argument of type {t.__name__}")
+
+
+def _trace_output(v: Any, values: list[Any], n: int, rec: _Recorder) -> Any:
+    """One leaf of ``fn``'s result for all ``n`` examples, as ``_stack`` stacks it."""
+    if type(v) is Lazy and v.rec is rec:
+        return values[v.node.i]
+    if isinstance(v, torch.Tensor):  # the same tensor for every example
+        return v.unsqueeze(0).expand(n, *v.shape).clone()
+    if v is None:
+        return None
+    if type(v) in (int, float, bool):
+        return torch.tensor([v] * n)
+    raise _Untraceable(f"a result of type {type(v).__name__}")
+
+
+@contextlib.contextmanager
+def _call_programs() -> Any:
+    """The scope of one autobatch call's run: @batchable functions are recorded once in it
+    (``_compile``) and the recordings dropped at its end, so the next call records them
+    afresh, reading the state they read then (``self.training``, a flag)."""
+    outer = _LOCAL.programs
+    _LOCAL.programs = {}
+    try:
+        yield
+    finally:
+        _LOCAL.programs = outer
+
+
+def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder, _Trace, Any]:
+    """``fn`` called once on lazy values of these metas, recorded into a :class:`_Trace`
+    (the recording that stands for many calls: a whole batch of tensor rows, or every group
+    of a batchable op): ``(recorder, trace, fn's result)``.  Raises what ``fn`` raises (a
+    read, an in-place change), and ``_Untraceable`` where ``fn`` drew from torch's random
+    generators eagerly, which would share one draw; the random state is then put back, so
+    what runs ``fn`` instead draws what eager code draws."""
+    trace = _Trace(len(metas))
+    rec = _Recorder(trace)
+    lazies = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
+    outer = _LOCAL.rec
+    _LOCAL.rec = rec
+    rng = _rng_states()
+    try:
+        with collector_paused(), _installed():
+            out = fn(*lazies)
+        if not _rng_same(rng, _rng_states()):
+            raise _Untraceable("the function drew random numbers while recording")
+    except Exception:
+        _rng_restore(rng)
+        raise
+    finally:
+        _LOCAL.rec = outer
+        rec.close()
+    return rec, trace, out
+
+
+def _compile(op: _Op) -> Any:
+    """A ``@batchable`` per-example function as a program of the calls it makes, recorded
+    once on lazy values standing for a group (the op's per-example shapes): run on a
+    group's stacked values, each call runs once on the batch in its own mode (``cat`` with
+    its dim moved, ``nn.Linear`` directly, ...), where ``torch.func.vmap`` would run the whole
+    function with its per-op batching cost.  The recording depends only on the shapes (the
+    function cannot read values) and on Python state the function reads (``self.training``),
+    so it is made once per op and autobatch call (see ``_call_programs``).  False where the
+    function cannot be recorded so (it reads or changes a value, returns a value that
+    depends on no argument): the group runs under vmap."""
+    slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
+    if any(s.ragged or s.meta is None for s in slots):
+        return False
+    try:
+        rec, trace, out = _record_once(op.per_example, [s.meta for s in slots])
+    except Exception as err:
+        _LOG.debug("autobatch: %s cannot be recorded once (%s); vmap runs it", op, err)
+        return False
+    leaves = pytree.tree_leaves(out)
+    if not all(type(v) is Lazy and v.rec is rec for v in leaves):
+        return False
+    handles = [v.node.i for v in leaves]
+    single = op.single
+
+    def program(values: tuple[Any, ...]) -> Any:
+        got = trace.run(list(values), values[0].shape[0])
+        return got[handles[0]] if single else tuple([got[h] for h in handles])
+
+    return program
+
+
+HOOKS.compile = _compile
+
+
+# (fn's code, or the id of a callable object, and the metas of its rows) of calls that could
+# not be traced: they record per example at once (cleared by clear_cache).  A reused id only
+# sends another callable the per-example way, which gives the same results.
+_UNTRACEABLE: set[tuple[Any, ...]] = set()
+
+
+_UNTRACEABLE_MAX = 4096
+
+
+def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
+    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor: the
+    examples are the rows, so ``fn`` sees lazy rows standing for all of them (equal shapes,
+    no values it can read) and records the same calls for every example; each runs once on
+    the whole batch.  ``_MISS`` where the iterables are not all tensors, or ``fn`` cannot be
+    recorded or run this way (it reads a row, changes one in place, returns something else
+    than tensors or numbers, ...): autobatch then records per example, which gives the same
+    results, or the error that names the example."""
+    if not all(isinstance(t, torch.Tensor) and t.ndim for t in iterables):
+        return _MISS
+    n = min(len(t) for t in iterables)
+    metas = [_meta(t.shape[1:], t.dtype, t.device) for t in iterables]
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    key = (id(fn) if code is None else code, *metas)
+    if n == 0 or key in _UNTRACEABLE:
+        return _MISS
+    inputs = [t if len(t) == n else t[:n] for t in iterables]
+    try:
+        rec, trace, out = _record_once(fn, metas)
+    except Exception as err:
+        return _untraceable(key, "recording", err)
+    leaves, spec = _flatten(out)
+    try:
+        with _call_programs():
+            values = trace.run(inputs, n)
+        out = [_trace_output(v, values, n, rec) for v in leaves]
+    except Exception as err:
+        return _untraceable(key, "running", err)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _untraceable(key: tuple[Any, ...], stage: str, err: Exception) -> Any:
+    if len(_UNTRACEABLE) >= _UNTRACEABLE_MAX:
+        _UNTRACEABLE.clear()
+    _UNTRACEABLE.add(key)
+    _LOG.debug(
+        "autobatch: %s %s on lazy rows failed (%s: %s); recording per example",
+        key[0],
+        stage,
+        type(err).__name__,
+        err,
+    )
+    return _MISS

@@ -1,0 +1,357 @@
+"""Lazy values: what the per-example function holds in place of a tensor whose value depends
+on a recorded call.  A node of the Fold being recorded, with its per-example shape, dtype and
+device (a ``_Meta``); torch functions, tensor methods and operators on it record through its
+recorder; reads, in-place changes and autograd attributes are FoldErrors naming the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fold.errors import FoldError, describe
+
+if TYPE_CHECKING:  # the recorder uses this module: names for annotations only
+    from fold.autobatch.recorder import _Recorder
+from fold.autobatch.common import _BATCHED, _C, _LOCAL, _MISS, _any_autocast, _fn_name
+
+
+class _Meta:
+    """The per-example shape, dtype and device of a batched value; one object per triple,
+    so keys compare them by identity."""
+
+    __slots__ = ("shape", "dtype", "device", "ndim")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.ndim = len(shape)
+
+    def __repr__(self) -> str:
+        return describe(self.shape, self.dtype)
+
+
+_METAS: dict[tuple[Any, ...], _Meta] = {}
+
+
+def _meta(shape: Any, dtype: torch.dtype, device: torch.device) -> _Meta:
+    key = (tuple(shape), dtype, device)
+    m = _METAS.get(key)
+    if m is None:
+        m = _METAS[key] = _Meta(torch.Size(key[0]), dtype, device)
+    return m
+
+
+class _PyLazyBase:
+    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built; set once,
+    by the constructor (Lazy refuses later changes, as the C storage's read-only fields do)."""
+
+    __slots__ = ("node", "meta", "rec")
+
+    def __new__(cls, node: Any, meta: _Meta, rec: _Recorder) -> Any:
+        self = object.__new__(cls)
+        _set(self, "node", node)
+        _set(self, "meta", meta)
+        _set(self, "rec", rec)
+        return self
+
+
+_set = object.__setattr__
+
+
+def _torch_function(
+    cls: type, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+) -> Any:
+    """``Lazy.__torch_function__`` (in C, its fast path first): record ``func``."""
+    rec = _LOCAL.rec
+    if rec is None or rec.paused:
+        raise FoldError(
+            f"{_fn_name(func, 'torch')}: a lazy value of autobatch was used outside the "
+            "function autobatch runs (kept from an earlier call, or used while its graph "
+            "runs). Fix: use the results autobatch returns."
+        )
+    return rec.record(func, "torch", args, kwargs or {})
+
+
+class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
+    """A value that depends on a recorded call: a node of the Fold autobatch is recording,
+    with its per-example shape, dtype and device.  Use it like a tensor; reading its data in
+    Python raises a FoldError."""
+
+    __slots__ = ()
+    node: Any
+    meta: _Meta
+    rec: _Recorder
+
+    __torch_function__ = classmethod(_torch_function if _C is None else _C.torch_function)
+
+    # -------------------------------------------------------------- metadata
+    @property
+    def shape(self) -> torch.Size:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.meta.device
+
+    @property
+    def ndim(self) -> int:
+        return self.meta.ndim
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.meta.device.type == "cuda"
+
+    @property
+    def T(self) -> Lazy:  # noqa: N802  (torch's name)
+        return self.permute(*range(self.meta.ndim - 1, -1, -1))
+
+    @property
+    def mT(self) -> Lazy:  # noqa: N802
+        return self.transpose(-2, -1)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.meta.shape if dim is None else self.meta.shape[dim]
+
+    def dim(self) -> int:
+        return self.meta.ndim
+
+    def numel(self) -> int:
+        return self.meta.shape.numel()
+
+    nelement = numel
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.meta.dtype).element_size()
+
+    def is_floating_point(self) -> bool:
+        return self.meta.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        if not self.meta.ndim:
+            raise FoldError("len() of a 0-d lazy value: it has no dim 0. Fix: use .shape.")
+        return self.meta.shape[0]
+
+    def __iter__(self) -> Any:
+        if not self.meta.ndim:
+            raise FoldError("iterating over a 0-d lazy value. Fix: use .shape.")
+        return iter(self.unbind(0))
+
+    def __repr__(self) -> str:
+        return f"Lazy({describe(self.meta.shape, self.meta.dtype)}, example {self.rec.example})"
+
+    __hash__ = object.__hash__
+
+    # -------------------------------------------------------------- identity and autograd
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FoldError(
+            f"autobatch: setting .{name} of a lazy value; recorded values are immutable. "
+            "Fix: keep what you need beside it (a dict keyed by the value, or a tuple)."
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise FoldError(
+            f"autobatch: deleting .{name} of a lazy value; recorded values are immutable."
+        )
+
+    def __copy__(self) -> Lazy:
+        # As copy.copy of an eager non-leaf tensor: the same values, cut from the history
+        # (eager makes a new leaf sharing the storage: no gradient reaches what made it).
+        return self.detach()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise FoldError(
+            "autobatch: copy.deepcopy of a lazy value (a recorded result, not a graph leaf; "
+            "eager torch refuses to deep-copy such tensors too). Fix: x.clone(), or "
+            "x.detach().clone() for a copy that carries no gradient."
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise FoldError(
+            "autobatch: pickling a lazy value; its value exists only once the graph runs. "
+            "Fix: pickle the results autobatch returns."
+        )
+
+    @property
+    def data(self) -> Lazy:
+        """The value without its autograd history, as ``tensor.data`` reads (``.detach()``;
+        writing through it is refused like every in-place change)."""
+        return self.detach()
+
+    def _autograd(self, what: str) -> Any:
+        raise FoldError(
+            f"autobatch: example {self.rec.example}: {what} of a lazy value: its autograd "
+            "graph exists only once every example is recorded and the graph runs. Fix: read "
+            "it on the results autobatch returns (or on the parameters), or compute with "
+            "torch.no_grad() / .detach() instead of testing it."
+        )
+
+    requires_grad = property(lambda self: self._autograd(".requires_grad"))
+    grad_fn = property(lambda self: self._autograd(".grad_fn"))
+    grad = property(lambda self: self._autograd(".grad"))
+    is_leaf = property(lambda self: self._autograd(".is_leaf"))
+
+    # -------------------------------------------------------------- reads
+    def _read(self, what: str) -> Any:
+        rec = self.rec
+        raise FoldError(
+            f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
+            f"{describe(self.meta.shape, self.meta.dtype)}, which is computed only after every "
+            "example is recorded. Fix: branch on what is known while recording (the example's "
+            "structure, shapes), or compute the value outside autobatch and pass it in; for "
+            "builtin max()/min() and comparisons in `if`, use torch.maximum, torch.minimum or "
+            "torch.where; data-dependent control flow is not batched yet."
+        )
+
+    def __bool__(self) -> bool:
+        return self._read("bool()")
+
+    def __int__(self) -> int:
+        return self._read("int()")
+
+    def __float__(self) -> float:
+        return self._read("float()")
+
+    def __complex__(self) -> complex:
+        return self._read("complex()")
+
+    def __index__(self) -> int:
+        return self._read("using it as an index (__index__)")
+
+    def item(self) -> Any:
+        return self._read(".item()")
+
+    def tolist(self) -> Any:
+        return self._read(".tolist()")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        return self._read(".numpy()")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._read("numpy conversion")
+
+    def __contains__(self, item: Any) -> bool:
+        return self._read("`in`")
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise FoldError(
+            "autobatch: .backward() on a lazy value inside the per-example function. Fix: "
+            "return the loss; autobatch returns the losses stacked, call .backward() on them "
+            "(or their sum)."
+        )
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _inplace(self, "__setitem__ (x[...] = v)")
+
+
+def _inplace(self: Lazy, name: str) -> None:
+    raise FoldError(
+        f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
+        "values are immutable. Fix: use the out-of-place form (x = x.add(y), torch.where, "
+        "index_put without underscore)."
+    )
+
+
+def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A FoldError for an in-place torch call with a lazy argument.  On an eager tensor
+    (``buf.add_(y)``, ``buf.copy_(y)``, ``acc += y``, ``buf[0] = y``, ``out=buf``) it would
+    change nothing that the Fold computes: the tensor stays as it was, and every alias of it
+    with it."""
+    name = _fn_name(fn, "torch")
+    target = kwargs.get("out", args[0] if args else None)
+    if type(target) is Lazy:
+        _inplace(target, name)
+    what = "out=" if "out" in kwargs else name
+    raise FoldError(
+        f"autobatch: example {rec.example}: {what} writes a recorded value into an eager "
+        "tensor in place. Inside autobatch a recorded value is computed only after every "
+        "example is recorded, so the eager tensor (and every alias of it) would keep its old "
+        "value. Fix: compute out of place and rebind the name: buf = buf + y (for buf.add_(y) "
+        "or acc += y), buf = y (for buf.copy_(y)), torch.where or torch.cat (for buf[i] = y)."
+    )
+
+
+def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A tensor method or operator called on a lazy value ``args[0]``: record it."""
+    rec = getattr(args[0], "rec", None)
+    if rec is None:
+        raise _unfilled(_fn_name(func, "torch"))
+    return rec.record(func, "torch", args, kwargs)
+
+
+def _unfilled(what: str) -> FoldError:
+    return FoldError(
+        f"{what}: a lazy value lacks its node, meta or recorder (made without autobatch, "
+        "or cleared by the garbage collector). Fix: use the lazy values autobatch makes, "
+        "inside the function it runs."
+    )
+
+
+def _method(func: Any) -> Callable[..., Any]:
+    if _C is not None:
+        return _C.Method(func)  # its fast path, then _record_method
+
+    def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
+        return self.rec.record(func, "torch", (self, *args), kwargs)
+
+    method.__name__ = func.__name__
+    return method
+
+
+def _inplace_method(name: str) -> Callable[..., Any]:
+    def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
+        _inplace(self, f".{name}()")
+
+    method.__name__ = name
+    return method
+
+
+_OPERATORS = (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
+    "__floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ "
+    "__neg__ __pos__ __abs__ __invert__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ "
+    "__lshift__ __rshift__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __getitem__"
+).split()
+
+
+for _name in _OPERATORS:
+    setattr(Lazy, _name, _method(getattr(torch.Tensor, _name)))
+
+
+# No __iadd__ and kin: ``x += y`` rebinds x to ``x + y``, out of place.
+for _name in dir(torch.Tensor):
+    if _name.startswith("_") or hasattr(Lazy, _name):
+        continue
+    _attr = getattr(torch.Tensor, _name, None)
+    if not callable(_attr):
+        continue
+    if _name.endswith("_") and not _name.endswith("__"):
+        setattr(Lazy, _name, _inplace_method(_name))
+    else:
+        setattr(Lazy, _name, _method(_attr))
+
+
+if _C is not None:
+    _C.configure(
+        Lazy,
+        nn.Module,
+        torch.Tensor,
+        _MISS,
+        _LOCAL,
+        torch.is_grad_enabled,
+        _any_autocast,
+        "torch",
+        _record_method,
+        _torch_function,
+        _BATCHED,
+        torch.long,
+        torch.bool,
+        torch.get_default_dtype,
+    )
