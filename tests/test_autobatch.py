@@ -1114,3 +1114,59 @@ def test_copy_of_a_lazy_value_is_its_value_cut_from_the_history_as_eager():
     lin = nn.Linear(3, 3)
     xs = [torch.randn(3) for _ in range(3)]
     assert_same(lambda x: copy.copy(lin(x)) * 2 + lin(x), list(lin.parameters()), xs)
+
+
+# ---------------------------------------------------------------- sequences (issue 31)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(4, 5),
+        lambda: nn.GRU(4, 5, num_layers=2),
+        lambda: nn.RNN(4, 5, nonlinearity="relu", bidirectional=True),
+        lambda: nn.LSTM(4, 5, num_layers=2, bidirectional=True, batch_first=True),
+        lambda: nn.LSTM(4, 5, proj_size=3),
+    ],
+    ids=["lstm", "gru-2", "rnn-bi", "lstm-2-bi-batch-first", "lstm-proj"],
+)
+@pytest.mark.parametrize("state", ["none", "given"])
+def test_recurrent_modules_on_one_unbatched_sequence_match_eager(make, state):
+    """nn.LSTM/GRU/RNN called on one sentence (L, D), as a tagger's encoder is written:
+    sequences of one length run as one batch; several lengths, several groups."""
+    torch.manual_seed(0)
+    rnn, emb = make(), nn.Linear(3, 4)
+    dirs = 2 if rnn.bidirectional else 1
+    h_size = rnn.proj_size or rnn.hidden_size
+
+    def fn(x):
+        seq = emb(x)
+        if state == "none":
+            out, h = rnn(seq)
+        else:
+            h0 = torch.tanh(emb(x[0]))[:1].expand(rnn.num_layers * dirs, h_size).contiguous()
+            if isinstance(rnn, nn.LSTM):
+                c0 = torch.zeros(rnn.num_layers * dirs, rnn.hidden_size)
+                out, h = rnn(seq, (h0, c0 + 0.5))
+            else:
+                out, h = rnn(seq, h0)
+        last = h[0] if isinstance(h, tuple) else h
+        return out.sum(0), last.flatten()
+
+    xs = [torch.randn(n, 3) for n in (5, 3, 5, 7, 3)]
+    assert_same(fn, [*rnn.parameters(), *emb.parameters()], xs)
+    assert_same(fn, [*rnn.parameters(), *emb.parameters()], torch.randn(4, 6, 3))  # rows
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pad_sequence_of_recorded_sequences_matches_eager(batch_first, side):
+    from torch.nn.utils.rnn import pad_sequence
+
+    lin = nn.Linear(3, 2)
+
+    def fn(x):
+        parts = [lin(x[:2]), lin(x[1:5]), torch.tanh(lin(x))]
+        return pad_sequence(parts, batch_first=batch_first, padding_value=-1.5, padding_side=side)
+
+    xs = [torch.randn(6, 3) for _ in range(4)]
+    assert_same(fn, list(lin.parameters()), xs)
+    assert_same(fn, list(lin.parameters()), torch.stack(xs))

@@ -64,6 +64,9 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 _DIRECT, _VMAP, _BATCHED, _MODELS = "direct", "vmap", "batched", "model-batched"
+# An nn.RNN/GRU/LSTM call on one unbatched sequence (L, D): the group's sequences run as
+# one batched call (see ops._Op._rnn).
+_RNN = "recurrent over the stacked sequences"
 
 
 _PER_EXAMPLE = "per-example"  # the kind of a @batchable (not batched=True) call

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fold.autobatch.common import _BATCHED, _DIRECT, _LOCAL, _MISS, _MODELS, _VMAP
+from fold.autobatch.common import _BATCHED, _DIRECT, _LOCAL, _MISS, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _installed
 from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
@@ -244,6 +244,7 @@ def _explained(err: FoldError) -> FoldError:
         _VMAP: "under torch.func.vmap",
         _BATCHED: "directly (batched=True)",
         _MODELS: "with the models' rows merged",
+        _RNN: "as one batch of sequences",
     }[op.mode]
     return FoldError(
         f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "

@@ -21,6 +21,7 @@ from fold.autobatch.common import (
     _LOCAL,
     _MODELS,
     _PER_EXAMPLE,
+    _RNN,
     _USUAL_MODE,
     _VMAP,
     HOOKS,
@@ -158,6 +159,8 @@ class _Op:
             return self.call(*args, **kwargs)
         if mode is _MODELS:
             return self._models(values)
+        if mode is _RNN:
+            return self._rnn(values)
         if self.kind is _PER_EXAMPLE:
             programs = _LOCAL.programs
             if programs is None:  # not inside an autobatch call's run: for this group only
@@ -174,6 +177,23 @@ class _Op:
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         return self._vmapped(*values)
+
+    def _rnn(self, values: tuple[Any, ...]) -> Any:
+        """A group of nn.RNN/GRU/LSTM calls on unbatched sequences (L, D), all of one length:
+        the stacked (n, L, D) run as one batch (time-major unless the module is batch
+        first), states (layers, H) stacked as (layers, n, H); outputs back per example."""
+        args, _ = _fill((self.args, self.kwargs), values)
+        x, hx = args[0], args[1] if len(args) > 1 else None
+        first = self.fn.batch_first
+        if hx is not None:
+            hx = (
+                tuple(h.transpose(0, 1).contiguous() for h in hx)
+                if type(hx) in (tuple, list)
+                else hx.transpose(0, 1).contiguous()
+            )
+        out, h = self.call(x if first else x.transpose(0, 1), hx)
+        h = tuple(t.transpose(0, 1) for t in h) if type(h) is tuple else h.transpose(0, 1)
+        return out if first else out.transpose(0, 1), h
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)

@@ -31,7 +31,7 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
-from fold.autobatch.tables import _INPLACE, _direct_template, _module_mode
+from fold.autobatch.tables import _GROUP_CALLS, _INPLACE, _direct_template, _module_mode
 from fold.autobatch.values import Lazy, _inplace_call, _Meta, _meta, _unfilled
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -432,6 +432,8 @@ class _Recorder:
             direct = _direct_template(fn, args, kwargs, op.outs)
             if direct is not None:
                 op.mode, op.run_args = _DIRECT, direct
+            elif fn in _GROUP_CALLS and not any(s.ragged for s in _slots((args, kwargs))):
+                op.mode, op.call = _DIRECT, _GROUP_CALLS[fn]
         elif kind == "module":
             op.mode = _module_mode(fn, args, kwargs)
             if op.mode is _MODELS and not self._merges_models(op):

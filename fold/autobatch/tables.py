@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fold.autobatch.common import _DIRECT, _MODELS, _VMAP
+from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
 from fold.autobatch.values import _Meta
 from fold.executor import ModelBatched
@@ -194,7 +194,43 @@ def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> 
         return _DIRECT
     if isinstance(module, _CELLS) and all(s.meta.ndim == 1 for s in slots):
         return _DIRECT
+    if isinstance(module, nn.RNNBase) and _unbatched_sequence(args):
+        return _RNN
     return _VMAP
+
+
+def _unbatched_sequence(args: list[Any]) -> bool:
+    """``rnn(x)``, ``rnn(x, h)`` or ``lstm(x, (h, c))`` on one unbatched sequence x (L, D)
+    with states (layers, H): what a group of such calls stacks runs as one batched call."""
+    if not 1 <= len(args) <= 2 or type(args[0]) is not _Slot or args[0].meta.ndim != 2:
+        return False
+    if len(args) == 1 or args[1] is None:
+        return True
+    hx = args[1] if type(args[1]) in (tuple, list) else (args[1],)
+    return all(type(h) is _Slot and h.meta.ndim == 2 for h in hx)
+
+
+def _pad_sequence_group(
+    sequences: Any,
+    batch_first: bool = False,
+    padding_value: float = 0.0,
+    padding_side: str = "right",
+) -> torch.Tensor:
+    """``torch._C._nn.pad_sequence`` for a group: each element is the group's stacked
+    sequences (n, L_i, *rest); padded along dim 1 to the longest, then stacked where one
+    example's result has its list dim (time-major (L, k, *rest): dim 2; batch first: dim 1)."""
+    longest = max(s.shape[1] for s in sequences)
+    padded = []
+    for s in sequences:
+        short = longest - s.shape[1]
+        spec = [0, 0] * (s.dim() - 2) + ([0, short] if padding_side == "right" else [short, 0])
+        padded.append(F.pad(s, spec, value=padding_value) if short else s)
+    return torch.stack(padded, 1 if batch_first else 2)
+
+
+# Torch functions whose group runs through a function of fold's own on the stacked values
+# (where the function itself has no batching rule).
+_GROUP_CALLS: dict[Any, Any] = {torch._C._nn.pad_sequence: _pad_sequence_group}
 
 
 def _polymorphic_module(module: nn.Module) -> bool:
