@@ -1170,3 +1170,19 @@ def test_pad_sequence_of_recorded_sequences_matches_eager(batch_first, side):
     xs = [torch.randn(6, 3) for _ in range(4)]
     assert_same(fn, list(lin.parameters()), xs)
     assert_same(fn, list(lin.parameters()), torch.stack(xs))
+
+
+def test_torch_distributions_batch_and_their_argument_check_names_the_fix():
+    """A distribution over recorded parameters: with validate_args=False its log_prob and
+    entropy batch; with the default check, the read names validate_args as the fix."""
+    lin = nn.Linear(3, 2)
+
+    def fn(x, validate):
+        h = lin(x)
+        d = torch.distributions.Normal(h[0], F.softplus(h[1]), validate_args=validate)
+        return d.log_prob(torch.tensor(0.3)) + d.entropy()
+
+    xs = [torch.randn(3) for _ in range(4)]
+    assert_same(fn, list(lin.parameters()), xs, [False] * 4)
+    with pytest.raises(fold.FoldError, match=r"example 0: .*Fix: .*validate_args=False"):
+        fold.autobatch(fn, xs, [None] * 4)

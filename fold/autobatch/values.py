@@ -5,6 +5,8 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -201,13 +203,16 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
     # -------------------------------------------------------------- reads
     def _read(self, what: str) -> Any:
         rec = self.rec
+        fix = _library_read() or (
+            "branch on what is known while recording (the example's structure, shapes), or "
+            "compute the value outside autobatch and pass it in; for builtin max()/min() and "
+            "comparisons in `if`, use torch.maximum, torch.minimum or torch.where; "
+            "data-dependent control flow is not batched yet."
+        )
         raise FoldError(
             f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
             f"{describe(self.meta.shape, self.meta.dtype)}, which is computed only after every "
-            "example is recorded. Fix: branch on what is known while recording (the example's "
-            "structure, shapes), or compute the value outside autobatch and pass it in; for "
-            "builtin max()/min() and comparisons in `if`, use torch.maximum, torch.minimum or "
-            "torch.where; data-dependent control flow is not batched yet."
+            f"example is recorded. Fix: {fix}"
         )
 
     def __bool__(self) -> bool:
@@ -249,6 +254,21 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _inplace(self, "__setitem__ (x[...] = v)")
+
+
+def _library_read() -> str:
+    """Where a read comes from a library's own check rather than the user's code, the fix that
+    turns that check off ('' elsewhere)."""
+    f: Any = sys._getframe(2)
+    while f is not None:
+        if "torch/distributions/" in f.f_code.co_filename.replace(os.sep, "/"):
+            return (
+                "the read is torch.distributions checking its arguments (validate_args): "
+                "pass validate_args=False to the distribution, or call torch.distributions."
+                "Distribution.set_default_validate_args(False) before autobatch."
+            )
+        f = f.f_back
+    return ""
 
 
 def _inplace(self: Lazy, name: str) -> None:
