@@ -51,7 +51,10 @@ def assert_same(fn, params, *iterables, loss=lambda out: out):
     got = fold.autobatch(fn, *iterables)
     want = eager_stack(fn, *iterables)
     torch.testing.assert_close(got, want)
-    if all(isinstance(it, torch.Tensor) for it in iterables):  # recorded once: per example too
+    if all(  # rows of tensors (or lists of tensors) are recorded once: per example too
+        isinstance(it, torch.Tensor) or (isinstance(it, list) and isinstance(it[0], torch.Tensor))
+        for it in iterables
+    ):
         torch.testing.assert_close(fold.autobatch(fn, *iterables, per_example=True), want)
     flat_got = [t for t in torch.utils._pytree.tree_leaves(got) if t.is_floating_point()]
     flat_want = [t for t in torch.utils._pytree.tree_leaves(want) if t.is_floating_point()]
@@ -669,7 +672,12 @@ def test_batch_module_call_per_example():
     # Rows of a tensor: recorded once, the models' rows merged the same way.
     f = Counted(lambda x: bm(x).square())
     assert_same(f, list(bm.parameters()), torch.stack(xs))
-    assert f.calls == 1 + 5 + 5
+    # Recorded on lazy rows twice (its forward's calls would run under vmap: again with the
+    # module call as one call), then per example twice.
+    assert f.calls == 2 + 5 + 5
+    f.calls = 0
+    fold.autobatch(f, torch.stack(xs))
+    assert f.calls == 1  # remembered: straight to one call per module
     assert any(op.fn is bm and op.mode == "model-batched" for op in _OPS.values())
 
 
@@ -875,7 +883,9 @@ def test_random_programs_match_eager(program):
     rows = torch.randn(len(lengths), 4)
     run = Counted(lambda x: menu.run(steps, x))
     assert_same(run, list(menu.parameters()), rows)
-    assert run.calls == 1 + 2 * len(lengths)
+    # Recorded once on lazy rows (twice where a call of a module's forward has no direct
+    # form: then again with module calls as one call each), then per example twice.
+    assert run.calls in (1 + 2 * len(lengths), 2 + 2 * len(lengths))
 
 
 # ---------------------------------------------------------------------------- errors
@@ -1035,7 +1045,7 @@ def test_a_lazy_value_kept_after_its_call_is_refused_at_every_use():
 def test_eager_results_of_different_shapes_name_the_example():
     sizes = iter([3, 3, 4])
     with pytest.raises(fold.FoldError, match=r"example 2 returned \(4,\) .* example 0 \(3,\)"):
-        fold.autobatch(lambda x: torch.zeros(next(sizes)), [torch.randn(2)] * 3)
+        fold.autobatch(lambda x: torch.zeros(next(sizes)), [torch.randn(2)] * 3, per_example=True)
     lin = nn.Linear(2, 2)
     with pytest.raises(fold.FoldError, match=r"example 1 returned \(3,\) .* example 0 \(2,\)"):
         fold.autobatch(
@@ -1186,3 +1196,30 @@ def test_torch_distributions_batch_and_their_argument_check_names_the_fix():
     assert_same(fn, list(lin.parameters()), xs, [False] * 4)
     with pytest.raises(fold.FoldError, match=r"example 0: .*Fix: .*validate_args=False"):
         fold.autobatch(fn, xs, [None] * 4)
+
+
+def test_a_list_of_same_shape_tensors_is_recorded_once_like_tensor_rows():
+    """Samples as a Dataset yields them, a list of tensors of one shape: fn is recorded
+    once on lazy rows (one torch.stack), with values and gradients of eager per example;
+    a list of tensors of different shapes, or a function that reads a row, records per
+    example with the list's own tensors."""
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    samples = [torch.randn(1, 6) for _ in range(7)]
+    f = Counted(lambda x: model(x)[0])
+    got = assert_same(f, list(model.parameters()), samples)
+    assert got.shape == (7, 3)
+    f.calls = 0
+    fold.autobatch(f, samples)
+    assert f.calls == 1
+    ragged = [torch.randn(1, 6), torch.randn(2, 6)]
+    g = Counted(lambda x: model(x).sum(0))
+    assert_same(g, list(model.parameters()), ragged)
+    g.calls = 0
+    fold.autobatch(g, ragged)
+    assert g.calls == 2
+    # Inputs that carry gradients: they reach each sample, as eager.
+    leaves = [torch.randn(6, requires_grad=True) for _ in range(3)]
+    out = fold.autobatch(lambda x: model(x).tanh(), leaves)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    want = torch.autograd.grad(torch.stack([model(x).tanh() for x in leaves]).sum(), leaves)
+    torch.testing.assert_close(grads, want)

@@ -15,7 +15,7 @@ from fold.autobatch.common import _BATCHED, _DIRECT, _LOCAL, _MISS, _MODELS, _RN
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _installed
 from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
-from fold.autobatch.traced import _UNTRACEABLE, _call_programs, _flatten, _traced
+from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
 from fold.autobatch.values import _METAS, Lazy
 from fold.errors import FoldError, describe
 from fold.run import collector_paused
@@ -29,6 +29,7 @@ def clear_cache() -> None:
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
+    _WITH_MODULES.clear()
 
 
 class _DeviceAnchor(nn.Module):
@@ -57,11 +58,11 @@ def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any], per_example: bo
             "autobatch: called inside a function autobatch is running. Fix: call the inner "
             "function directly; it is recorded into the same graph."
         )
+    if not per_example and iterables:
+        out = _traced(fn, iterables)  # installs the patches where it needs them
+        if out is not _MISS:
+            return out
     with _installed():
-        if not per_example and iterables:
-            out = _traced(fn, iterables)
-            if out is not _MISS:
-                return out
         rec, results, spec = record_examples(fn, *iterables)
         return pytree.tree_unflatten(_stack(rec, results), spec)
 

@@ -74,6 +74,17 @@ for _name, _pos, _default in (
         _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
 
 
+_GETITEM = torch.Tensor.__getitem__
+
+
+def _basic_index(i: Any) -> bool:
+    """An int, a slice of ints, None or Ellipsis: it selects within one example's dims alike
+    for every example (no tensors, lists or bools)."""
+    if type(i) is int or i is None or i is Ellipsis:
+        return True
+    return type(i) is slice and all(type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))
+
+
 _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
 
 
@@ -149,6 +160,13 @@ def _direct_template(
         ):
             return args, kwargs
         return None
+    if fn is _GETITEM:  # x[i], x[1:3], x[..., 0], x[:, None]: the batch dim kept first
+        if len(args) != 2 or kwargs or type(args[0]) is not _Slot or not args[0].meta.ndim:
+            return None
+        index = args[1] if type(args[1]) is tuple else (args[1],)
+        if not all(_basic_index(i) for i in index):
+            return None
+        return [args[0], (slice(None), *index)], {}
     if fn in _FLATTEN:  # two dims: start_dim and end_dim, both moved past the batch dim
         if len(slots) != 1 or type(args[0]) is not _Slot or args[0].meta.ndim == 0:
             return None

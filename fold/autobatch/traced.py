@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fold.autobatch.common import _LOCAL, _MISS, HOOKS, _rng_restore, _rng_same, _rng_states
+from fold.autobatch.common import _LOCAL, _MISS, _VMAP, HOOKS, _rng_restore, _rng_same, _rng_states
 from fold.autobatch.ops import _Op, _op_device, _slots
 from fold.autobatch.patches import _installed
 from fold.autobatch.recorder import _Recorder
@@ -161,13 +161,17 @@ def _call_programs() -> Any:
         _LOCAL.programs = outer
 
 
-def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder, _Trace, Any]:
+def _record_once(
+    fn: Callable[..., Any], metas: list[_Meta], modules: bool = True
+) -> tuple[_Recorder, _Trace, Any]:
     """``fn`` called once on lazy values of these metas, recorded into a :class:`_Trace`
     (the recording that stands for many calls: a whole batch of tensor rows, or every group
     of a batchable op): ``(recorder, trace, fn's result)``.  Raises what ``fn`` raises (a
     read, an in-place change), and ``_Untraceable`` where ``fn`` drew from torch's random
     generators eagerly, which would share one draw; the random state is then put back, so
-    what runs ``fn`` instead draws what eager code draws."""
+    what runs ``fn`` instead draws what eager code draws.  ``modules``: module calls are
+    recorded as one call each (the patches installed); without, as the torch calls their
+    forward makes."""
     trace = _Trace(len(metas))
     rec = _Recorder(trace)
     lazies = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
@@ -175,7 +179,7 @@ def _record_once(fn: Callable[..., Any], metas: list[_Meta]) -> tuple[_Recorder,
     _LOCAL.rec = rec
     rng = _rng_states()
     try:
-        with collector_paused(), _installed():
+        with collector_paused(), _installed() if modules else contextlib.nullcontext():
             out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
@@ -229,27 +233,55 @@ _UNTRACEABLE: set[tuple[Any, ...]] = set()
 
 
 _UNTRACEABLE_MAX = 4096
+# The same keys for functions recorded on lazy rows with module calls as one call each (see
+# _traced).
+_WITH_MODULES: set[tuple[Any, ...]] = set()
 
 
 def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
-    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor: the
-    examples are the rows, so ``fn`` sees lazy rows standing for all of them (equal shapes,
+    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor, or a
+    list of tensors of one shape (see ``_same_rows``): the examples are the rows, so ``fn`` sees lazy rows standing for all of them (equal shapes,
     no values it can read) and records the same calls for every example; each runs once on
     the whole batch.  ``_MISS`` where the iterables are not all tensors, or ``fn`` cannot be
     recorded or run this way (it reads a row, changes one in place, returns something else
     than tensors or numbers, ...): autobatch then records per example, which gives the same
     results, or the error that names the example."""
-    if not all(isinstance(t, torch.Tensor) and t.ndim for t in iterables):
-        return _MISS
+    metas = []
+    for it in iterables:
+        if isinstance(it, torch.Tensor):
+            if not it.ndim:
+                return _MISS
+            metas.append(_meta(it.shape[1:], it.dtype, it.device))
+        else:
+            row = _same_rows(it)
+            if row is None:
+                return _MISS
+            metas.append(_meta(row.shape, row.dtype, row.device))
     n = min(len(t) for t in iterables)
-    metas = [_meta(t.shape[1:], t.dtype, t.device) for t in iterables]
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     key = (id(fn) if code is None else code, *metas)
     if n == 0 or key in _UNTRACEABLE:
         return _MISS
-    inputs = [t if len(t) == n else t[:n] for t in iterables]
+    inputs = []
+    for t in iterables:
+        if not isinstance(t, torch.Tensor):
+            t = _stacked(t if len(t) == n else t[:n])
+            if t is None:
+                return _MISS
+        inputs.append(t if len(t) == n else t[:n])
+    # First without autobatch's wrapper over nn.Module.__call__ (installing it costs ~50 us
+    # and the method caches of every module class): module calls record as the torch calls
+    # their forward makes.  Where one of those has no direct form (it would run under vmap:
+    # an nn.LSTM's _VF.lstm, an op without a batching rule), the function is recorded again
+    # with module calls as one call each, and is remembered for the next calls.
+    modules = key in _WITH_MODULES
     try:
-        rec, trace, out = _record_once(fn, metas)
+        rec, trace, out = _record_once(fn, metas, modules)
+        if not modules and any(c[0].mode is _VMAP and c[0].kind == "torch" for c in trace.calls):
+            if len(_WITH_MODULES) >= _UNTRACEABLE_MAX:
+                _WITH_MODULES.clear()
+            _WITH_MODULES.add(key)
+            rec, trace, out = _record_once(fn, metas, True)
     except Exception as err:
         return _untraceable(key, "recording", err)
     leaves, spec = _flatten(out)
@@ -260,6 +292,33 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     except Exception as err:
         return _untraceable(key, "running", err)
     return pytree.tree_unflatten(out, spec)
+
+
+def _same_rows(items: Any) -> torch.Tensor | None:
+    """The first of a list or tuple of tensors of one dtype (what a Dataset's samples are),
+    else None; their shapes and devices are checked by the ``torch.stack`` that makes them
+    one tensor (``_stacked``).  Such a list carries what a tensor's rows carry for
+    ``_traced``: the function can tell its examples apart only by values it cannot read, so
+    the rows are recorded once; a function that cannot be recorded so gets the list's own
+    tensors per example."""
+    if type(items) not in (list, tuple) or not items:
+        return None
+    first = items[0]
+    if type(first) is not torch.Tensor:
+        return None
+    dtype = first.dtype
+    for t in items:
+        if type(t) is not torch.Tensor or t.dtype is not dtype:
+            return None
+    return first
+
+
+def _stacked(items: Any) -> torch.Tensor | None:
+    """``torch.stack(items)``, None where their shapes or devices differ."""
+    try:
+        return torch.stack(items)
+    except RuntimeError:
+        return None
 
 
 def _untraceable(key: tuple[Any, ...], stage: str, err: Exception) -> Any:
