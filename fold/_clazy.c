@@ -52,10 +52,11 @@ static PyObject *g_slow_function;  /* fold.autobatch.values._torch_function(cls,
 static PyObject *g_batched_kind;   /* fold.autobatch.common._BATCHED, the kind of a batched=True function */
 static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
 static PyObject *g_default_dtype;  /* torch.get_default_dtype */
+static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
-    *s_dtype, *s_device, *s_call;
+    *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -254,10 +255,12 @@ done:
    a nonzero float: its type, then itself (types keep 1, True and 1.0 apart; zeros are left
    to the slow path, which keys -0.0 apart from 0.0); None; a list or tuple of lazy values of
    rec (not for a batched=True function, whose lists become Ragged): its type, its length,
-   their metas; a module, first: itself.  The slow path (fold.autobatch.recorder._Recorder.record) makes one
-   op of all calls whose fast keys are equal: each item above is what its key holds, or
-   tells apart what its key tells apart.  And, as fold.autobatch.recorder._NUMBER_BRANCH: a 0-dim tensor
-   that needs no gradient, alone or after a module: (fn, kind, [module,] dtype, device). */
+   their metas; a known value that travels as a number (torch.tensor(word)): Known, its
+   meta; a module, first: itself, where it hashes and compares by identity.  The slow path
+   (fold.autobatch.recorder._Recorder.record) makes one op of all calls whose fast keys are
+   equal: each item above is what its key holds, or tells apart what its key tells apart.
+   And, as fold.autobatch.recorder._NUMBER_BRANCH: a 0-dim tensor that needs no gradient,
+   alone or after a module: (fn, kind, [module,] dtype, device). */
 #define MAX_ITEMS 64
 #define MAX_NODES 64
 
@@ -348,6 +351,24 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 key_item(k, LAZY(el[j])->meta);
                 key_node(k, LAZY(el[j])->node);
             }
+        }
+        else if ((PyObject *)t == g_known_type) {
+            /* A known value (torch.tensor(word) inside autobatch) that travels as a number:
+               (Known, its meta), its value passed to the recorder. */
+            PyObject *v = PyObject_GetAttr(a, s_number);
+            if (v == NULL)
+                return -1;
+            int number = v == Py_True;
+            Py_DECREF(v);
+            if (!number || k->nn >= MAX_NODES)
+                return 0;
+            if ((v = PyObject_GetAttr(a, s_meta)) == NULL)
+                return -1;
+            key_item(k, g_known_type);
+            k->items[k->nk++] = v; /* owned */
+            if ((v = PyObject_GetAttr(a, s_value)) == NULL)
+                return -1;
+            k->nodes[k->nn++] = v; /* owned */
         }
         else if (i == 0 && PyObject_TypeCheck(a, (PyTypeObject *)g_module_type)) {
             if (!identity_keyed(a))
@@ -785,19 +806,19 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
-    PyObject *v[14];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13]))
+    PyObject *v[15];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14]))
         return NULL;
     if (!PyType_Check(v[0]) || !PyType_IsSubtype((PyTypeObject *)v[0], &LazyBaseType)) {
         PyErr_SetString(PyExc_TypeError, "configure: Lazy must subclass LazyBase");
         return NULL;
     }
-    PyObject **slots[14] = {&g_lazy_type,    &g_module_type,   &g_tensor_type, &g_miss,
+    PyObject **slots[15] = {&g_lazy_type,    &g_module_type,   &g_tensor_type, &g_miss,
                             &g_local,        &g_grad_enabled,  &g_any_autocast, &g_torch_kind,
                             &g_slow_method,  &g_slow_function, &g_batched_kind, &g_long,
-                            &g_bool,         &g_default_dtype};
-    for (int i = 0; i < 14; i++) {
+                            &g_bool,         &g_default_dtype, &g_known_type};
+    for (int i = 0; i < 15; i++) {
         Py_INCREF(v[i]);
         Py_XSETREF(*slots[i], v[i]);
     }
@@ -808,7 +829,7 @@ static PyMethodDef functions[] = {
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
                "'torch', record_method, torch_function, BATCHED, torch.long, torch.bool, "
-               "torch.get_default_dtype)")},
+               "torch.get_default_dtype, Known)")},
     {"fast_key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
      PyDoc_STR("fast_key(rec, fn, kind, args): the call's fast key, or None")},
     {"fast", (PyCFunction)(void (*)(void))fast, METH_FASTCALL,
@@ -843,11 +864,13 @@ add_type(PyObject *m, const char *name, PyTypeObject *t)
 PyMODINIT_FUNC
 PyInit__clazy(void)
 {
-    PyObject **strs[] = {&s_rec,  &s_paused, &s_running, &s_fast,   &s_item,
-                         &s_ndim, &s_requires_grad, &s_dtype, &s_device, &s_call};
-    const char *names[] = {"rec",  "paused", "running", "_fast",  "item",
-                           "ndim", "requires_grad", "dtype", "device", "_call"};
-    for (int i = 0; i < 10; i++)
+    PyObject **strs[] = {&s_rec,  &s_paused,        &s_running, &s_fast,   &s_item,
+                         &s_ndim, &s_requires_grad, &s_dtype,   &s_device, &s_call,
+                         &s_number, &s_meta,        &s_value};
+    const char *names[] = {"rec",  "paused",        "running", "_fast",  "item",
+                           "ndim", "requires_grad", "dtype",   "device", "_call",
+                           "number", "meta",        "value"};
+    for (int i = 0; i < 13; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

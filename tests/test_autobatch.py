@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-from fold.autobatch import Lazy, common, traced
+from fold.autobatch import Lazy, common, traced, values
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.treebank import Tree, random_dep_tree, random_tree
@@ -192,28 +192,34 @@ def test_a_module_and_a_number_tensor_take_the_fast_path(monkeypatch):
         _Recorder, "_part", lambda self, a, *r: parts.append(a) or part(self, a, *r)
     )
 
-    def fn(words):
-        out = emb(torch.tensor(words[0]))
-        for w in words[1:]:
-            out = out + emb(torch.tensor(w)) * 0.5
-        return out
-
     class Cells(nn.Module):
         @fold.batchable
         def leaf(self, word):
             return emb(word).tanh()
 
     cells = Cells()
-
-    def method(words):
-        return sum(cells.leaf(torch.tensor(w)) for w in words)
-
     examples = [[3, 1, 3, 7, 2], [4, 4], [9]]
-    for f in (fn, method):
-        parts.clear()
-        assert_same(f, list(emb.parameters()), examples)
-        # Only the first call builds its key from the word; the rest read it with .item().
-        assert sum(isinstance(p, torch.Tensor) for p in parts) == 1, f.__name__
+    # torch.tensor(w) inside fn is a known value; torch.as_tensor(w) an eager number tensor.
+    # (Looked up at the call, as code names it: torch.tensor is autobatch's while it runs.)
+    for make, kind in (
+        (lambda w: torch.tensor(w), values.Known),
+        (lambda w: torch.as_tensor(w), torch.Tensor),
+    ):
+
+        def fn(words, make=make):
+            out = emb(make(words[0]))
+            for w in words[1:]:
+                out = out + emb(make(w)) * 0.5
+            return out
+
+        def method(words, make=make):
+            return sum(cells.leaf(make(w)) for w in words)
+
+        for f in (fn, method):
+            parts.clear()
+            assert_same(f, list(emb.parameters()), examples)
+            # Only the first call builds its key from the word; the rest take the fast path.
+            assert sum(isinstance(p, kind) for p in parts) == 1, (f.__name__, kind)
 
 
 def test_negative_zero_is_a_constant_of_its_own():
@@ -1194,8 +1200,15 @@ def test_torch_distributions_batch_and_their_argument_check_names_the_fix():
 
     xs = [torch.randn(3) for _ in range(4)]
     assert_same(fn, list(lin.parameters()), xs, [False] * 4)
-    with pytest.raises(fold.FoldError, match=r"example 0: .*Fix: .*validate_args=False"):
-        fold.autobatch(fn, xs, [None] * 4)
+    # The default check, whatever set it before (torch._dynamo turns it off when it patches).
+    Distribution = torch.distributions.Distribution
+    default = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    try:
+        with pytest.raises(fold.FoldError, match=r"example 0: .*Fix: .*validate_args=False"):
+            fold.autobatch(fn, xs, [None] * 4)
+    finally:
+        Distribution.set_default_validate_args(default)
 
 
 def test_a_list_of_same_shape_tensors_is_recorded_once_like_tensor_rows():
@@ -1223,3 +1236,54 @@ def test_a_list_of_same_shape_tensors_is_recorded_once_like_tensor_rows():
     grads = torch.autograd.grad(out.sum(), leaves)
     want = torch.autograd.grad(torch.stack([model(x).tanh() for x in leaves]).sum(), leaves)
     torch.testing.assert_close(grads, want)
+
+
+# ---------------------------------------------------------------- known values (issue 31)
+def test_torch_tensor_of_python_values_is_known_and_read_back_at_once():
+    """torch.tensor(word) inside fn makes no tensor until one is needed: read back it is the
+    value (no FoldError, no round), and every use equals eager's."""
+    emb = nn.Embedding(10, 3)
+    lin = nn.Linear(3, 3)
+    seen = []
+
+    def fn(word, scale):
+        w = torch.tensor(word)
+        s = torch.tensor(scale)
+        seen.append((type(w), int(w), w.item(), float(s), bool(w), w.shape, w.dtype, w.tolist()))
+        h = emb(w)  # a module call: the word is a literal column
+        h = lin(h) * s + w  # with lazy values: recorded, the known values batched
+        eager = (w + 1) * 2  # known values alone: eager, a tensor at once
+        assert type(eager) is torch.Tensor and int(eager) == (word + 1) * 2
+        idx = emb.weight[w]  # as an index
+        return h.sum() + idx.sum() + eager, torch.tensor([word, 2 * word]), w
+
+    words, scales = [3, 1, 4, 1, 5], [0.5, 1.5, 2.0, -1.0, 0.25]
+    out = assert_same(fn, [*emb.parameters(), *lin.parameters()], words, scales)
+    assert out[1].dtype == torch.long and out[2].tolist() == words
+    assert seen[0][0] is values.Known and seen[0][1:5] == (3, 3, 0.5, True)
+    assert seen[0][5:] == (torch.Size([]), torch.long, 3)
+
+
+@pytest.mark.parametrize(
+    "data, kwargs",
+    [
+        (3, {"dtype": torch.float64}),
+        (3.5, {"dtype": torch.float32}),
+        (True, {}),
+        (2, {"dtype": torch.bool}),
+        (7, {"device": "cpu"}),
+        ([1.5, 2.5], {}),
+        ([[1, 2], [3, 4]], {"dtype": torch.int32}),
+    ],
+)
+def test_known_values_keep_torch_tensor_dtype_and_device(data, kwargs):
+    lin = nn.Linear(2, 2)
+
+    def fn(x):
+        t = torch.tensor(data, **kwargs)
+        return lin(x) * t.sum().to(x.dtype) + t.double().mean(), t
+
+    xs = [torch.randn(2) for _ in range(3)]
+    got = assert_same(fn, list(lin.parameters()), xs)
+    want = torch.tensor(data, **kwargs)
+    assert got[1].dtype == want.dtype and got[1].shape == (3, *want.shape)

@@ -103,12 +103,21 @@ class _World:
                 (_nested, per, (a,)),
                 (_through, per, (self.lin, a)),
                 (self.lin, "module", (b,)),
+                # Eager number tensors (torch.as_tensor), and known values (torch.tensor
+                # inside autobatch: patched while it records).
+                (self.emb, "module", (torch.as_tensor(3),)),
+                (self.scale, "module", (torch.as_tensor(0.5),)),
+                # float64 is not the default dtype: it travels as a tensor, never fast.
+                (self.scale, "module", (torch.as_tensor(0.5, dtype=torch.float64),)),
+                (_leaf, per, (self.emb, torch.as_tensor(4))),
                 (self.emb, "module", (torch.tensor(3),)),
                 (self.scale, "module", (torch.tensor(0.5),)),
-                # float64 is not the default dtype: it travels as a tensor, never fast.
                 (self.scale, "module", (torch.tensor(0.5, dtype=torch.float64),)),
                 (_leaf, per, (self.emb, torch.tensor(4))),
+                (_pair, per, (a, torch.tensor(1.5))),
             ]
+            self.known = [torch.tensor(5), torch.tensor(2.5), torch.tensor(True), torch.tensor([1])]
+            assert all(type(k) is values.Known for k in self.known)
             for fn, kind, args in self.calls:
                 self.rec.record(fn, kind, args, {})
         finally:
@@ -126,6 +135,7 @@ class _World:
             torch.tensor(1.0, requires_grad=True),
             torch.tensor([1, 2]),
             torch.tensor(2.0, dtype=torch.float64),
+            *self.known,
             [a, b],
             [a, self.foreign],
             (b, a),
@@ -243,7 +253,7 @@ def test_every_recorded_call_is_a_hit_in_both_paths() -> None:
         # Zeros are keyed by the slow path alone (-0.0 apart from 0.0), and a float64
         # number tensor travels as a tensor (not the default dtype).
         slow = any(type(a) is float and a == 0 for a in args) or any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args
+            isinstance(a, (torch.Tensor, values.Known)) and a.dtype == torch.float64 for a in args
         )
         assert _check(w, fn, kind, args) >= (0 if slow else 1), (fn, kind, args)
         assert (_outcome(C.fast, w.rec, fn, kind, args) == "miss") == slow

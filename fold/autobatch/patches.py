@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fold.autobatch.common import _LOCAL
-from fold.autobatch.values import Lazy
+from fold.autobatch.values import Known, Lazy, _as_number, _meta
 from fold.errors import FoldError
 
 
@@ -98,21 +98,81 @@ def _installed() -> Any:
                 p.module_call = p.inner = p.tensor = p.token = None
 
 
+class _PythonOf(dict):  # type: ignore[type-arg]
+    """dtype -> the Python type its known numbers are: bool, int, else float."""
+
+    def __missing__(self, dtype: torch.dtype) -> Any:
+        out = self[dtype] = (
+            bool if dtype is torch.bool else float if dtype.is_floating_point else int
+        )
+        return out
+
+
 _TORCH_TENSOR = torch.tensor
+_CPU = torch.device("cpu")
+_modes_on = torch._C._is_torch_function_mode_enabled
 
 
 _SEQUENCES = (list, tuple)
 
 
-def _recording_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:
-    """``torch.tensor`` while autobatch runs: data holding lazy values (``torch.tensor([a,
-    b])`` of recorded scalars) is recorded; anything else goes to torch."""
+def _recording_tensor(
+    data: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    pin_memory: bool = False,
+) -> Any:
+    """``torch.tensor`` while autobatch runs, in the function it runs: a Python number or
+    a list of them is a known value (``values.Known``: no tensor unless one is needed, read
+    back at once), data holding lazy values (``torch.tensor([a, b])`` of recorded scalars)
+    is recorded; anything else, and every call outside that function, goes to torch."""
     tensor = _PATCHES.tensor or _TORCH_TENSOR
-    if type(data) in _SEQUENCES:
-        rec = _LOCAL.rec
-        if rec is not None and not rec.paused and _holds_lazy(data):
-            return _tensor_of_lazy(tensor, data, *args, **kwargs)
-    return tensor(data, *args, **kwargs)
+    rec = _LOCAL.rec
+    if rec is not None and not rec.paused and not requires_grad and not pin_memory:
+        t = type(data)
+        if t in _SCALARS:
+            if dtype is None and device is None and not _modes_on():  # torch.tensor(word)
+                d = _SCALARS[t] or torch.get_default_dtype()
+                key = (d, torch.get_default_dtype())
+                plain = _PLAIN.get(key)
+                if plain is None:
+                    number = _as_number(d)
+                    plain = _PLAIN[key] = (_meta((), d, _CPU), number, _PYTHON_OF[d], d)
+                meta, number, py, d = plain
+                return Known(py(data) if number else data, meta, number, (data, d, _CPU))
+            if dtype is None:
+                dtype = _SCALARS[t] or torch.get_default_dtype()
+            if device is None:
+                # torch.get_default_device costs ~3 us; a default device other than the CPU
+                # is a torch-function mode (torch.set_default_device), found in ~0.04 us.
+                device = torch.get_default_device() if _modes_on() else _CPU
+            elif type(device) is not torch.device:
+                device = torch.device(device)
+            if dtype.is_complex:
+                return tensor(data, dtype=dtype, device=device)
+            number = _as_number(dtype)
+            value = _PYTHON_OF[dtype](data) if number else data
+            return Known(value, _meta((), dtype, device), number, (data, dtype, device))
+        if t in _SEQUENCES:
+            if _holds_lazy(data):
+                return _tensor_of_lazy(tensor, data, dtype, device)
+            made = tensor(data, dtype=dtype, device=device)
+            known = Known(None, _meta(made.shape, made.dtype, made.device), False, (data,))
+            known._made = made
+            return known
+    return tensor(
+        data, dtype=dtype, device=device, requires_grad=requires_grad, pin_memory=pin_memory
+    )
+
+
+# The dtype torch.tensor gives a Python scalar (None: the default float dtype), and the
+# Python type a known number of each number dtype travels as.
+_SCALARS: dict[type, torch.dtype | None] = {bool: torch.bool, int: torch.long, float: None}
+_PYTHON_OF: Any = _PythonOf()
+# (dtype, default dtype) -> (meta, travels as a number, its Python type, dtype) of a scalar
+# made with no dtype or device given, on the CPU.
+_PLAIN: dict[tuple[torch.dtype, torch.dtype], Any] = {}
 
 
 def _holds_lazy(data: Any) -> bool:

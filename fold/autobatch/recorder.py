@@ -32,7 +32,7 @@ from fold.autobatch.common import (
 from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import _GROUP_CALLS, _INPLACE, _direct_template, _module_mode
-from fold.autobatch.values import Lazy, _inplace_call, _Meta, _meta, _unfilled
+from fold.autobatch.values import Known, Lazy, _as_number, _inplace_call, _Meta, _meta, _unfilled
 from fold.errors import FoldError
 from fold.graph import Fold
 from fold.ragged import Ragged
@@ -50,21 +50,12 @@ _RAGGED = "list of lazy values"
 _KW = "keywords"
 
 
-_NUMBER_DTYPES = (torch.long, torch.bool)
-
-
 def _identity_keyed(m: Any) -> bool:
     """Whether module ``m`` hashes and compares by identity, as nn.Module does.  Keys hold
     such a module itself; any other (a custom ``__eq__``/``__hash__`` that may call two
     modules equal) is keyed by its id, never merged with another, and takes no fast path."""
     t = type(m)
     return t.__hash__ is object.__hash__ and t.__eq__ is object.__eq__
-
-
-def _as_number(dtype: torch.dtype) -> bool:
-    """Whether a 0-dim per-example tensor of ``dtype`` travels as a Python number (which
-    fold batches into a tensor of the same dtype)."""
-    return dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype()
 
 
 _OPS: dict[Any, _Op] = {}
@@ -123,12 +114,20 @@ def _fast_source(k: int) -> str:
 # last: alone (a module call), or after a module (a batchable method's self).
 _NUMBER_BRANCH = {
     1: (
+        "            elif type(a0) is Known and a0.number:\n"
+        "                e = rec._fast.get((fn, kind, Known, a0.meta))\n"
+        "                if e is not None:\n"
+        "                    return e[2](e[0](a0.value), rec)\n"
         "            elif type(a0) is Tensor and not a0.ndim and not a0.requires_grad:\n"
         "                e = rec._fast.get((fn, kind, a0.dtype, a0.device))\n"
         "                if e is not None:\n"
         "                    return e[2](e[0](a0.item()), rec)\n"
     ),
     2: (
+        "        elif type(a1) is Known and a1.number and isinstance(a0, Module):\n"
+        "            e = rec._fast.get((fn, kind, a0, Known, a1.meta))\n"
+        "            if e is not None:\n"
+        "                return e[2](e[0](a1.value), rec)\n"
         "        elif type(a1) is Tensor and isinstance(a0, Module):\n"
         "            if not a1.ndim and not a1.requires_grad:\n"
         "                e = rec._fast.get((fn, kind, a0, a1.dtype, a1.device))\n"
@@ -139,7 +138,7 @@ _NUMBER_BRANCH = {
 
 
 def _make_fast(k: int) -> Callable[..., Any]:
-    env: dict[str, Any] = {"Tensor": torch.Tensor}
+    env: dict[str, Any] = {"Tensor": torch.Tensor, "Known": Known}
     exec(compile(_fast_source(k), f"<autobatch fast recorder {k}>", "exec"), env)
     return env["make"](Lazy, nn.Module, _MISS)
 
@@ -308,6 +307,15 @@ class _Recorder:
         ):  # a number tensor, after a module perhaps (see _NUMBER_BRANCH)
             a = args[-1]
             self._fast[(fn, kind, *args[:-1], a.dtype, a.device)] = _entry(op, r)
+        elif (
+            k <= 2
+            and not kwargs
+            and not lazies
+            and type(args[-1]) is Known
+            and args[-1].number
+            and (k == 1 or isinstance(args[0], nn.Module))
+        ):  # a known number, after a module perhaps (see _NUMBER_BRANCH)
+            self._fast[(fn, kind, *args[:-1], Known, args[-1].meta)] = _entry(op, r)
         return out
 
     def _kw_part(
@@ -348,6 +356,11 @@ class _Recorder:
             return (t, float_key(a))
         if t is bool:
             return (t, a)
+        if t is Known:  # torch.tensor(word): a number, or its batch-of-one tensor
+            if self.device is None:
+                self.device = a.meta.device
+            fargs.append(a.value if a.number else a.tensor().unsqueeze(0))
+            return a.meta
         if isinstance(a, torch.Tensor):
             row = self._rows.get(id(a))
             if (

@@ -16,7 +16,7 @@ from fold.autobatch.common import _LOCAL, _MISS, _VMAP, HOOKS, _rng_restore, _rn
 from fold.autobatch.ops import _Op, _op_device, _slots
 from fold.autobatch.patches import _installed
 from fold.autobatch.recorder import _Recorder
-from fold.autobatch.values import Lazy, _Meta, _meta
+from fold.autobatch.values import Known, Lazy, _Meta, _meta
 from fold.errors import describe
 from fold.ragged import Ragged
 from fold.run import collector_paused
@@ -34,7 +34,8 @@ _TUPLE_SPECS: dict[int, Any] = {}
 
 
 def _flatten(out: Any) -> tuple[list[Any], Any]:
-    """``pytree.tree_flatten(out)``, without its cost for the common results."""
+    """``pytree.tree_flatten(out)``, without its cost for the common results; known values
+    as their tensors."""
     t = type(out)
     if t is Lazy or t is torch.Tensor:
         return [out], _LEAF_SPEC
@@ -48,7 +49,9 @@ def _flatten(out: Any) -> tuple[list[Any], Any]:
             if spec is None:
                 spec = _TUPLE_SPECS[len(out)] = pytree.tree_flatten(out)[1]
             return list(out), spec
-    return pytree.tree_flatten(out)
+    leaves, spec = pytree.tree_flatten(out)
+    # A known value (torch.tensor of data) returned: the tensor it stands for.
+    return [x.tensor() if type(x) is Known else x for x in leaves], spec
 
 
 class _Handle:

@@ -358,6 +358,148 @@ for _name in dir(torch.Tensor):
         setattr(Lazy, _name, _method(_attr))
 
 
+_NUMBER_DTYPES = (torch.long, torch.bool)
+
+
+def _as_number(dtype: torch.dtype) -> bool:
+    """Whether a 0-dim per-example tensor of ``dtype`` travels as a Python number (which
+    fold batches into a tensor of the same dtype)."""
+    return dtype in _NUMBER_DTYPES or dtype is torch.get_default_dtype()
+
+
+# ---------------------------------------------------------------------------- known values
+class Known:
+    """A tensor made per example from Python values inside the function autobatch runs
+    (``torch.tensor(word)``, ``torch.tensor([1, 2])``): its value is known while recording,
+    so no tensor is made unless one is needed.  Passed to a recorded call it is a literal
+    column of the graph (a number where it is 0-d and of a dtype that travels as one: long,
+    bool, the default float dtype); read back (``int``, ``float``, ``.item()``,
+    ``.tolist()``, an index) it gives the value at once; anything else (a torch function of
+    no lazy value, a tensor method, an attribute) runs on the tensor ``torch.tensor`` makes
+    of it, made once, as eager code would.  Like a lazy value, it is not an ``isinstance`` of
+    ``torch.Tensor``."""
+
+    __slots__ = ("value", "meta", "number", "_args", "_made")
+
+    def __init__(self, value: Any, meta: _Meta, number: bool, args: tuple[Any, ...]) -> None:
+        self.value = value
+        self.meta = meta
+        self.number = number  # travels as a Python number (see _as_number)
+        self._args = args  # (data, dtype, device) for torch.tensor
+        self._made: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor ``torch.tensor`` makes of the value (made on first use, then kept)."""
+        t = self._made
+        if t is None:
+            data, dtype, device = self._args
+            t = self._made = _TENSOR(data, dtype=dtype, device=device)
+        return t
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return _known_call(func, args, kwargs or {})
+
+    # What is known without the tensor.
+    shape = property(lambda self: self.meta.shape)
+    dtype = property(lambda self: self.meta.dtype)
+    device = property(lambda self: self.meta.device)
+    ndim = property(lambda self: self.meta.ndim)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.meta.shape if dim is None else self.meta.shape[dim]
+
+    def dim(self) -> int:
+        return self.meta.ndim
+
+    def numel(self) -> int:
+        return self.meta.shape.numel()
+
+    def item(self) -> Any:
+        return self.value if self.number else self.tensor().item()
+
+    def tolist(self) -> Any:
+        return self.value if self.number else self.tensor().tolist()
+
+    def __int__(self) -> int:
+        return int(self.value) if self.number else int(self.tensor())
+
+    def __float__(self) -> float:
+        return float(self.value) if self.number else float(self.tensor())
+
+    def __bool__(self) -> bool:
+        return bool(self.value) if self.number else bool(self.tensor())
+
+    def __index__(self) -> int:
+        return self.tensor().__index__()
+
+    def __len__(self) -> int:
+        return len(self.tensor())
+
+    def __iter__(self) -> Any:
+        return iter(self.tensor())
+
+    def __repr__(self) -> str:
+        return repr(self.tensor())
+
+    __hash__ = object.__hash__
+
+    def __getattr__(self, name: str) -> Any:  # tensor methods and attributes: on the tensor
+        return getattr(self.tensor(), name)
+
+    def __copy__(self) -> Known:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.tensor().clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_TENSOR, (self._args[0],), None)
+
+
+_TENSOR = torch.tensor  # torch's own, as fold found it at import
+
+
+def _known_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A torch function or operator with a known value among its arguments: recorded where
+    a lazy value is among them too (the known value a batched argument), else run at once
+    on the known values' tensors, as eager code runs it."""
+    for a in (*args, *kwargs.values()):
+        if type(a) is Lazy:
+            return a.rec.record(func, "torch", args, kwargs)
+        if type(a) in (list, tuple):
+            for x in a:
+                if type(x) is Lazy:
+                    return x.rec.record(func, "torch", args, kwargs)
+    return func(*_tensors_of(args), **{k: _tensor_of(v) for k, v in kwargs.items()})
+
+
+def _tensor_of(a: Any) -> Any:
+    if type(a) is Known:
+        return a.tensor()
+    if type(a) in (list, tuple):
+        return type(a)(_tensor_of(x) for x in a)
+    return a
+
+
+def _tensors_of(args: tuple[Any, ...]) -> list[Any]:
+    return [_tensor_of(a) for a in args]
+
+
+def _known_operator(func: Any) -> Callable[..., Any]:
+    def operator(self: Known, *args: Any) -> Any:
+        return _known_call(func, (self, *args), {})
+
+    operator.__name__ = func.__name__
+    return operator
+
+
+for _name in _OPERATORS:
+    setattr(Known, _name, _known_operator(getattr(torch.Tensor, _name)))
+
+
 if _C is not None:
     _C.configure(
         Lazy,
@@ -374,4 +516,5 @@ if _C is not None:
         torch.long,
         torch.bool,
         torch.get_default_dtype,
+        Known,
     )
