@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import _BATCHED, _DIRECT, _LOCAL, _MISS, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
-from fold.autobatch.patches import _installed
+from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
 from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
 from fold.autobatch.values import _METAS, Lazy
@@ -30,6 +30,7 @@ def clear_cache() -> None:
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
     _WITH_MODULES.clear()
+    _PLAIN.clear()
 
 
 class _DeviceAnchor(nn.Module):

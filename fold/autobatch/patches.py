@@ -111,6 +111,7 @@ class _PythonOf(dict):  # type: ignore[type-arg]
 _TORCH_TENSOR = torch.tensor
 _CPU = torch.device("cpu")
 _modes_on = torch._C._is_torch_function_mode_enabled
+_default_dtype = torch.get_default_dtype
 
 
 _SEQUENCES = (list, tuple)
@@ -127,20 +128,20 @@ def _recording_tensor(
     a list of them is a known value (``values.Known``: no tensor unless one is needed, read
     back at once), data holding lazy values (``torch.tensor([a, b])`` of recorded scalars)
     is recorded; anything else, and every call outside that function, goes to torch."""
-    tensor = _PATCHES.tensor or _TORCH_TENSOR
     rec = _LOCAL.rec
     if rec is not None and not rec.paused and not requires_grad and not pin_memory:
         t = type(data)
         if t in _SCALARS:
             if dtype is None and device is None and not _modes_on():  # torch.tensor(word)
-                d = _SCALARS[t] or torch.get_default_dtype()
-                key = (d, torch.get_default_dtype())
+                # (type, default dtype) -> (meta, travels as a number, Python type)
+                key = (t, _default_dtype())
                 plain = _PLAIN.get(key)
                 if plain is None:
+                    d = _SCALARS[t] or key[1]
                     number = _as_number(d)
-                    plain = _PLAIN[key] = (_meta((), d, _CPU), number, _PYTHON_OF[d], d)
-                meta, number, py, d = plain
-                return Known(py(data) if number else data, meta, number, (data, d, _CPU))
+                    plain = _PLAIN[key] = (_meta((), d, _CPU), number, _PYTHON_OF[d])
+                meta, number, py = plain
+                return Known(py(data) if number else data, meta, number)
             if dtype is None:
                 dtype = _SCALARS[t] or torch.get_default_dtype()
             if device is None:
@@ -150,18 +151,17 @@ def _recording_tensor(
             elif type(device) is not torch.device:
                 device = torch.device(device)
             if dtype.is_complex:
-                return tensor(data, dtype=dtype, device=device)
+                return (_PATCHES.tensor or _TORCH_TENSOR)(data, dtype=dtype, device=device)
             number = _as_number(dtype)
             value = _PYTHON_OF[dtype](data) if number else data
-            return Known(value, _meta((), dtype, device), number, (data, dtype, device))
+            return Known(value, _meta((), dtype, device), number)
         if t in _SEQUENCES:
+            tensor = _PATCHES.tensor or _TORCH_TENSOR
             if _holds_lazy(data):
                 return _tensor_of_lazy(tensor, data, dtype, device)
             made = tensor(data, dtype=dtype, device=device)
-            known = Known(None, _meta(made.shape, made.dtype, made.device), False, (data,))
-            known._made = made
-            return known
-    return tensor(
+            return Known(made, _meta(made.shape, made.dtype, made.device), False, made)
+    return (_PATCHES.tensor or _TORCH_TENSOR)(
         data, dtype=dtype, device=device, requires_grad=requires_grad, pin_memory=pin_memory
     )
 
@@ -170,9 +170,9 @@ def _recording_tensor(
 # Python type a known number of each number dtype travels as.
 _SCALARS: dict[type, torch.dtype | None] = {bool: torch.bool, int: torch.long, float: None}
 _PYTHON_OF: Any = _PythonOf()
-# (dtype, default dtype) -> (meta, travels as a number, its Python type, dtype) of a scalar
-# made with no dtype or device given, on the CPU.
-_PLAIN: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+# (Python type, default dtype) -> (meta, travels as a number, its Python type) of a scalar
+# made with no dtype or device given, on the CPU (emptied with the metas by clear_cache).
+_PLAIN: dict[tuple[type, torch.dtype], Any] = {}
 
 
 def _holds_lazy(data: Any) -> bool:

@@ -96,18 +96,27 @@ class _Trace:
         values of all handles.  Outputs are checked against the shapes inferred while
         recording (``_Untraceable`` where they differ)."""
         values: list[Any] = [*inputs, *([None] * (self.size - len(inputs)))]
+        handle = _Handle
         for op, args, first, outputs in self.calls:
-            out = op(*[_batch_value(a, values, n, op, inputs) for a in args])
+            out = op(
+                *[
+                    values[a.i] if type(a) is handle else _batch_value(a, values, n, op, inputs)
+                    for a in args
+                ]
+            )
             outs = (out,) if outputs is None else out
             if len(outs) != len(op.outs):
                 raise _Untraceable(f"{op.name} returned {len(outs)} outputs")
-            for j, (t, meta) in enumerate(zip(outs, op.outs)):
-                if t.shape[:1] != (n,) or t.shape[1:] != meta.shape or t.dtype != meta.dtype:
+            j = first
+            for t, meta in zip(outs, op.outs):
+                shape = t.shape
+                if not shape or shape[0] != n or shape[1:] != meta.shape or t.dtype != meta.dtype:
                     raise _Untraceable(
                         f"{op.name} returned {describe(t.shape, t.dtype)} for {n} examples of "
                         f"{meta}"
                     )
-                values[first + j] = t
+                values[j] = t
+                j += 1
         return values
 
 

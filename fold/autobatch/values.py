@@ -379,21 +379,22 @@ class Known:
     of it, made once, as eager code would.  Like a lazy value, it is not an ``isinstance`` of
     ``torch.Tensor``."""
 
-    __slots__ = ("value", "meta", "number", "_args", "_made")
+    __slots__ = ("value", "meta", "number", "_made")
 
-    def __init__(self, value: Any, meta: _Meta, number: bool, args: tuple[Any, ...]) -> None:
-        self.value = value
+    def __init__(
+        self, value: Any, meta: _Meta, number: bool, made: torch.Tensor | None = None
+    ) -> None:
+        self.value = value  # a scalar's Python value (``made`` for data of other shapes)
         self.meta = meta
         self.number = number  # travels as a Python number (see _as_number)
-        self._args = args  # (data, dtype, device) for torch.tensor
-        self._made: torch.Tensor | None = None
+        self._made = made
 
     def tensor(self) -> torch.Tensor:
         """The tensor ``torch.tensor`` makes of the value (made on first use, then kept)."""
         t = self._made
         if t is None:
-            data, dtype, device = self._args
-            t = self._made = _TENSOR(data, dtype=dtype, device=device)
+            m = self.meta
+            t = self._made = _TENSOR(self.value, dtype=m.dtype, device=m.device)
         return t
 
     @classmethod
@@ -456,7 +457,7 @@ class Known:
         return self.tensor().clone()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return (_TENSOR, (self._args[0],), None)
+        return (_TENSOR, (self.tensor().tolist(),), None)
 
 
 _TENSOR = torch.tensor  # torch's own, as fold found it at import
