@@ -1287,3 +1287,38 @@ def test_known_values_keep_torch_tensor_dtype_and_device(data, kwargs):
     got = assert_same(fn, list(lin.parameters()), xs)
     want = torch.tensor(data, **kwargs)
     assert got[1].dtype == want.dtype and got[1].shape == (3, *want.shape)
+
+
+def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
+    """A module whose forward reads a value (or calls an op with no batching rule): its
+    group runs one call per example, with eager's values and gradients, and says so once."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * 2 if h.sum() > 0 else h - 1  # a read: no vmap
+
+    gate = Gate()
+    xs = [torch.randn(3) for _ in range(6)]
+    with caplog.at_level("WARNING", logger="fold.autobatch.ops"):
+        assert_same(lambda x: gate(x).tanh(), list(gate.parameters()), xs)
+    assert any("one call per example" in r.message for r in caplog.records)
+
+
+def test_pack_padded_sequence_is_refused_naming_the_fix():
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+
+    lin, lstm = nn.Linear(3, 4), nn.LSTM(4, 5)
+
+    def fn(x):
+        p = pad_sequence([lin(x[:2]), lin(x)])
+        return lstm(pack_padded_sequence(p, [2, 6], enforce_sorted=False))[1][0]
+
+    with pytest.raises(
+        fold.FoldError, match=r"example 0: pack_padded_sequence.*Fix: .*lstm\(seq\)"
+    ):
+        fold.autobatch(fn, [torch.randn(6, 3)] * 2)

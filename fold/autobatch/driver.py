@@ -248,6 +248,8 @@ def _explained(err: FoldError) -> FoldError:
         _MODELS: "with the models' rows merged",
         _RNN: "as one batch of sequences",
     }[op.mode]
+    if op.mode is _VMAP:
+        how = "under torch.func.vmap, then one call per example"
     return FoldError(
         f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "
         f"{cause.values[0].shape[0] if cause.values and isinstance(cause.values[0], torch.Tensor) else '?'} "

@@ -117,6 +117,9 @@ class _Op:
         # The outputs' metas as the C fast path makes them (see _entry).
         self.fast_outs: Any = None
         self._vmapped: Callable[..., Any] | None = None
+        # Set once a group of it could not run under vmap: its groups run one call per
+        # example (see _run).
+        self.looped = False
         # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
         # usual one; a group runs in it (a target network under torch.no_grad(), a region
         # under torch.autocast).
@@ -174,9 +177,36 @@ class _Op:
                 except Exception as err:  # vmap gives the same values, or the error
                     programs[self] = False
                     _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
+        if self.looped:
+            return self._loop(values)
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
-        return self._vmapped(*values)
+        try:
+            return self._vmapped(*values)
+        except Exception as err:
+            if self.kind is _PER_EXAMPLE:
+                raise  # a @batchable body runs batched: a read in it stays an error
+            # vmap cannot run this torch function or module (an op with no batching rule, a
+            # read of a value inside a module): one call per example, as eager code runs it.
+            # Where that fails too, its error is the user's, and it is raised.
+            out = self._loop(values)
+            self.looped = True
+            _LOG.warning(
+                "autobatch: %s does not run under torch.func.vmap (%s: %s); its groups run one "
+                "call per example",
+                self,
+                type(err).__name__,
+                str(err).split("\n")[0],
+            )
+            return out
+
+    def _loop(self, values: tuple[Any, ...]) -> Any:
+        """The group's calls one by one, each on its example's values, outputs stacked."""
+        outs = [self.per_example(*[v[i] for v in values]) for i in range(len(values[0]))]
+        leaves = [pytree.tree_flatten(o) for o in outs]
+        spec = leaves[0][1]
+        stacked = [torch.stack([lv[0][j] for lv in leaves]) for j in range(len(leaves[0][0]))]
+        return pytree.tree_unflatten(stacked, spec)
 
     def _rnn(self, values: tuple[Any, ...]) -> Any:
         """A group of nn.RNN/GRU/LSTM calls on unbatched sequences (L, D), all of one length:

@@ -31,7 +31,7 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
-from fold.autobatch.tables import _GROUP_CALLS, _INPLACE, _direct_template, _module_mode
+from fold.autobatch.tables import _GROUP_CALLS, _INPLACE, _REFUSED, _direct_template, _module_mode
 from fold.autobatch.values import Known, Lazy, _as_number, _inplace_call, _Meta, _meta, _unfilled
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -228,8 +228,12 @@ class _Recorder:
                 "exists only in that call's results. Fix: return it from the function autobatch "
                 "runs and use the result autobatch returns."
             )
-        if kind == "torch" and (_INPLACE[fn] or "out" in kwargs):
-            _inplace_call(self, fn, args, kwargs)
+        if kind == "torch":
+            if _INPLACE[fn] or "out" in kwargs:
+                _inplace_call(self, fn, args, kwargs)
+            refused = _REFUSED.get(fn)
+            if refused is not None:
+                raise FoldError(f"autobatch: example {self.example}: {refused}")
         # The fast key is taken from the arguments as given, before the call: shape inference
         # runs the function, which may change a list argument in place.
         fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None

@@ -246,6 +246,18 @@ def _pad_sequence_group(
     return torch.stack(padded, 1 if batch_first else 2)
 
 
+# Torch functions autobatch refuses, with why and the fix.
+_REFUSED: dict[Any, str] = {
+    torch._pack_padded_sequence: (
+        "pack_padded_sequence of recorded values: a packed batch's shapes depend on the "
+        "lengths' values (the rows per step), and an RNN over it reads them, so it cannot "
+        "be recorded per example and batched. Fix: call the RNN on each unbatched sequence "
+        "(lstm(seq) with seq of shape (L, D)): autobatch batches those calls across "
+        "sequences and examples; or pad with pad_sequence and mask."
+    ),
+}
+
+
 # Torch functions whose group runs through a function of fold's own on the stacked values
 # (where the function itself has no batching rule).
 _GROUP_CALLS: dict[Any, Any] = {torch._C._nn.pad_sequence: _pad_sequence_group}
