@@ -270,12 +270,13 @@ def test_nothing_installed_outlives_the_call_and_other_wrappers_are_kept():
     runs. A counting wrapper another library installs after one call sees every module call
     outside autobatch, also after the next call; one installed while a call runs is kept;
     torch.compile's tracer finds no graph break after autobatch."""
-    module_call, tensor = nn.Module.__call__, torch.tensor
+    module_call, tensor, as_tensor = nn.Module.__call__, torch.tensor, torch.as_tensor
     lin = nn.Linear(2, 2)
     x = torch.randn(5, 2)
     rows = list(x)
     torch.testing.assert_close(fold.autobatch(lambda r: lin(r), rows), lin(x))
     assert nn.Module.__call__ is module_call and torch.tensor is tensor
+    assert torch.as_tensor is as_tensor
     seen = []
 
     def counting(self, *args, **kwargs):
@@ -1309,16 +1310,38 @@ def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     assert any("one call per example" in r.message for r in caplog.records)
 
 
-def test_pack_padded_sequence_is_refused_naming_the_fix():
-    from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+@pytest.mark.parametrize("rnn_cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time-major", "batch-first"])
+def test_packed_sequences_inside_fn_match_eager(rnn_cls, sort, batch_first):
+    """pad_sequence -> pack_padded_sequence -> an RNN -> pad_packed_sequence, per example
+    (a character RNN over each word of a sentence): the lengths are known while recording,
+    so packing and unpacking record as ops that batch, and examples whose batch sizes agree
+    share one packed RNN call."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
-    lin, lstm = nn.Linear(3, 4), nn.LSTM(4, 5)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4)
+    rnn = rnn_cls(4, 5, num_layers=2, bidirectional=True, batch_first=batch_first)
 
-    def fn(x):
-        p = pad_sequence([lin(x[:2]), lin(x)])
-        return lstm(pack_padded_sequence(p, [2, 6], enforce_sorted=False))[1][0]
+    def fn(x, lens):
+        lens = sorted(lens, reverse=True) if sort else lens
+        seqs = [torch.tanh(lin(x[:n])) for n in lens]
+        packed = pack_padded_sequence(
+            pad_sequence(seqs, batch_first=batch_first), lens, batch_first, enforce_sorted=sort
+        )
+        out, h = rnn(packed)
+        padded, lengths = pad_packed_sequence(out, batch_first=batch_first, total_length=7)
+        last = h[0] if isinstance(h, tuple) else h
+        return padded.sum(1 if batch_first else 0), last.sum(0), lengths
 
-    with pytest.raises(
-        fold.FoldError, match=r"example 0: pack_padded_sequence.*Fix: .*lstm\(seq\)"
-    ):
-        fold.autobatch(fn, [torch.randn(6, 3)] * 2)
+    xs = [torch.randn(6, 3) for _ in range(5)]
+    lens = [[2, 6, 3], [6, 6, 1], [2, 6, 3], [4, 5, 6], [2, 6, 3]]
+    got = assert_same(fn, [*lin.parameters(), *rnn.parameters()], xs, lens)
+    assert got[2].dtype == torch.long
+    # Lengths that are recorded values are refused, naming the fix.
+    with pytest.raises(fold.FoldError, match="recorded values.*Fix"):
+        fold.autobatch(
+            lambda x: pack_padded_sequence(lin(x)[:, None], lin(x)[0].argmax().reshape(1) + 1),
+            xs,
+        )

@@ -32,6 +32,7 @@ class _Patches:
     token: object = None  # the installed wrapper's identity (see _make_module_call)
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
+    as_tensor: Any = None  # torch.as_tensor as found
 
 
 _PATCH_LOCK = threading.Lock()
@@ -84,6 +85,8 @@ def _installed() -> Any:
             nn.Module.__call__ = p.module_call  # type: ignore[method-assign]
             p.tensor = torch.tensor
             torch.tensor = _recording_tensor
+            p.as_tensor = torch.as_tensor
+            torch.as_tensor = _recording_as_tensor
         p.users += 1
     try:
         yield
@@ -95,7 +98,9 @@ def _installed() -> Any:
                     nn.Module.__call__ = p.inner  # type: ignore[method-assign]
                 if torch.tensor is _recording_tensor:
                     torch.tensor = p.tensor
-                p.module_call = p.inner = p.tensor = p.token = None
+                if torch.as_tensor is _recording_as_tensor:
+                    torch.as_tensor = p.as_tensor
+                p.module_call = p.inner = p.tensor = p.as_tensor = p.token = None
 
 
 class _PythonOf(dict):  # type: ignore[type-arg]
@@ -109,6 +114,7 @@ class _PythonOf(dict):  # type: ignore[type-arg]
 
 
 _TORCH_TENSOR = torch.tensor
+_TORCH_AS_TENSOR = torch.as_tensor
 _CPU = torch.device("cpu")
 _modes_on = torch._C._is_torch_function_mode_enabled
 _default_dtype = torch.get_default_dtype
@@ -173,6 +179,19 @@ _PYTHON_OF: Any = _PythonOf()
 # (Python type, default dtype) -> (meta, travels as a number, its Python type) of a scalar
 # made with no dtype or device given, on the CPU (emptied with the metas by clear_cache).
 _PLAIN: dict[tuple[type, torch.dtype], Any] = {}
+
+
+def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:
+    """``torch.as_tensor`` while autobatch runs: of a lazy value, the value converted (as
+    ``as_tensor`` of a tensor gives; torch would read it as a sequence); of a known value,
+    its tensor; anything else goes to torch."""
+    as_tensor = _PATCHES.as_tensor or _TORCH_AS_TENSOR
+    t = type(data)
+    if t is Lazy:
+        return data.to(device=device, dtype=dtype) if dtype or device else data
+    if t is Known:
+        data = data.tensor()
+    return as_tensor(data, dtype=dtype, device=device)
 
 
 def _holds_lazy(data: Any) -> bool:

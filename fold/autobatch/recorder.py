@@ -31,7 +31,16 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
-from fold.autobatch.tables import _GROUP_CALLS, _INPLACE, _REFUSED, _direct_template, _module_mode
+from fold.autobatch.tables import (
+    _GROUP_CALLS,
+    _INPLACE,
+    _PACKED_RNNS,
+    _REFUSED,
+    _REWRITES,
+    _VALUE_ARGS,
+    _direct_template,
+    _module_mode,
+)
 from fold.autobatch.values import Known, Lazy, _as_number, _inplace_call, _Meta, _meta, _unfilled
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -42,6 +51,7 @@ _PARAM = "shared tensor"
 
 
 _BY_ID = "module keyed by identity"
+_BY_VALUE = "tensor keyed by value"
 
 
 _RAGGED = "list of lazy values"
@@ -234,6 +244,9 @@ class _Recorder:
             refused = _REFUSED.get(fn)
             if refused is not None:
                 raise FoldError(f"autobatch: example {self.example}: {refused}")
+            rewrite = _REWRITES.get(fn)
+            if rewrite is not None:
+                return rewrite(*args, **kwargs)
         # The fast key is taken from the arguments as given, before the call: shape inference
         # runs the function, which may change a list argument in place.
         fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None
@@ -244,11 +257,16 @@ class _Recorder:
             parts[0] = (_BY_ID, id(fn))  # the op holds fn: the id stays its own
         append = parts.append
         lazies = 0
-        for a in args:
+        by_value = _VALUE_ARGS.get(fn) if kind == "torch" else None
+        for i, a in enumerate(args):
             if type(a) is Lazy and a.rec is self:
                 fargs.append(a.node)
                 append(a.meta)
                 lazies += 1
+            elif by_value is not None and i in by_value and type(a) is torch.Tensor:
+                # Sizes (a packed sequence's batch sizes): part of the op by value.
+                shared.append(a)
+                append((_BY_VALUE, tuple(a.tolist()), a.dtype, a.device))
             else:
                 append(self._part(a, fargs, shared, kind is _BATCHED))
         if kwargs:
@@ -451,6 +469,11 @@ class _Recorder:
                 op.mode, op.run_args = _DIRECT, direct
             elif fn in _GROUP_CALLS and not any(s.ragged for s in _slots((args, kwargs))):
                 op.mode, op.call = _DIRECT, _GROUP_CALLS[fn]
+            elif fn in _PACKED_RNNS and len(args) > 2 and isinstance(args[1], torch.Tensor):
+                states = args[2] if type(args[2]) in (tuple, list) else (args[2],)
+                # Batch sizes shared by value; data and states per example.
+                if type(args[0]) is _Slot and all(type(h) is _Slot for h in states):
+                    op.mode, op.call = _DIRECT, _PACKED_RNNS[fn]
         elif kind == "module":
             op.mode = _module_mode(fn, args, kwargs)
             if op.mode is _MODELS and not self._merges_models(op):
@@ -466,7 +489,7 @@ class _Recorder:
             return s
         if type(p) is tuple:
             tag = p[0]
-            if tag is _PARAM or tag is _BY_ID:
+            if tag is _PARAM or tag is _BY_ID or tag is _BY_VALUE:
                 return next(shared)
             if tag is _RAGGED:
                 s = _Slot(counter[0], p[1], ragged=True)

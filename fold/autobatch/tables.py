@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
 from fold.autobatch.values import _Meta
+from fold.errors import FoldError
 from fold.executor import ModelBatched
 
 
@@ -247,14 +248,100 @@ def _pad_sequence_group(
 
 
 # Torch functions autobatch refuses, with why and the fix.
-_REFUSED: dict[Any, str] = {
-    torch._pack_padded_sequence: (
-        "pack_padded_sequence of recorded values: a packed batch's shapes depend on the "
-        "lengths' values (the rows per step), and an RNN over it reads them, so it cannot "
-        "be recorded per example and batched. Fix: call the RNN on each unbatched sequence "
-        "(lstm(seq) with seq of shape (L, D)): autobatch batches those calls across "
-        "sequences and examples; or pad with pad_sequence and mask."
-    ),
+_REFUSED: dict[Any, str] = {}
+
+
+def _eager_lengths(lengths: Any, what: str) -> torch.Tensor:
+    if not isinstance(lengths, torch.Tensor):
+        raise FoldError(
+            f"autobatch: {what} with lengths or batch sizes that are recorded values: the "
+            "packed shapes depend on their values. Fix: compute the lengths from the "
+            "example's structure (Python ints, len(seq)), as they are known while recording."
+        )
+    return lengths
+
+
+def _pack_padded(input: Any, lengths: Any, batch_first: bool) -> tuple[Any, torch.Tensor]:
+    """``torch._pack_padded_sequence`` where the lengths are known while recording (Python
+    ints or an eager tensor, as ``pack_padded_sequence`` makes them): the batch sizes are
+    computed at once, and the packed data is recorded as ops that batch (a flatten and one
+    index_select of the rows each step keeps, in the packed order: step-major)."""
+    lengths = _eager_lengths(lengths, "pack_padded_sequence").to("cpu", torch.int64)
+    if lengths.numel() and (lengths <= 0).any():
+        raise FoldError(
+            "pack_padded_sequence: every length must be greater than 0, as torch requires."
+        )
+    if lengths.numel() > 1 and (lengths[1:] > lengths[:-1]).any():
+        raise FoldError(
+            "pack_padded_sequence: `lengths` must be sorted in decreasing order when "
+            "`enforce_sorted` is True, as torch requires. Fix: pass enforce_sorted=False."
+        )
+    steps = int(lengths[0]) if lengths.numel() else 0
+    mask = torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (steps, batch)
+    rows = mask.flatten().nonzero().squeeze(1)
+    x = input.transpose(0, 1) if batch_first else input
+    data = x[:steps].flatten(0, 1).index_select(0, rows.to(input.device))
+    return data, mask.sum(1)
+
+
+def _pad_packed(
+    data: Any, batch_sizes: Any, batch_first: bool, padding_value: float, total_length: int
+) -> tuple[Any, torch.Tensor]:
+    """``torch._pad_packed_sequence`` where the batch sizes are known while recording (those
+    of a packed sequence made inside the function, which an RNN passes through): each
+    padded position reads its packed row, or a row of ``padding_value``, by one
+    index_select."""
+    batch_sizes = _eager_lengths(batch_sizes, "pad_packed_sequence").to("cpu", torch.int64)
+    steps, batch = int(total_length), int(batch_sizes[0]) if batch_sizes.numel() else 0
+    lengths = (batch_sizes.unsqueeze(0) > torch.arange(batch).unsqueeze(1)).sum(1)
+    mask = torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (steps, batch)
+    n = int(mask.sum())
+    where = torch.full((steps * batch,), n, dtype=torch.int64)
+    where[mask.flatten()] = torch.arange(n)
+    pad = torch.full((1, *data.shape[1:]), padding_value, dtype=data.dtype, device=data.device)
+    rows = torch.cat([data, pad]).index_select(0, where.to(data.device))
+    padded = rows.reshape(steps, batch, *data.shape[1:])
+    return (padded.transpose(0, 1) if batch_first else padded), lengths
+
+
+# Argument positions of torch functions whose tensors are sizes, part of the op by value (and
+# passed whole), not per-example data: a packed sequence's batch sizes, in the RNN functions
+# an nn.RNN/GRU/LSTM calls on one (in their padded form that position holds the state, not a
+# tensor of sizes).
+_VALUE_ARGS: dict[Any, frozenset[int]] = {
+    f: frozenset({1}) for f in (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+}
+
+
+def _packed_rnn_group(fn: Any) -> Any:
+    """``fn`` (``torch.lstm`` and kin, packed form) for a group whose examples share their
+    batch sizes (part of the op by value): the n examples' packed sequences merged into
+    one packed batch of n times the sequences, each step's rows example-fastest (an
+    example's packed row s becomes row s * n + i), states (n, layers, B, H) as
+    (layers, B * n, H); one call, outputs back per example."""
+
+    def run(data: Any, batch_sizes: torch.Tensor, hx: Any, *rest: Any) -> Any:
+        n, size = data.shape[0], data.shape[1]
+        merged = data.transpose(0, 1).reshape(size * n, *data.shape[2:])
+        states = hx if type(hx) in (tuple, list) else (hx,)
+        states = [h.permute(1, 2, 0, 3).reshape(h.shape[1], -1, h.shape[3]) for h in states]
+        out = fn(merged, batch_sizes * n, states if type(hx) in (tuple, list) else states[0], *rest)
+        output, *hs = out
+        output = output.reshape(size, n, *output.shape[1:]).transpose(0, 1)
+        hs = [h.reshape(h.shape[0], -1, n, h.shape[2]).permute(2, 0, 1, 3) for h in hs]
+        return (output, *hs)
+
+    return run
+
+
+_PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
+
+
+# Torch functions recorded as other calls, made at record time: their shapes depend on
+# values known while recording (lengths), which the recorded calls then carry.
+_REWRITES: dict[Any, Any] = {
+    torch._pack_padded_sequence: _pack_padded,
+    torch._pad_packed_sequence: _pad_packed,
 }
 
 
