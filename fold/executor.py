@@ -43,7 +43,7 @@ from fold.ops import (
     op_failed,
     resolve_op,
 )
-from fold.ragged import Ragged
+from fold.ragged import Ragged, element_shapes
 from fold.scheduler.chain import whole_output
 from fold.scheduler.plan import Input, Plan
 from fold.values import How, Recipe, Values
@@ -150,6 +150,9 @@ class Executor:
         # group gathered nothing cheaply (see _read_order, Values.pieces).
         self._plain: set[int] = set()
         self._rows_left = 0
+        # (op, list argument position) -> (element shape, dtype), as the last group with
+        # elements gave them, kept with obj across applies (see element_shapes).
+        self._elements = element_shapes(obj)
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -271,11 +274,14 @@ class Executor:
                 values.append(v.sources[p])
             elif what is Arg.RAGGED:
                 recipe, lengths = p
-                flat = (
-                    v.gather(recipe, itensors)
-                    if recipe is not None
-                    else torch.zeros(0, device=self.device)
-                )
+                if recipe is not None:
+                    flat = v.gather(recipe, itensors)
+                    self._elements[(op, len(values))] = (flat.shape[1:], flat.dtype)
+                else:  # every list empty: the elements' shape as any group of it gave it
+                    feature, dtype = self._elements.get(
+                        (op, len(values)), ((), torch.get_default_dtype())
+                    )
+                    flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
                 lengths = torch.tensor(lengths, dtype=torch.long)
                 values.append(Ragged(flat, lengths.to(flat.device, non_blocking=True)))
             else:
@@ -375,6 +381,20 @@ class Executor:
                 else self._call_in_chunks(fn, values, plans, n, limit)
             )
         except Exception as err:
+            unknown = [
+                j
+                for j, v in enumerate(values)
+                if type(v) is Ragged and v.values.dim() == 1 and not v.values.numel()
+            ]
+            if unknown:  # the lists were all empty and nothing told their elements' shape
+                raise FoldError(
+                    f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
+                    f"whose list argument {unknown[0]} is empty in every node, and no group of "
+                    "it had elements before, so the elements' shape and dtype are unknown (its "
+                    f"values are (0,)): {type(err).__name__}: {err}. Fix: give the shape where "
+                    "the op reads it: children.sum(feature=(hidden,)), .mean/.amax/.padded "
+                    "take feature= and dtype= too; or test len(children.values) == 0."
+                ) from err
             raise op_failed(op, step, n, values, err) from err
         outs = check_outputs(op, step, n * self.models, out, alone)
         # Shapes are kept raw; summaries format them only when asked.

@@ -8,6 +8,7 @@ tensor, with their lengths.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -15,6 +16,24 @@ import torch
 from fold.errors import FoldError
 
 __all__ = ["Ragged"]
+
+
+# obj -> {(op, list argument position): (element shape, dtype)}: what a group of an op whose
+# lists were all empty gets as its elements' shape (a TreeLSTM's leaves run before any node
+# with children: from the second apply on, the shape of the first apply's elements).
+_ELEMENTS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def element_shapes(obj: Any) -> dict[Any, Any]:
+    """The element shapes kept with ``obj`` (a dict for this apply alone where ``obj``
+    cannot be weakly referenced)."""
+    try:
+        got = _ELEMENTS.get(obj)
+        if got is None:
+            got = _ELEMENTS[obj] = {}
+        return got
+    except TypeError:
+        return {}
 
 
 class Ragged:
@@ -47,6 +66,14 @@ class Ragged:
         flat = [t for x in lists for t in x]
         values = torch.cat(flat, 0) if flat else torch.zeros(0)
         return cls(values, lengths.to(values.device))
+
+    @classmethod
+    def empty_lists(cls, n: int, feature: Any, dtype: Any, device: Any = None) -> Ragged:
+        """``n`` empty lists whose elements would be ``feature``-shaped, of ``dtype``."""
+        return cls(
+            torch.zeros((0, *feature), dtype=dtype, device=device),
+            torch.zeros(n, dtype=torch.long, device=device),
+        )
 
     def __len__(self) -> int:
         return self.lengths.shape[0]

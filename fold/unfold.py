@@ -11,7 +11,7 @@ from fold._encoding import LIST, classify
 from fold.errors import FoldError, op_name
 from fold.node import Node, UnfoldNode, foreign_node
 from fold.ops import device_of, literal_output
-from fold.ragged import Ragged
+from fold.ragged import Ragged, element_shapes
 from fold.run import NODES, classify_lists
 
 __all__ = ["Unfold"]
@@ -92,7 +92,12 @@ class Unfold:
                 "differ in shape or dtype; they are concatenated into one Ragged. Fix: make the "
                 "listed nodes' ops return one shape and dtype."
             )
-        return Ragged.from_lists([values])
+        shapes = element_shapes(self.obj)
+        if values:
+            shapes[(op, pos)] = (values[0].shape[1:], values[0].dtype)
+            return Ragged.from_lists([values])
+        known = shapes.get((op, pos))  # as Fold.apply gives an all-empty group
+        return Ragged.from_lists([[]]) if known is None else Ragged.empty_lists(1, *known)
 
     def apply(self, obj: Any, lists: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
         """Concatenate the values of each list, as :meth:`Fold.apply` returns them."""

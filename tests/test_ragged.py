@@ -224,3 +224,49 @@ def test_with_values_shares_the_lists_and_checks_the_rows() -> None:
     torch.testing.assert_close(doubled.lengths, r.lengths)
     with pytest.raises(fold.FoldError, match=r"with_values\(values\): values has shape \(4, 2\)"):
         r.with_values(torch.zeros(4, 2))
+
+
+class ChildSum(nn.Module):
+    """A child-sum cell written as a user first writes it: the children's values through a
+    Linear, with no feature= anywhere."""
+
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, hidden)
+        self.U = nn.Linear(hidden, hidden)
+
+    def leaf(self, word: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.embed(word))
+
+    def node(self, x: torch.Tensor, children: fold.Ragged) -> torch.Tensor:
+        summed = torch.zeros(len(x), self.U.out_features).index_add(
+            0, children.segment_ids, self.U(children.values)
+        )
+        return torch.tanh(x + summed)
+
+
+def test_an_all_empty_group_takes_the_element_shape_a_group_of_its_op_gave() -> None:
+    """An op whose lists are all empty in a group: once a group of it had elements (here in
+    an earlier apply on the same model), the empty group gets values (0, *their shape) in
+    their dtype, and the op as a user first writes it runs, equal to Unfold.  Where nothing
+    told the shape yet (a tree's leaves run before any node with children), the FoldError
+    names feature= as the fix."""
+    torch.manual_seed(0)
+    model = ChildSum()
+
+    def leaves_only(f: Any) -> Any:
+        return [f.add("node", f.add("leaf", w), []) for w in (1, 2, 3)]
+
+    f = fold.Fold(strategy="depth")
+    with pytest.raises(fold.FoldError, match=r"list argument 1 is empty in every node.*feature="):
+        f.apply(model, [leaves_only(f)])
+    # A graph where the op's lists have elements (made by another op, run before).
+    g = fold.Fold(strategy="depth")
+    pooled = g.add("node", g.add("leaf", 7), [g.add("leaf", 8), g.add("leaf", 9)])
+    g.apply(model, [[pooled]])
+    for make in (leaves_only, lambda f: [f.add("node", f.add("leaf", 5), leaves_only(f))]):
+        f = fold.Fold(strategy="depth")
+        got = f.apply(model, [make(f)])[0]
+        u = fold.Unfold(model)
+        want = u.apply(model, [make(u)])[0]
+        torch.testing.assert_close(got, want)
