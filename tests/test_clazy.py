@@ -428,3 +428,52 @@ def test_the_fast_key_is_taken_from_the_arguments_as_given() -> None:
     _first, second = fold.autobatch(fn, xs, per_example=True)
     want = torch.stack([(lin(x).tanh() + lin(x).exp()) * 2 for x in xs])
     torch.testing.assert_close(second, want)
+
+
+_GC_SCRIPT = r"""
+import gc, torch, fold
+from torch import nn
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+lin, emb = nn.Linear(4, 4), nn.Embedding(10, 4)
+
+@fold.batchable
+def cell(a, b):
+    return torch.tanh(lin(a) + b), a * b
+
+def fn(words):
+    hs = [emb(torch.tensor(w)) for w in words]
+    items = list(hs)
+    while len(items) > 1:
+        h, _ = cell(items.pop(), items.pop())
+        items.append(torch.cat([h]).sum(0, keepdim=True).expand(4) + h)
+    return items[0]
+
+examples = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [1, 1, 2]]
+gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, while recording
+got = fold.autobatch(fn, examples)
+gc.set_threshold(700, 10, 10)
+want = torch.stack([fn(w) for w in examples])
+print(float((got - want).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("recorder", ["c", "python"])
+def test_recording_survives_collections_between_its_steps(recorder: str) -> None:
+    """Collections run while keys are built and nodes recorded (gc threshold 1, the debug
+    allocator, which poisons freed memory): every reference the fast path holds across
+    Python code is its own, and the values equal eager."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONMALLOC="debug")
+    env.pop("FOLD_RECORDER", None)
+    if recorder == "python":
+        env["FOLD_RECORDER"] = "python"
+    elif C is None:
+        pytest.skip("fold._clazy not built")
+    done = subprocess.run(
+        [sys.executable, "-c", _GC_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 1e-10, done.stdout
