@@ -43,7 +43,7 @@ from fold.ops import (
     op_failed,
     resolve_op,
 )
-from fold.ragged import Ragged, element_shapes
+from fold.ragged import ModelRagged, Ragged, element_shapes
 from fold.scheduler.chain import whole_output
 from fold.scheduler.plan import Input, Plan
 from fold.values import How, Recipe, Values
@@ -282,6 +282,9 @@ class Executor:
                         (op, len(values)), ((), torch.get_default_dtype())
                     )
                     flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
+                if self.models > 1:
+                    values.append(self._models_ragged(flat, lengths))
+                    continue
                 lengths = torch.tensor(lengths, dtype=torch.long)
                 values.append(Ragged(flat, lengths.to(flat.device, non_blocking=True)))
             else:
@@ -295,12 +298,6 @@ class Executor:
         """The gather of a list column (the lists' memo keys, see ``list_handles``): every
         element of every list, in order, by one recipe; and the lists' lengths."""
         lengths = list_lengths(lists)
-        if self.model_dim:
-            raise FoldError(
-                f"apply: op {op_name(op)!r}, argument {j} is a list of nodes; list arguments "
-                "are not supported with a BatchModule yet. Fix: apply each model separately, "
-                "or pass the elements as separate arguments."
-            )
         flat = list_handles(lists)
         if not len(flat):
             return None, lengths
@@ -328,6 +325,23 @@ class Executor:
                 "dtype. Fix: make the listed nodes' ops return one shape and dtype."
             )
         return recipe, lengths
+
+    def _models_ragged(self, flat: torch.Tensor, lengths: list[int]) -> ModelRagged:
+        """A list column of N models: the gathered rows (element after element, the models'
+        rows of each element together, model index fastest) as the lists of (node, model)
+        pairs, list ``i * N + m`` holding node i's elements for model m."""
+        m = self.models
+        per_node = np.asarray(lengths, dtype=np.int64)
+        node_of = np.repeat(np.arange(len(per_node)), per_node)  # per element
+        starts = np.concatenate([[0], np.cumsum(per_node)[:-1]]) if len(per_node) else per_node
+        position = np.arange(len(node_of)) - np.repeat(starts, per_node)  # per element
+        model = np.tile(np.arange(m), len(node_of))
+        segments = np.repeat(node_of, m) * m + model
+        positions = np.repeat(position, m)
+        t = torch.from_numpy(np.stack([segments, positions]))
+        t = t.to(flat.device, non_blocking=True)
+        lists = torch.from_numpy(np.repeat(per_node, m)).to(flat.device, non_blocking=True)
+        return ModelRagged(flat, lists, t[0], t[1], m)
 
     def _literal(self, kind: Any, column: Any) -> torch.Tensor:
         t = literal_value(kind, column, self.device)
@@ -447,6 +461,8 @@ class Executor:
             args = [
                 v
                 if what is Arg.WHOLE
+                else v.lists(start * m, size * m)
+                if what is Arg.RAGGED and m > 1
                 else v.lists(start, size)
                 if what is Arg.RAGGED
                 else v.narrow(0, start * m, size * m)

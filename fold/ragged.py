@@ -191,3 +191,61 @@ class Ragged:
     def nested(self) -> torch.Tensor:
         """The same data as a ``torch.nested`` jagged tensor ``(n, j, *feature)``."""
         return torch.nested.nested_tensor_from_jagged(self.values, offsets=self.offsets)
+
+
+class ModelRagged(Ragged):
+    """The lists of N models at once (a list argument of an op applied with a
+    ``BatchModule``): list ``i * N + m`` is node i's list for model m, so reductions come
+    back ``(n * N, *feature)`` in ``(node, model)`` order, as node arguments are.  ``values``
+    keeps the rows as the models' batched layers read them, model index fastest (node i's
+    element k for model m is a row of its own), so the lists are not contiguous: ``sum``,
+    ``mean``, ``amax``, ``softmax``, ``padded``, ``mask`` and ``with_values`` work by each
+    row's list and position; ``offsets`` and ``nested`` (which need contiguous lists) raise.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        segments: torch.Tensor,
+        positions: torch.Tensor,
+        models: int,
+    ) -> None:
+        super().__init__(values, lengths)
+        self._segments = segments
+        self._positions = positions
+        self.models = models
+
+    def with_values(self, values: torch.Tensor) -> Ragged:
+        if values.shape[:1] != self.values.shape[:1]:
+            super().with_values(values)  # raises, naming the shape
+        return ModelRagged(values, self.lengths, self._segments, self._positions, self.models)
+
+    def lists(self, start: int, length: int) -> Ragged:
+        """Lists ``start`` to ``start + length``: whole nodes (multiples of the models)."""
+        lengths = self.lengths.narrow(0, start, length)
+        first = int(self.lengths[:start].sum()) if start else 0
+        count = int(lengths.sum())
+        segments = self._segments.narrow(0, first, count) - start
+        positions = self._positions.narrow(0, first, count)
+        values = self.values.narrow(0, first, count)
+        return ModelRagged(values, lengths, segments, positions, self.models)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        raise FoldError(
+            "Ragged.offsets: the lists of N models (a BatchModule) are not contiguous in "
+            "values (the models' rows alternate, as their layers read them). Fix: use "
+            "segment_ids, sum, mean, amax, softmax or padded."
+        )
+
+    def nested(self) -> torch.Tensor:
+        return self.offsets  # raises
+
+    def padded(self, fill: float = 0.0, feature: Any = None, dtype: Any = None) -> torch.Tensor:
+        mask = self.mask
+        shape = (*mask.shape, *self._feature(feature))
+        out = self.values.new_full(shape, fill, dtype=self._dtype(dtype))
+        if not self.values.shape[0]:
+            return out
+        return out.index_put((self._segments, self._positions), self.values)

@@ -200,15 +200,7 @@ def test_bad_list_arguments_name_the_op_argument_and_element() -> None:
         u.add("pool", 0, [u.add("embed", 1), u.add("wide", 2)])
 
 
-def test_list_arguments_with_a_batch_module_or_a_nobatch_element_are_refused() -> None:
-    from fold.batched_ops import BatchModule
-
-    f = fold.Fold()
-    top = f.add("pool", 0, [f.add("embed", 1)])
-    with pytest.warns(UserWarning, match="no batched layer"):
-        bm = BatchModule(Pool(), batch=2)
-    with pytest.raises(fold.FoldError, match="not supported with a BatchModule"):
-        f.apply(bm, [[top]])
+def test_a_nobatch_element_of_a_list_is_refused() -> None:
     g = fold.Fold()
     shared = g.add("embed", 1).nobatch()
     with pytest.raises(fold.FoldError, match="a list holds a nobatch node"):
@@ -270,3 +262,82 @@ def test_an_all_empty_group_takes_the_element_shape_a_group_of_its_op_gave() -> 
         u = fold.Unfold(model)
         want = u.apply(model, [make(u)])[0]
         torch.testing.assert_close(got, want)
+
+
+class SumCell(nn.Module):
+    """A child-sum cell of batched layers, using every reduction a Ragged has."""
+
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, hidden)
+        self.U = nn.Linear(hidden, hidden)
+
+    def leaf(self, word: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.embed(word))
+
+    def node(self, x: torch.Tensor, children: fold.Ragged) -> torch.Tensor:
+        u = children.with_values(self.U(children.values))
+        weights = children.softmax(u.values.sum(-1))
+        attended = u.with_values(u.values * weights[:, None]).sum()
+        return torch.tanh(x + attended + u.mean() + children.padded().sum(1) * 0.1 + u.amax())
+
+
+def _sum_graph(f: Any) -> list[Any]:
+    ls = [f.add("leaf", w) for w in (1, 2, 3, 4, 5)]
+    a = f.add("node", ls[0], [ls[1], ls[2]])
+    b = f.add("node", ls[3], [])
+    c = f.add("node", ls[4], [ls[0], ls[1], ls[2], ls[3]])
+    return [f.add("node", ls[1], [a, b, c, ls[0]]), a, b, c]
+
+
+@pytest.mark.parametrize("max_rows", [None, 1])
+def test_list_arguments_with_a_batch_module_equal_n_separate_folds(max_rows) -> None:
+    """One fold runs N child-sum models at once: each model's values and gradients equal
+    its own fold's (float64), also in chunks of one node (max_rows=1); backprop of one
+    model's output leaves every other model's gradients exactly zero."""
+    from fold.batched_ops import BatchModule
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        n = 3
+        models = [SumCell() for _ in range(n)]
+        bm = BatchModule.from_modules(models)
+        f = fold.Fold()
+        (out,) = f.apply(bm, [_sum_graph(f)], max_rows=max_rows)
+        assert out.shape[:2] == (n, 4)
+        weights = torch.randn_like(out)
+        grads = torch.autograd.grad((out * weights).sum(), list(bm.parameters()), retain_graph=True)
+        by_name = dict(zip([k for k, _ in bm.named_parameters()], grads))
+        for i, m in enumerate(models):
+            g = fold.Fold()
+            (want,) = g.apply(m, [_sum_graph(g)])
+            torch.testing.assert_close(out[i], want)
+            mine = torch.autograd.grad((want * weights[i]).sum(), list(m.parameters()))
+            for (name, _), a in zip(m.named_parameters(), mine):
+                stacked = next(v for k, v in by_name.items() if k.endswith(name))
+                torch.testing.assert_close(stacked[i], a)
+        # Isolation: model 1's output alone.
+        iso = torch.autograd.grad(out[1].sum(), list(bm.parameters()), allow_unused=True)
+        for grad in iso:
+            if grad is not None:
+                assert torch.count_nonzero(grad[[0, 2]]) == 0
+                assert torch.count_nonzero(grad[1]) > 0
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_the_lists_of_n_models_refuse_offsets_and_nested() -> None:
+    from fold.ragged import ModelRagged
+
+    r = ModelRagged(
+        torch.zeros(4, 2),
+        torch.tensor([1, 1]),
+        torch.tensor([0, 1, 0, 1]),
+        torch.tensor([0, 0, 1, 1]),
+        2,
+    )
+    for read in (lambda: r.offsets, r.nested):
+        with pytest.raises(fold.FoldError, match="not contiguous.*Fix"):
+            read()
