@@ -289,10 +289,12 @@ class _PerModelOptimizer(torch.optim.Optimizer):
                     state["step"] = torch.zeros(self.batch, dtype=torch.float64, device=p.device)
                     self._init_state(state, p)
                 step = state["step"] + (~group["frozen"]).to(p.device).to(torch.float64)
+                all_active = not bool(group["frozen"].any())  # host tensors: no device sync
                 new_p, new_state = self._update(group, p, p.grad, state, step)
-                p.copy_(torch.where(active, new_p, p))
+                if new_p is not None:  # (None: updated in place, every model active)
+                    p.copy_(new_p if all_active else torch.where(active, new_p, p))
                 for k, v in new_state.items():
-                    state[k] = torch.where(active, v, state[k])
+                    state[k] = v if all_active else torch.where(active, v, state[k])
                 state["step"] = step
         return loss
 
@@ -353,6 +355,14 @@ class SGD(_PerModelOptimizer):
         state["momentum_buffer"] = torch.zeros_like(p)
 
     def _update(self, group, p, g, state, step):  # type: ignore[no-untyped-def]
+        if (
+            not group["nesterov"]
+            and not bool(group["momentum"].any())
+            and not bool(group["weight_decay"].any())
+            and not bool(group["frozen"].any())
+        ):  # plain SGD for every model (host tensors: no device sync): one pass, in place
+            p.addcmul_(self._h(group, "lr", p), g, value=-1)
+            return None, {}
         d = g + self._h(group, "weight_decay", p) * p
         mom = self._h(group, "momentum", p)
         first = (step == 1).view(-1, *([1] * (p.dim() - 1)))
