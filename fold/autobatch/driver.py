@@ -11,7 +11,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fold.autobatch.common import _BATCHED, _DIRECT, _LOCAL, _MISS, _MODELS, _RNN, _VMAP
+from fold.autobatch.common import (
+    _BATCHED,
+    _DIRECT,
+    _LOCAL,
+    _MISS,
+    _MODELS,
+    _PER_EXAMPLE,
+    _RNN,
+    _VMAP,
+)
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
@@ -39,16 +48,29 @@ class _DeviceAnchor(nn.Module):
         self.register_buffer("anchor", torch.empty(0, device=device))
 
 
-def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any], per_example: bool = False) -> Any:
+def autobatch(
+    fn: Callable[..., Any],
+    *iterables: Iterable[Any],
+    per_example: bool = False,
+    stack: bool = True,
+) -> Any:
     """Run ``fn`` once per example (the zip of ``iterables``) with recording on, then the
     recorded graph batched; returns the per-example results stacked along a new dim 0, in
-    ``fn``'s output structure (tensor, tuple, list, dict).  See the docstring of fold/autobatch/__init__.py.
+    ``fn``'s output structure (tensor, tuple, list, dict).  See the docstring of
+    fold/autobatch/__init__.py.
+
+    Where ``fn`` reads a recorded value (``int(logits.argmax())``, ``if p > 0.5:``), that
+    example pauses and the others run on; when all are paused, what was recorded runs as one
+    batched round and each resumes with its value (see ``_Session``).  ``stack=False``
+    returns a list of the per-example results, whose shapes (and structures) may differ
+    (decoded sequences of their own lengths).
 
     Where every iterable is a tensor (the examples are its rows), ``fn`` is first recorded
     ONCE, on lazy rows standing for all examples, and each recorded call runs once on the
-    whole batch (see "One recording for tensor rows" in the docstring of fold/autobatch/__init__.py); where that cannot
-    be done it records per example.  ``per_example=True`` always records per example (for a
-    function whose per-call side effects matter).
+    whole batch (see "One recording for tensor rows" in the docstring of
+    fold/autobatch/__init__.py); where that cannot be done (``fn`` reads a row, say) it
+    records per example.  ``per_example=True`` always records per example (for a function
+    whose per-call side effects matter).
 
     Records with the cyclic garbage collector paused, as ``Fold.apply`` runs: recording
     makes a few tracked objects per call (Lazy values, tuples), enough to set off full
@@ -59,55 +81,243 @@ def autobatch(fn: Callable[..., Any], *iterables: Iterable[Any], per_example: bo
             "autobatch: called inside a function autobatch is running. Fix: call the inner "
             "function directly; it is recorded into the same graph."
         )
-    if not per_example and iterables:
+    if stack and not per_example and iterables:
         out = _traced(fn, iterables)  # installs the patches where it needs them
         if out is not _MISS:
             return out
     with _installed():
-        rec, results, spec = record_examples(fn, *iterables)
-        return pytree.tree_unflatten(_stack(rec, results), spec)
+        rec, results, specs = _record(fn, iterables, stack)
+        if stack:
+            return pytree.tree_unflatten(_stack(rec, results), specs[0])
+        return _unstacked(rec, results, specs)
+
+
+def _unstacked(rec: _Recorder, results: list[list[Any]], specs: list[Any]) -> list[Any]:
+    """The per-example results as a list: the last round run too, each lazy value its row."""
+    if len(rec.fold):
+        rec.values = _materialize(rec)
+    out = []
+    for leaves, spec in zip(results, specs):
+        out.append(pytree.tree_unflatten([_row_or_lazy(v, None) for v in leaves], spec))
+    return out
+
+
+class _Session:
+    """The rounds of one autobatch call (data-dependent control flow).
+
+    Each example runs as a greenlet (a coroutine of its own stack, so the user's Python stays
+    plain Python).  A read of a lazy value whose round has not run (``bool``, ``int``,
+    ``.item()``, ``if t:``) switches back here: the example pauses, and the next one runs.
+    When every unfinished example is paused, the graph recorded since the last round runs
+    as one batched round (``run_round``), and every paused example resumes with its value.
+    So there are as many rounds as the most reads any one example makes.  Each round records
+    into a Fold of its own; values of earlier rounds enter later ones as literal rows of
+    their outputs, so no round runs an earlier round's nodes again and gradients flow back
+    across rounds."""
+
+    def __init__(self) -> None:
+        self.current: _Recorder | None = _Recorder(session=self)
+        self.running: Any = None  # the example greenlet running now
+        self.rounds = 0
+
+    def records(self) -> bool:
+        """Whether the current round records (a value of an earlier round may be used)."""
+        return self.current is not None and not self.current.closed
+
+    def pause(self, x: Lazy) -> bool:
+        """Pause the running example at a read of ``x`` until its round has run; False
+        where no example runs as a coroutine (the read is an error then)."""
+        me = self.running
+        if me is None or _greenlet is None or _greenlet.getcurrent() is not me:
+            return False
+        if x.rec is not self.current:
+            return False
+        me.parent.switch(x.rec.example)  # the example paused; back here after its round
+        return True
+
+    def run_round(self) -> None:
+        """Run what the current round recorded; its values kept by node; a new round."""
+        rec = self.current
+        rec.values = _materialize(rec)
+        rec.close()
+        self.rounds += 1
+        nxt = _Recorder(session=self)
+        nxt.device = rec.device
+        self.current = nxt
+
+
+try:  # the coroutines of data-dependent control flow
+    import greenlet as _greenlet_module
+
+    _greenlet: Any = _greenlet_module
+except ImportError:  # pragma: no cover  (a dependency; without it reads stay errors)
+    _greenlet = None
+
+
+def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
+    """Every output of every node the round recorded, by handle: (a tensor of the outputs
+    of one shape and dtype, the row of this one).  One apply, one list per shape."""
+    f = rec.fold
+    if not len(f):
+        return {}
+    arrays = f.snapshot()
+    node = f._node_type
+    # One list per signature and output: the values of one op's outputs (one shape, dtype
+    # and autograd mode; a detached output's row needs no gradient).
+    lists: list[list[Any]] = []
+    for sid, (op, _kinds) in enumerate(arrays.signatures):
+        handles = arrays.handles(sid)
+        if type(op) is _Op and not op.single:
+            k = len(op.outs)
+            parts = [node(h).split(k) for h in handles]
+            lists.extend([p[j] for p in parts] for j in range(k))
+        else:
+            lists.append([node(h) for h in handles])
+    device = _device(rec)
+    obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
+    try:
+        with _call_programs():
+            values = f.apply(obj, lists)
+    except FoldError as err:
+        cause = err.__cause__
+        if isinstance(cause, _OpFailed):
+            raise _explained(err) from cause.__cause__
+        raise
+    out: dict[Any, tuple[torch.Tensor, int]] = {}
+    for handles, value in zip(lists, values):
+        for r, h in enumerate(handles):
+            out[int(h)] = (value, r)
+    return out
 
 
 def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[Any, ...]:
     """The recording half of :func:`autobatch`: ``(recorder, per-example flat results,
-    their structure)``; ``recorder.fold`` is the graph.  For benchmarks and inspection."""
-    rec = _Recorder()
-    results: list[list[Any]] = []
-    spec = None
+    their structure)``; ``recorder.fold`` is the graph of the last round (of the only one
+    where ``fn`` reads no value).  For benchmarks and inspection."""
+    rec, results, specs = _record(fn, iterables, True)
+    return rec, results, specs[0]
+
+
+def _record(
+    fn: Callable[..., Any], iterables: tuple[Any, ...], stack: bool
+) -> tuple[_Recorder, list[list[Any]], list[Any]]:
+    """Every example recorded, each a coroutine paused at its reads while rounds run (see
+    ``_Session``): ``(the last round's recorder, per-example flat results, per-example
+    structures)``; with ``stack``, every example's structure is example 0's."""
+    session = _Session()
+    rec = session.current
+    results: list[Any] = []
+    specs: list[Any] = []
     _LOCAL.rec = rec
     installed = _installed()
     installed.__enter__()
+    runs: list[Any] = []
     try:
         iterables = tuple(
             rec.rows(it) if isinstance(it, torch.Tensor) and it.ndim else it for it in iterables
         )
         with collector_paused():
-            for i, example in enumerate(zip(*iterables)):
-                rec.example = i
-                try:
-                    result = fn(*example)
-                except (TypeError, ValueError) as err:
-                    explained = _misuse(err, i)
-                    if explained is err:
-                        raise
-                    raise explained from err
-                leaves, s = _flatten(result)
-                if spec is None:
-                    spec = s
-                elif s is not spec and s != spec:
-                    raise FoldError(
-                        f"autobatch: example {i} returned a structure {s} but example 0 "
-                        f"returned {spec}; results are stacked per position, so every example "
-                        "must return the same structure."
-                    )
-                results.append(leaves)
+            examples = enumerate(zip(*iterables))
+            if _greenlet is None:  # no coroutines: a read is an error
+                for i, example in examples:
+                    results.append(None)
+                    specs.append(None)
+                    rec.example = i
+                    _finished(_example(fn, example, i)(), i, results, specs, stack)
+            else:
+                # One coroutine runs the examples one after another until one reads: it
+                # stays paused with that example, and a new one goes on with the next (so a
+                # function that never reads costs one coroutine, not one per example).
+                def work() -> Any:
+                    for i, example in examples:
+                        results.append(None)
+                        specs.append(None)
+                        session.current.example = i
+                        _finished(_example(fn, example, i)(), i, results, specs, stack)
+                    return None
+
+                paused: dict[int, Any] = {}
+                while True:
+                    g = _greenlet.greenlet(work)
+                    runs.append(g)
+                    i = _resume(session, g)
+                    if i is None:
+                        break
+                    paused[i] = g
+                while paused:
+                    session.run_round()
+                    for i, g in list(paused.items()):
+                        session.current.example = i
+                        if _resume(session, g) is None:
+                            del paused[i]
+    except BaseException:
+        for g in runs:  # end the other examples' coroutines: nothing recorded outlives the call
+            if not g.dead:
+                g.throw(_greenlet.GreenletExit)
+        raise
     finally:
         _LOCAL.rec = None
+        session.running = None
+        rec = session.current
         rec.close()
+        # The session and its recorders refer to each other: no cycle left for the collector.
+        session.current = None
         installed.__exit__(None, None, None)
-    if spec is None:
+    if not results:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")
-    return rec, results, spec
+    if stack:
+        _check_structures(specs)
+    if session.rounds:  # values of earlier rounds: their rows
+        results = [[_row_or_lazy(v, rec) for v in leaves] for leaves in results]
+    return rec, results, specs
+
+
+def _example(fn: Callable[..., Any], example: tuple[Any, ...], i: int) -> Callable[[], Any]:
+    def run() -> Any:
+        try:
+            return fn(*example)
+        except (TypeError, ValueError) as err:
+            explained = _misuse(err, i)
+            if explained is err:
+                raise
+            raise explained from err
+
+    return run
+
+
+def _resume(session: _Session, g: Any) -> int | None:
+    """Run coroutine ``g`` until it pauses at a read (the example's index) or ends (None)."""
+    _LOCAL.rec = session.current
+    session.running = g
+    try:
+        out = g.switch()
+    finally:
+        session.running = None
+    return None if g.dead else out
+
+
+def _finished(result: Any, i: int, results: list[Any], specs: list[Any], stack: bool) -> None:
+    results[i], specs[i] = _flatten(result)
+
+
+def _check_structures(specs: list[Any]) -> None:
+    first = specs[0]
+    for i, s in enumerate(specs):
+        if s is not first and s != first:
+            raise FoldError(
+                f"autobatch: example {i} returned a structure {s} but example 0 returned "
+                f"{first}; results are stacked per position, so every example must return "
+                "the same structure. Fix: return one structure, or pass stack=False."
+            )
+
+
+def _row_or_lazy(v: Any, rec: _Recorder | None) -> Any:
+    """A result leaf: a lazy value of an earlier round (of any, with ``None``) as its
+    computed row."""
+    if type(v) is Lazy and v.rec is not rec and v.rec.values is not None:
+        src, row = v.rec.values[v.node]
+        return src[row]
+    return v
 
 
 def _misuse(err: Exception, i: int) -> Exception:
@@ -250,10 +460,19 @@ def _explained(err: FoldError) -> FoldError:
     }[op.mode]
     if op.mode is _VMAP:
         how = "under torch.func.vmap, then one call per example"
+    fix = (
+        "run the function eagerly on one example (outside autobatch) to debug it; under "
+        "vmap, per-example code must not read values (.item()) or change tensors in place."
+    )
+    if op.kind is _PER_EXAMPLE and ".item()" in str(orig):
+        fix = (
+            "a @fold.batchable body runs batched, so it cannot read a value (bool, int, "
+            "float, .item(), `if t:`): use torch.where (both branches, chosen per row), or "
+            "read outside the @fold.batchable function, where a read pauses the example."
+        )
     return FoldError(
         f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "
         f"{cause.values[0].shape[0] if cause.values and isinstance(cause.values[0], torch.Tensor) else '?'} "
-        f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. Fix: run "
-        "the function eagerly on one example (outside autobatch) to debug it; under vmap, "
-        "per-example code must not read values (.item()) or change tensors in place."
+        f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. Fix: "
+        f"{fix}"
     )

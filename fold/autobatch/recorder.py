@@ -162,7 +162,7 @@ def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
-    def __init__(self, fold: Any = None) -> None:
+    def __init__(self, fold: Any = None, session: Any = None) -> None:
         # A Fold, or a _Trace when autobatch records once on lazy rows (see _traced).
         self.fold = Fold() if fold is None else fold
         self.example = 0
@@ -170,6 +170,10 @@ class _Recorder:
         # Set when the autobatch call (or the recording made once) that this recorder serves
         # has ended: a lazy value kept beyond it records nothing (see close).
         self.closed = False
+        # The autobatch call's rounds (driver._Session) where this recorder is one of them;
+        # once its round has run, values: node -> (the round's output, row).
+        self.session = session
+        self.values: dict[Any, tuple[torch.Tensor, int]] | None = None
         self.device: torch.device | None = None
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
@@ -232,6 +236,10 @@ class _Recorder:
             if out is not _MISS:
                 return out
         if self.closed:
+            session = self.session
+            if session is not None and self.values is not None and session.records():
+                # A value of an earlier round, used in a later one: recorded by that round.
+                return session.current.record(fn, kind, args, kwargs)
             raise FoldError(
                 f"{_fn_name(fn, kind)}: a lazy value was used after the autobatch call that "
                 "recorded it returned (kept in a list, a global or an attribute). Its value "
@@ -239,7 +247,7 @@ class _Recorder:
                 "runs and use the result autobatch returns."
             )
         if kind == "torch":
-            if _INPLACE[fn] or "out" in kwargs:
+            if _INPLACE[fn] or kwargs.get("out") is not None:
                 _inplace_call(self, fn, args, kwargs)
             refused = _REFUSED.get(fn)
             if refused is not None:
@@ -365,6 +373,17 @@ class _Recorder:
         t = type(a)
         if t is Lazy:
             if a.rec is not self:
+                old = a.rec
+                if (
+                    old.values is not None
+                    and old.session is not None
+                    and old.session is self.session
+                ):
+                    # Computed by an earlier round: its row, a batch-of-one literal (autograd
+                    # flows back through it into that round's output).
+                    src, row = old.values[a.node]
+                    fargs.append(src.narrow(0, row, 1))
+                    return a.meta
                 raise FoldError(
                     f"autobatch: example {self.example}: a lazy value from another autobatch "
                     "call (or an earlier one) was passed in. Fix: return it from that call "

@@ -201,13 +201,21 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
     is_leaf = property(lambda self: self._autograd(".is_leaf"))
 
     # -------------------------------------------------------------- reads
-    def _read(self, what: str) -> Any:
+    def _read(self, what: str, convert: Callable[[torch.Tensor], Any]) -> Any:
+        """A read of the value: where it is computed (an earlier round), the value at once;
+        inside an example that autobatch runs as a coroutine (see driver), the example
+        pauses until the round that computes it; else a FoldError naming the fix."""
         rec = self.rec
+        value = _value_of(self)
+        if value is None and rec.session is not None and rec.session.pause(self):
+            value = _value_of(self)
+        if value is not None:
+            return convert(value)
         fix = _library_read() or (
             "branch on what is known while recording (the example's structure, shapes), or "
             "compute the value outside autobatch and pass it in; for builtin max()/min() and "
-            "comparisons in `if`, use torch.maximum, torch.minimum or torch.where; "
-            "data-dependent control flow is not batched yet."
+            "comparisons in `if`, use torch.maximum, torch.minimum or torch.where; inside a "
+            "@fold.batchable body, which runs batched, use torch.where."
         )
         raise FoldError(
             f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
@@ -216,34 +224,34 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         )
 
     def __bool__(self) -> bool:
-        return self._read("bool()")
+        return self._read("bool()", bool)
 
     def __int__(self) -> int:
-        return self._read("int()")
+        return self._read("int()", int)
 
     def __float__(self) -> float:
-        return self._read("float()")
+        return self._read("float()", float)
 
     def __complex__(self) -> complex:
-        return self._read("complex()")
+        return self._read("complex()", complex)
 
     def __index__(self) -> int:
-        return self._read("using it as an index (__index__)")
+        return self._read("using it as an index (__index__)", lambda t: t.__index__())
 
     def item(self) -> Any:
-        return self._read(".item()")
+        return self._read(".item()", lambda t: t.item())
 
     def tolist(self) -> Any:
-        return self._read(".tolist()")
+        return self._read(".tolist()", lambda t: t.tolist())
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
-        return self._read(".numpy()")
+        return self._read(".numpy()", lambda t: t.numpy(*args, **kwargs))
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._read("numpy conversion")
+        return self._read("numpy conversion", lambda t: t.__array__(*args, **kwargs))
 
     def __contains__(self, item: Any) -> bool:
-        return self._read("`in`")
+        return self._read("`in`", lambda t: item in t)
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
         raise FoldError(
@@ -254,6 +262,16 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _inplace(self, "__setitem__ (x[...] = v)")
+
+
+def _value_of(x: Lazy) -> torch.Tensor | None:
+    """The value of a lazy value whose round has run (its row of the round's output), else
+    None."""
+    values = x.rec.values
+    if values is None:
+        return None
+    src, row = values[x.node]
+    return src[row]
 
 
 def _library_read() -> str:
@@ -376,10 +394,14 @@ class Known:
     bool, the default float dtype); read back (``int``, ``float``, ``.item()``,
     ``.tolist()``, an index) it gives the value at once; anything else (a torch function of
     no lazy value, a tensor method, an attribute) runs on the tensor ``torch.tensor`` makes
-    of it, made once, as eager code would.  Like a lazy value, it is not an ``isinstance`` of
-    ``torch.Tensor``."""
+    of it, made once, as eager code would.  ``isinstance(known, torch.Tensor)`` holds (its
+    ``__class__``); ``type(known)`` is ``Known``."""
 
     __slots__ = ("value", "meta", "number", "_made")
+
+    # isinstance(known, torch.Tensor) holds, as for the tensor it stands for: libraries check
+    # their arguments so (torch.distributions' validation).  type() still tells it apart.
+    __class__ = property(lambda self: torch.Tensor)  # type: ignore[assignment]
 
     def __init__(
         self, value: Any, meta: _Meta, number: bool, made: torch.Tensor | None = None
