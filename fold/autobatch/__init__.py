@@ -68,8 +68,12 @@ How a call is recorded (the choices the contract leaves open):
 - **Identical calls** on identical arguments share one node (fold memoises records): the
   functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
 - **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
-  value need its value before any is computed: FoldError naming the read, the example and the
-  fix.  In-place ops on Lazy values are FoldErrors too.
+  value pause the example (each runs as a greenlet) until the round that computes it: when
+  every unfinished example is paused, what was recorded since the last round runs as one
+  batched round, in a Fold of its own (earlier rounds' values enter as literal rows), and
+  each paused example resumes with its value (see ``driver._Session``).  Inside a
+  ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
+  In-place ops on Lazy values are FoldErrors.
 - A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
   ``dtype``, ``device``, ``ndim`` and ``size()``.
 - Errors inside a batched call name the user's source line that first recorded that call.
