@@ -1518,3 +1518,28 @@ def test_random_programs_with_reads_match_eager(programs):
 
     xs = [torch.randn(3) for _ in programs]
     assert_same(fn, list(layers.parameters()), xs, programs)
+
+
+@pytest.mark.parametrize(
+    "shapes", [((5, 4), (4,)), ((4,), (4, 3)), ((4,), (4,)), ((2, 5, 4), (2, 4, 3))]
+)
+def test_matmul_of_two_recorded_operands_runs_batched_as_eager(shapes):
+    """Attention written per example (``mem @ query``, ``weights @ mem``): both operands
+    recorded, the group one batched matmul, values and gradients as eager."""
+    from fold.autobatch import clear_cache
+
+    clear_cache()  # the ops below alone in the table
+    (sa, sb) = shapes
+    lin_a, lin_b = nn.Linear(3, sa[-1]), nn.Linear(3, sb[-1])
+
+    def fn(x, y):
+        a = lin_a(x.expand(*sa[:-1], 3)) if len(sa) > 1 else lin_a(x)
+        b = lin_b(y.expand(*sb[:-1], 3)) if len(sb) > 1 else lin_b(y)
+        if len(sb) > 1 and len(sa) == 1:
+            b = b.transpose(-1, -2) if sb[-2] != sa[-1] else b
+        return torch.tanh(a @ b if len(sb) == 1 or b.shape[-2] == a.shape[-1] else a @ b.mT)
+
+    xs, ys = [torch.randn(3) for _ in range(4)], [torch.randn(3) for _ in range(4)]
+    assert_same(fn, [*lin_a.parameters(), *lin_b.parameters()], xs, ys)
+    op_modes = {op.mode for op in _OPS.values() if "matmul" in op.name}
+    assert op_modes <= {"direct"}, op_modes

@@ -487,7 +487,9 @@ class _Recorder:
             if direct is not None:
                 op.mode, op.run_args = _DIRECT, direct
             elif fn in _GROUP_CALLS and not any(s.ragged for s in _slots((args, kwargs))):
-                op.mode, op.call = _DIRECT, _GROUP_CALLS[fn]
+                fits, call = _GROUP_CALLS[fn]
+                if fits(args, kwargs):
+                    op.mode, op.call = _DIRECT, call
             elif fn in _PACKED_RNNS and len(args) > 2 and isinstance(args[1], torch.Tensor):
                 states = args[2] if type(args[2]) in (tuple, list) else (args[2],)
                 # Batch sizes shared by value; data and states per example.

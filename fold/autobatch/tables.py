@@ -345,9 +345,36 @@ _REWRITES: dict[Any, Any] = {
 }
 
 
+def _matmul_group(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a group whose two operands are both per example (stacked, n first):
+    vectors and matrices as one batched matmul (``mem @ query`` and ``weights @ mem`` of
+    attention), with the batch dim kept first."""
+    da, db = a.dim() - 1, b.dim() - 1
+    if da == 1 and db == 1:
+        return (a * b).sum(-1)
+    if db == 1:
+        return torch.matmul(a, b.unsqueeze(-1)).squeeze(-1)
+    if da == 1:
+        return torch.matmul(a.unsqueeze(1), b).squeeze(1)
+    return torch.matmul(a, b)
+
+
+def _two_batched_operands(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """matmul of two per-example operands whose batch dims line up: vectors, or matrices
+    (stacks of them) of one rank."""
+    if kwargs or len(args) != 2 or not all(type(x) is _Slot for x in args):
+        return False
+    da, db = args[0].meta.ndim, args[1].meta.ndim
+    return bool(da and db) and (da == 1 or db == 1 or da == db)
+
+
 # Torch functions whose group runs through a function of fold's own on the stacked values
-# (where the function itself has no batching rule).
-_GROUP_CALLS: dict[Any, Any] = {torch._C._nn.pad_sequence: _pad_sequence_group}
+# (where the function itself has no batching rule, or vmap's costs more): fn -> (whether a
+# call's argument template fits, the group's function).
+_GROUP_CALLS: dict[Any, Any] = {
+    torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
+    **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
+}
 
 
 def _polymorphic_module(module: nn.Module) -> bool:

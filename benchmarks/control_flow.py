@@ -1,0 +1,204 @@
+"""Data-dependent control flow: greedy decoding until EOS, autobatch against hand batching.
+
+    python benchmarks/control_flow.py                # 64 sources, hidden 128, 1 thread
+    python benchmarks/control_flow.py --reps 7 --save
+
+A GRU encoder and an attention decoder (hidden 128, vocab 8, EOS one of them) decode 64
+sources of 5-30 tokens greedily, at most 40 steps, each until it emits EOS:
+
+- autobatch: ``fold.autobatch(lambda s: model.greedy(s), sources, stack=False)``, the
+  per-example code as written (``tok = int(logits.argmax())`` pauses the example; a round per
+  decoding step);
+- hand: careful hand-batched decoding: the sources padded and packed for the encoder, then
+  every example decoded in one batch, step after step, under a mask, until all have emitted
+  EOS (finished examples still cost compute);
+- eager: the per-example code run example by example.
+
+Before timing, all three must decode the same tokens (float64). Interleaved runs in one
+process, medians, one thread. Also the per-round fixed cost: autobatch on a decoder whose
+steps are trivial, against the number of rounds and of examples.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
+
+import fold  # noqa: E402
+
+BOS, EOS, MAX_STEPS = 1, 0, 40
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder and a dot-attention GRU decoder, written for one example (greedy) and
+    for a padded batch (hand)."""
+
+    def __init__(self, vocab: int = 8, hidden: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.enc = nn.GRU(hidden, hidden)
+        self.dec = nn.GRUCell(2 * hidden, hidden)
+        self.attn = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(2 * hidden, vocab)
+        with torch.no_grad():  # an untrained model: EOS after varied numbers of steps
+            self.out.bias[EOS] += 0.3
+
+    def greedy(self, src: torch.Tensor) -> torch.Tensor:
+        """ONE source (L,) -> its decoded tokens, up to and with EOS."""
+        mem, h = self.enc(self.embed(src))  # (L, H), (1, H)
+        h, ctx = h[0], mem.mean(0)
+        tok, toks = BOS, []
+        for _ in range(MAX_STEPS):
+            h = self.dec(torch.cat([self.embed(torch.tensor(tok)), ctx]), h)
+            weights = torch.softmax(mem @ self.attn(h), 0)  # (L,)
+            ctx = weights @ mem
+            tok = int(self.out(torch.cat([h, ctx])).argmax())  # a read: the example pauses
+            toks.append(tok)
+            if tok == EOS:
+                break
+        return torch.tensor(toks)
+
+    def hand(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every source at once: packed encoder, then a masked batch decoder run until every
+        example has emitted EOS."""
+        lengths = torch.tensor([len(s) for s in srcs])
+        padded = pad_sequence(srcs)  # (Lmax, B)
+        packed = pack_padded_sequence(self.embed(padded), lengths, enforce_sorted=False)
+        mem, h = self.enc(packed)
+        mem = pad_packed_sequence(mem)[0].transpose(0, 1)  # (B, Lmax, H)
+        mask = torch.arange(mem.shape[1])[None, :] < lengths[:, None]
+        h = h[0]
+        ctx = mem.sum(1) / lengths[:, None].to(mem.dtype)
+        tok = torch.full((len(srcs),), BOS)
+        done = torch.zeros(len(srcs), dtype=torch.bool)
+        steps = []
+        for _ in range(MAX_STEPS):
+            h = self.dec(torch.cat([self.embed(tok), ctx], 1), h)
+            scores = (mem @ self.attn(h)[:, :, None]).squeeze(2).masked_fill(~mask, float("-inf"))
+            ctx = (torch.softmax(scores, 1)[:, :, None] * mem).sum(1)
+            tok = self.out(torch.cat([h, ctx], 1)).argmax(1)
+            steps.append(tok)
+            done = done | (tok == EOS)
+            if bool(done.all()):
+                break
+        out = torch.stack(steps, 1)  # (B, steps)
+        ends = [(row == EOS).nonzero() for row in out]
+        return [row[: int(e[0]) + 1] if len(e) else row for row, e in zip(out, ends)]
+
+
+def sources(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 31, (n,), generator=g)
+    return [torch.randint(2, vocab, (int(k),), generator=g) for k in lengths]
+
+
+def decode_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    srcs = sources(args.sources, 8)
+    # The same decisions from all three, in float64 (where a near tie cannot flip).
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Seq2Seq(hidden=args.hidden)
+    with torch.no_grad():
+        eager = [model.greedy(s) for s in srcs]
+        auto = fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)
+        hand = model.hand(srcs)
+    for e, a, h in zip(eager, auto, hand):
+        assert e.tolist() == a.tolist() == h.tolist(), (e, a, h)
+    lengths = [len(e) for e in eager]
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = Seq2Seq(hidden=args.hidden)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        def go() -> None:
+            with torch.no_grad():
+                fn()
+
+        return go
+
+    contenders = {
+        "autobatch": run(lambda: fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)),
+        "hand, masked": run(lambda: model.hand(srcs)),
+    }
+    if args.eager_reps:
+        contenders["eager per example"] = run(lambda: [model.greedy(s) for s in srcs])
+    times = interleaved(contenders, args.reps)
+    med = {k: median(v) for k, v in times.items()}
+    base = med["hand, masked"]
+    rows = [
+        {"method": k, "median_ms": 1e3 * t, "vs_hand": t / base, "reps": len(times[k])}
+        for k, t in med.items()
+    ]
+    print(
+        f"decoded lengths: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, "
+        f"max {max(lengths)} (sum {sum(lengths)})"
+    )
+    return rows
+
+
+class _Counter(nn.Module):
+    """A decoder step that does next to nothing: autobatch's cost per round alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def run(self, steps: int) -> torch.Tensor:
+        h = self.w * 0
+        for _ in range(steps):
+            h = h + self.w
+            if float(h.detach()) < -1:  # a read per step: a round per step
+                break
+        return h
+
+
+def round_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    model = _Counter()
+    rows = []
+    for examples, steps in ((16, 10), (64, 10), (16, 40), (64, 40)):
+
+        def fn(steps: int = steps, examples: int = examples) -> None:
+            fold.autobatch(lambda k: model.run(k), [steps] * examples)
+
+        t = median(interleaved({"x": fn}, args.reps)["x"])
+        rows.append(
+            {
+                "examples": examples,
+                "rounds": steps,
+                "median_ms": 1e3 * t,
+                "us per round": 1e6 * t / steps,
+                "us per example-round": 1e6 * t / (steps * examples),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = parser(__doc__, device=False)
+    ap.add_argument("--sources", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--eager-reps", type=int, default=1)
+    args = ap.parse_args()
+    setup(args)
+    out = {"args": vars(args)}
+    out["decode"] = decode_rows(args)
+    print(
+        f"greedy decoding of {args.sources} sources, hidden {args.hidden}, {args.threads} thread(s)"
+    )
+    print(table(out["decode"], ["method", "median_ms", "vs_hand", "reps"]))
+    out["rounds"] = round_rows(args)
+    print("\nper-round cost: a decoder whose step is one add and one read")
+    print(table(out["rounds"], list(out["rounds"][0])))
+    print(f"wrote {write_json('control_flow', out)}")
+
+
+if __name__ == "__main__":
+    main()
