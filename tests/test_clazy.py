@@ -346,11 +346,9 @@ print(" ".join(out))
 """
 
 
-@pytest.mark.parametrize("recorder", ["c", "python"])
-def test_a_lazy_value_never_lacks_a_field_and_a_missing_one_is_a_fold_error(recorder: str) -> None:
-    """Deleting or setting a field of a lazy value, or making one without its fields, is
-    refused; one forced past that (object.__delattr__, possible on the Python path) is a
-    FoldError at its next use, never a crash (a subprocess, under PYTHONMALLOC=debug)."""
+def _run_script(script: str, recorder: str) -> str:
+    """``script`` in a fresh interpreter under the debug allocator (it poisons freed memory,
+    so a use after free crashes), on the C or the Python recorder; its output."""
     import subprocess
     import sys
 
@@ -361,10 +359,18 @@ def test_a_lazy_value_never_lacks_a_field_and_a_missing_one_is_a_fold_error(reco
     elif C is None:
         pytest.skip("fold._clazy not built")
     done = subprocess.run(
-        [sys.executable, "-c", _SLOTS_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    got = done.stdout.split()
+    return done.stdout
+
+
+@pytest.mark.parametrize("recorder", ["c", "python"])
+def test_a_lazy_value_never_lacks_a_field_and_a_missing_one_is_a_fold_error(recorder: str) -> None:
+    """Deleting or setting a field of a lazy value, or making one without its fields, is
+    refused; one forced past that (object.__delattr__, possible on the Python path) is a
+    FoldError at its next use, never a crash (a subprocess, under PYTHONMALLOC=debug)."""
+    got = _run_script(_SLOTS_SCRIPT, recorder).split()
     assert got[:4] == ["FoldError", "FoldError", "FoldError", "TypeError"], got
     # The C fields are read-only even to object.__delattr__: still whole, the uses record.
     assert got[4:] == (["ok"] * 4 if recorder == "c" else ["FoldError"] * 4), got
@@ -463,17 +469,5 @@ def test_recording_survives_collections_between_its_steps(recorder: str) -> None
     """Collections run while keys are built and nodes recorded (gc threshold 1, the debug
     allocator, which poisons freed memory): every reference the fast path holds across
     Python code is its own, and the values equal eager."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONMALLOC="debug")
-    env.pop("FOLD_RECORDER", None)
-    if recorder == "python":
-        env["FOLD_RECORDER"] = "python"
-    elif C is None:
-        pytest.skip("fold._clazy not built")
-    done = subprocess.run(
-        [sys.executable, "-c", _GC_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) < 1e-10, done.stdout
+    out = _run_script(_GC_SCRIPT, recorder)
+    assert float(out.split()[-1]) < 1e-10, out
