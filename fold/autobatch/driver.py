@@ -223,7 +223,7 @@ def _record(
                     results.append(None)
                     specs.append(None)
                     rec.example = i
-                    _finished(_example(fn, example, i)(), i, results, specs, stack)
+                    _finished(_example(fn, example, i)(), i, results, specs)
             else:
                 # One coroutine runs the examples one after another until one reads: it
                 # stays paused with that example, and a new one goes on with the next (so a
@@ -233,7 +233,7 @@ def _record(
                         results.append(None)
                         specs.append(None)
                         session.current.example = i
-                        _finished(_example(fn, example, i)(), i, results, specs, stack)
+                        _finished(_example(fn, example, i)(), i, results, specs)
                     return None
 
                 paused: dict[int, Any] = {}
@@ -296,7 +296,8 @@ def _resume(session: _Session, g: Any) -> int | None:
     return None if g.dead else out
 
 
-def _finished(result: Any, i: int, results: list[Any], specs: list[Any], stack: bool) -> None:
+def _finished(result: Any, i: int, results: list[Any], specs: list[Any]) -> None:
+    """Example ``i``'s result, flat, and its structure."""
     results[i], specs[i] = _flatten(result)
 
 
