@@ -1491,6 +1491,23 @@ def test_a_read_in_a_batchable_body_stays_an_error_and_an_exception_ends_the_cal
     assert out.shape == (2, 3)
 
 
+def test_a_round_runs_modules_made_of_modules():
+    """A module whose forward calls submodules, recorded as one call and run in a round:
+    its submodules run, they do not record (the round runs with recording off)."""
+    torch.manual_seed(4)
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def fn(x):
+        h = x
+        for _ in range(4):
+            h = mlp(h)
+            if float(h.detach().sum()) > 1.0:  # a read after a nested module's call
+                h = h * 0.5
+        return h
+
+    assert_same(fn, list(mlp.parameters()), [torch.randn(3) for _ in range(5)])
+
+
 @st.composite
 def read_programs(draw):
     """Per example: a list of steps, each a layer to apply and whether to read (and branch

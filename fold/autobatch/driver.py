@@ -138,7 +138,11 @@ class _Session:
     def run_round(self) -> None:
         """Run what the current round recorded; its values kept by node; a new round."""
         rec = self.current
-        rec.values = _materialize(rec)
+        outer, _LOCAL.rec = _LOCAL.rec, None  # the round runs the calls: nothing records
+        try:
+            rec.values = _materialize(rec)
+        finally:
+            _LOCAL.rec = outer
         rec.close()
         self.rounds += 1
         nxt = _Recorder(session=self)
