@@ -14,7 +14,11 @@ sources of 5-30 tokens greedily, at most 40 steps, each until it emits EOS:
   EOS (finished examples still cost compute);
 - eager: the per-example code run example by example.
 
-Before timing, all three must decode the same tokens (float64). Interleaved runs in one
+And the arc-standard parser of examples/autobatch_parser.py parsing 64 sentences of the
+bundled treebank with its own transitions: autobatch against a hand-batched stack machine
+(per-sentence Python stacks, one batched scoring call per step), and eager per sentence.
+
+Before timing, all three must decode the same tokens, or give the same heads (float64). Interleaved runs in one
 process, medians, one thread. Also the per-round fixed cost: autobatch on a decoder whose
 steps are trivial, against the number of rounds and of examples.
 """
@@ -143,6 +147,84 @@ def decode_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+def parser_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The arc-standard parser of examples/autobatch_parser.py (untrained) parsing
+    ``--sentences`` sentences of the bundled treebank with its own transitions: autobatch of
+    ``parse`` as written, against a hand-batched stack machine (the encoder run once on the
+    packed sentences, per-sentence Python stacks, one batched scoring call per step)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from autobatch_parser import DATA, Parser, apply, legal, read
+
+    raw = read(DATA / "dev.conllu")[: args.sentences]
+    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
+
+    def hand(model: Parser) -> list[list[int]]:
+        lengths = torch.tensor([len(w) for w in words])
+        packed = pack_padded_sequence(
+            model.embed(pad_sequence(words)), lengths, enforce_sorted=False
+        )
+        states = pad_packed_sequence(model.lstm(packed)[0])[0].transpose(0, 1)  # (B, L, 2H)
+        root = model.root.expand(len(words), 1, -1)
+        enc = torch.cat([root, states], 1)  # (B, L + 1, 2H)
+        pad = torch.zeros(enc.shape[2])
+        stacks = [[0] for _ in words]
+        buffers = [list(range(1, len(w) + 1)) for w in words]
+        heads = [[0] * len(w) for w in words]
+        active = list(range(len(words)))
+        while active:
+            rows = []
+            for i in active:
+                s, b = stacks[i], buffers[i]
+                rows.append(
+                    torch.cat(
+                        [
+                            enc[i, s[-1]] if s else pad,
+                            enc[i, s[-2]] if len(s) > 1 else pad,
+                            enc[i, b[0]] if b else pad,
+                        ]
+                    )
+                )
+            scores = model.mlp(torch.stack(rows))
+            ok = torch.tensor([legal(stacks[i], buffers[i]) for i in active])
+            actions = scores.masked_fill(~ok, float("-inf")).argmax(1).tolist()
+            for i, a in zip(active, actions):
+                apply(a, stacks[i], buffers[i], heads[i])
+            active = [i for i in active if buffers[i] or len(stacks[i]) > 1]
+        return heads
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Parser(len(vocab) + 1)
+    with torch.no_grad():
+        eager = [model.parse(w).tolist() for w in words]
+        auto = [h.tolist() for h in fold.autobatch(lambda w: model.parse(w), words, stack=False)]
+        assert eager == auto == hand(model)
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = Parser(len(vocab) + 1)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        def go() -> None:
+            with torch.no_grad():
+                fn()
+
+        return go
+
+    contenders = {
+        "autobatch": run(lambda: fold.autobatch(lambda w: model.parse(w), words, stack=False)),
+        "hand, stack machine": run(lambda: hand(model)),
+        "eager per sentence": run(lambda: [model.parse(w) for w in words]),
+    }
+    times = interleaved(contenders, args.reps)
+    med = {k: median(v) for k, v in times.items()}
+    base = med["hand, stack machine"]
+    return [
+        {"method": k, "median_ms": 1e3 * t, "vs_hand": t / base, "reps": len(times[k])}
+        for k, t in med.items()
+    ]
+
+
 class _Counter(nn.Module):
     """A decoder step that does next to nothing: autobatch's cost per round alone."""
 
@@ -183,6 +265,7 @@ def round_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 def main() -> None:
     ap = parser(__doc__, device=False)
     ap.add_argument("--sources", type=int, default=64)
+    ap.add_argument("--sentences", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--eager-reps", type=int, default=1)
@@ -194,6 +277,9 @@ def main() -> None:
         f"greedy decoding of {args.sources} sources, hidden {args.hidden}, {args.threads} thread(s)"
     )
     print(table(out["decode"], ["method", "median_ms", "vs_hand", "reps"]))
+    out["parser"] = parser_rows(args)
+    print(f"\narc-standard parsing of {args.sentences} sentences with predicted transitions")
+    print(table(out["parser"], ["method", "median_ms", "vs_hand", "reps"]))
     out["rounds"] = round_rows(args)
     print("\nper-round cost: a decoder whose step is one add and one read")
     print(table(out["rounds"], list(out["rounds"][0])))
