@@ -56,7 +56,7 @@ static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
-    *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value;
+    *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -424,7 +424,8 @@ key_tuple(Key *k)
 /* The fast path of a call of ``fn`` of ``kind`` on ``args``, recorded by ``rec``: its outputs,
    _MISS (a new reference) where it does not fit or its key is new, NULL on error. */
 static PyObject *
-fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n)
+fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_ssize_t n,
+          PyObject *table_name)
 {
     Key k;
     PyObject *result = NULL, *key = NULL, *table = NULL;
@@ -436,7 +437,7 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
     key = key_tuple(&k);
     if (key == NULL)
         goto out;
-    table = PyObject_GetAttr(rec, s_fast);
+    table = PyObject_GetAttr(rec, table_name);
     if (table == NULL)
         goto out;
     if (!PyDict_CheckExact(table)) {
@@ -503,27 +504,29 @@ fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     return fast_impl(args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
-                     PyTuple_GET_SIZE(args[3]));
+                     PyTuple_GET_SIZE(args[3]), s_fast);
 }
 
-/* 1 where gradients are on and no autocast region is (the mode the fast table is for), 0
-   where not, -1 on error. */
-static int
-usual_mode(void)
+/* The fast table for the grad/autocast mode on now: the recorder's ``_fast`` where gradients
+   are on and no autocast region is, its ``_fast_nograd`` where gradients are off (inference,
+   decoding under torch.no_grad()) and no autocast region is; NULL (no error) in any other
+   mode, and with an error set on error.  Borrowed: an interned name. */
+static PyObject *
+mode_table(void)
 {
-    PyObject *v = PyObject_CallNoArgs(g_grad_enabled);
+    PyObject *v = PyObject_CallNoArgs(g_any_autocast);
     if (v == NULL)
-        return -1;
+        return NULL;
+    int cast = v != Py_False;
+    Py_DECREF(v);
+    if (cast)
+        return NULL;
+    v = PyObject_CallNoArgs(g_grad_enabled);
+    if (v == NULL)
+        return NULL;
     int on = v == Py_True;
     Py_DECREF(v);
-    if (!on)
-        return 0;
-    v = PyObject_CallNoArgs(g_any_autocast);
-    if (v == NULL)
-        return -1;
-    on = v == Py_False;
-    Py_DECREF(v);
-    return on;
+    return on ? s_fast : s_fast_nograd;
 }
 
 /* The recorder of the autobatch call recording on this thread, where a batchable call
@@ -567,8 +570,10 @@ fast_now(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py_
     }
     else
         Py_INCREF(rec);
-    int usual = usual_mode();
-    PyObject *out = usual < 0 ? NULL : usual ? fast_impl(rec, fn, kind, args, n) : miss();
+    PyObject *table = mode_table();
+    PyObject *out = table != NULL ? fast_impl(rec, fn, kind, args, n, table)
+                    : PyErr_Occurred() ? NULL
+                                       : miss();
     Py_DECREF(rec);
     return out;
 }
@@ -866,11 +871,11 @@ PyInit__clazy(void)
 {
     PyObject **strs[] = {&s_rec,  &s_paused,        &s_running, &s_fast,   &s_item,
                          &s_ndim, &s_requires_grad, &s_dtype,   &s_device, &s_call,
-                         &s_number, &s_meta,        &s_value};
+                         &s_number, &s_meta,        &s_value,   &s_fast_nograd};
     const char *names[] = {"rec",  "paused",        "running", "_fast",  "item",
                            "ndim", "requires_grad", "dtype",   "device", "_call",
-                           "number", "meta",        "value"};
-    for (int i = 0; i < 13; i++)
+                           "number", "meta",        "value",   "_fast_nograd"};
+    for (int i = 0; i < 14; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

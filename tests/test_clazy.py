@@ -471,3 +471,35 @@ def test_recording_survives_collections_between_its_steps(recorder: str) -> None
     Python code is its own, and the values equal eager."""
     out = _run_script(_GC_SCRIPT, recorder)
     assert float(out.split()[-1]) < 1e-10, out
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_calls_recorded_without_gradients_take_a_fast_table_of_their_own() -> None:
+    """Under torch.no_grad() (inference, decoding) a call seen before takes the C fast path
+    too, from a table of its own: never a grad-mode entry, and the values equal eager."""
+    lin = nn.Linear(3, 3)
+    slow = []
+    record = recorder._Recorder._record
+
+    def counted(self: Any, fn: Any, kind: str, args: Any, kwargs: Any) -> Any:
+        slow.append(fn)
+        return record(self, fn, kind, args, kwargs)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(x)) * 2
+
+    xs = [torch.randn(3) for _ in range(6)]
+    recorder._Recorder._record = counted  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            got = fold.autobatch(fn, xs, per_example=True)
+        mixed = fold.autobatch(fn, xs, per_example=True)  # with gradients: other entries
+    finally:
+        recorder._Recorder._record = record  # type: ignore[method-assign]
+    want = torch.stack([fn(x) for x in xs])
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(mixed, want)
+    assert not got.requires_grad and mixed.requires_grad
+    # lin(x) of an eager tensor has no fast key (each example's tensor is its data); tanh
+    # and * 2 of lazy values: once per mode, then the fast tables.
+    assert len([f for f in slow if not isinstance(f, nn.Module)]) == 2 * 2

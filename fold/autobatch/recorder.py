@@ -52,6 +52,8 @@ _PARAM = "shared tensor"
 
 _BY_ID = "module keyed by identity"
 _BY_VALUE = "tensor keyed by value"
+# The mode of calls recorded with gradients off and no autocast (see _current_mode).
+_NO_GRAD: tuple[Any, ...] = (False, ())
 
 
 _RAGGED = "list of lazy values"
@@ -178,6 +180,8 @@ class _Recorder:
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
         self._fast: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # The same for calls recorded with gradients off and no autocast (C path only).
+        self._fast_nograd: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
         # iterates over, prepared in one call per tensor (see ``rows``).
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
@@ -187,6 +191,7 @@ class _Recorder:
         The fast table is emptied, so such a call misses it and the slow path says so."""
         self.closed = True
         self._fast.clear()
+        self._fast_nograd.clear()
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
@@ -230,7 +235,12 @@ class _Recorder:
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
-        fast = not kwargs and mode is None and 0 < len(args) <= _FAST_MAX
+        # The C fast path has a table for gradients off too (inference, decoding).
+        fast = (
+            not kwargs
+            and (mode is None or (mode == _NO_GRAD and _C is not None))
+            and 0 < len(args) <= _FAST_MAX
+        )
         if fast:
             out = _fast_path(self, fn, kind, args)
             if out is not _MISS:
@@ -310,6 +320,8 @@ class _Recorder:
             out = op.wrap(r(*fargs), self)
         k = len(args)
         if mode is not None:
+            if fast_key is not None and mode == _NO_GRAD:  # (C only, see fast above)
+                self._fast_nograd[fast_key] = _entry(op, r)
             return out
         if _C is not None:  # later calls of this op with the same fast key take the C path
             if fast_key is not None:
