@@ -1560,3 +1560,24 @@ def test_matmul_of_two_recorded_operands_runs_batched_as_eager(shapes):
     assert_same(fn, [*lin_a.parameters(), *lin_b.parameters()], xs, ys)
     op_modes = {op.mode for op in _OPS.values() if "matmul" in op.name}
     assert op_modes <= {"direct"}, op_modes
+
+
+def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager():
+    """After a round, a torch function whose lazy arguments all come from earlier rounds
+    (an index into an encoder's output, a cat of known rows) runs at once: its result is a
+    tensor, and values and gradients equal eager."""
+    lin = nn.Linear(3, 4)
+    seen = []
+
+    def fn(x):
+        enc = torch.tanh(lin(x.expand(5, 3)))  # (5, 4): an encoder's output
+        total = enc[0] * 0
+        for i in range(3):
+            j = int(enc[i].argmax()) % 5  # a read: enc is an earlier round's value now
+            row = torch.cat([enc[j], enc[i]])
+            seen.append(type(row))
+            total = total + lin(x) * row[:4].sum()
+        return total
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+    assert torch.Tensor in seen

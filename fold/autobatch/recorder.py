@@ -161,6 +161,57 @@ def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
     return (r, op.fast_outs, op.wrap)
 
 
+def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``(args, kwargs)`` with every lazy value its computed row (and every known value its
+    tensor), where the call's lazy values (in lists and tuples too) are all of earlier
+    rounds of ``rec``'s call; else None.  A torch function of such values runs at once, as
+    eager code runs it (its result a tensor, read at once; autograd flows back into the
+    rounds' outputs): recording it would cost a node, and a group per round, for what is an
+    index or a cat of known rows."""
+    for a in args:  # the common case first: a lazy value of this round among them
+        if type(a) is Lazy and a.rec is rec:
+            return None
+    found = [False]
+    new_args = []
+    for a in args:
+        v = _row_of(rec, a, found)
+        if v is _CURRENT:
+            return None
+        new_args.append(v)
+    new_kwargs = {}
+    for k, a in kwargs.items():
+        v = _row_of(rec, a, found)
+        if v is _CURRENT:
+            return None
+        new_kwargs[k] = v
+    return (new_args, new_kwargs) if found[0] else None
+
+
+_CURRENT = object()  # a lazy value of the round recording now (see _computed)
+
+
+def _row_of(rec: Any, a: Any, found: list[bool]) -> Any:
+    t = type(a)
+    if t is Lazy:
+        old = a.rec
+        if old is rec or old.values is None or old.session is not rec.session:
+            return _CURRENT
+        found[0] = True
+        src, i = old.values[a.node]
+        return src[i]
+    if t is Known:
+        return a.tensor()
+    if t is list or t is tuple:
+        out = []
+        for x in a:
+            v = _row_of(rec, x, found)
+            if v is _CURRENT:
+                return _CURRENT
+            out.append(v)
+        return t(out)
+    return a
+
+
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
@@ -220,6 +271,11 @@ class _Recorder:
         the node, and return its outputs as Lazy values.  The recording hot path: a call
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
+        session = self.session
+        if session is not None and session.rounds and kind == "torch":
+            computed = _computed(self, args, kwargs)
+            if computed is not None:  # only values of earlier rounds: eager, as they are
+                return fn(*computed[0], **computed[1])
         try:
             return self._record(fn, kind, args, kwargs)
         except AttributeError:
