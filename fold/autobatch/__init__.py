@@ -71,7 +71,10 @@ How a call is recorded (the choices the contract leaves open):
   value pause the example (each runs as a greenlet) until the round that computes it: when
   every unfinished example is paused, what was recorded since the last round runs as one
   batched round, in a Fold of its own (earlier rounds' values enter as literal rows), and
-  each paused example resumes with its value (see ``driver._Session``).  Inside a
+  each paused example resumes with its value (see ``driver._Session``).  A torch function
+  whose lazy arguments all come from earlier rounds runs at once, as eager code (an index
+  into an encoder's output); module and ``@batchable`` calls of such values are recorded,
+  the values literal rows of the round.  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
   In-place ops on Lazy values are FoldErrors.
 - A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
