@@ -12,7 +12,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fold.autobatch.common import _LOCAL, _MISS, _VMAP, HOOKS, _rng_restore, _rng_same, _rng_states
+from fold.autobatch.common import (
+    _LOCAL,
+    _MISS,
+    _PER_EXAMPLE,
+    _VMAP,
+    HOOKS,
+    _rng_restore,
+    _rng_same,
+    _rng_states,
+)
 from fold.autobatch.ops import _Op, _op_device, _slots
 from fold.autobatch.patches import _installed
 from fold.autobatch.recorder import _Recorder
@@ -298,12 +307,15 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         return _untraceable(key, "recording", err)
     leaves, spec = _flatten(out)
     try:
-        with _call_programs():
+        if any(c[0].kind is _PER_EXAMPLE for c in trace.calls):
+            with _call_programs():
+                values = trace.run(inputs, n)
+        else:  # no @batchable program to record (the scope costs a few us a call)
             values = trace.run(inputs, n)
         out = [_trace_output(v, values, n, rec) for v in leaves]
     except Exception as err:
         return _untraceable(key, "running", err)
-    return pytree.tree_unflatten(out, spec)
+    return out[0] if spec is _LEAF_SPEC else pytree.tree_unflatten(out, spec)
 
 
 def _same_rows(items: Any) -> torch.Tensor | None:
