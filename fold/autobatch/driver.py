@@ -25,7 +25,7 @@ from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
 from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
-from fold.autobatch.values import _METAS, Lazy
+from fold.autobatch.values import _METAS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.run import collector_paused
 
@@ -319,9 +319,10 @@ def _check_structures(specs: list[Any]) -> None:
 def _row_or_lazy(v: Any, rec: _Recorder | None) -> Any:
     """A result leaf: a lazy value of an earlier round (of any, with ``None``) as its
     computed row."""
-    if type(v) is Lazy and v.rec is not rec and v.rec.values is not None:
-        src, row = v.rec.values[v.node]
-        return src[row]
+    if type(v) is Lazy and v.rec is not rec:
+        value = _value_of(v)
+        if value is not None:
+            return value
     return v
 
 

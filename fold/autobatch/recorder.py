@@ -35,13 +35,21 @@ from fold.autobatch.tables import (
     _GROUP_CALLS,
     _INPLACE,
     _PACKED_RNNS,
-    _REFUSED,
     _REWRITES,
     _VALUE_ARGS,
     _direct_template,
     _module_mode,
 )
-from fold.autobatch.values import Known, Lazy, _as_number, _inplace_call, _Meta, _meta, _unfilled
+from fold.autobatch.values import (
+    Known,
+    Lazy,
+    _as_number,
+    _inplace_call,
+    _Meta,
+    _meta,
+    _unfilled,
+    _value_of,
+)
 from fold.errors import FoldError
 from fold.graph import Fold
 from fold.ragged import Ragged
@@ -172,19 +180,11 @@ def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if type(a) is Lazy and a.rec is rec:
             return None
     found = [False]
-    new_args = []
-    for a in args:
-        v = _row_of(rec, a, found)
-        if v is _CURRENT:
-            return None
-        new_args.append(v)
-    new_kwargs = {}
-    for k, a in kwargs.items():
-        v = _row_of(rec, a, found)
-        if v is _CURRENT:
-            return None
-        new_kwargs[k] = v
-    return (new_args, new_kwargs) if found[0] else None
+    new_args = _row_of(rec, list(args), found)
+    values = _row_of(rec, list(kwargs.values()), found) if kwargs else []
+    if new_args is _CURRENT or values is _CURRENT or not found[0]:
+        return None
+    return new_args, dict(zip(kwargs, values))
 
 
 _CURRENT = object()  # a lazy value of the round recording now (see _computed)
@@ -197,8 +197,7 @@ def _row_of(rec: Any, a: Any, found: list[bool]) -> Any:
         if old is rec or old.values is None or old.session is not rec.session:
             return _CURRENT
         found[0] = True
-        src, i = old.values[a.node]
-        return src[i]
+        return _value_of(a)
     if t is Known:
         return a.tensor()
     if t is list or t is tuple:
@@ -315,9 +314,6 @@ class _Recorder:
         if kind == "torch":
             if _INPLACE[fn] or kwargs.get("out") is not None:
                 _inplace_call(self, fn, args, kwargs)
-            refused = _REFUSED.get(fn)
-            if refused is not None:
-                raise FoldError(f"autobatch: example {self.example}: {refused}")
             rewrite = _REWRITES.get(fn)
             if rewrite is not None:
                 return rewrite(*args, **kwargs)

@@ -247,10 +247,6 @@ def _pad_sequence_group(
     return torch.stack(padded, 1 if batch_first else 2)
 
 
-# Torch functions autobatch refuses, with why and the fix.
-_REFUSED: dict[Any, str] = {}
-
-
 def _eager_lengths(lengths: Any, what: str) -> torch.Tensor:
     if not isinstance(lengths, torch.Tensor):
         raise FoldError(
