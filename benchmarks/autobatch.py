@@ -212,6 +212,16 @@ def _stand_in_model(x: torch.Tensor) -> _StandIn:
     return _STAND_IN
 
 
+def _step(model: nn.Module, loss):  # type: ignore[no-untyped-def]
+    """A training step of ``model``: its gradients zeroed, ``loss()`` backpropagated."""
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+
+    return run
+
+
 def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -248,13 +258,6 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
         for a, b in zip(torch.autograd.grad(fn(), params), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
-    def step(fn):  # type: ignore[no-untyped-def]
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            fn().backward()
-
-        return run
-
     # The floor of running the per-example code once per example: the same Python per
     # example (the loop over the rows, the call, the model call, F.cross_entropy's own Python
     # and its __torch_function__ dispatch, flattening the result) with every torch call a
@@ -268,10 +271,10 @@ def mnist_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
     times = interleaved(
         {
-            "autobatch": step(autobatched),
-            "autobatch, per_example=True": step(autobatched_per_example),
-            "plain batched": step(batched),
-            "eager": step(eager),
+            "autobatch": _step(model, autobatched),
+            "autobatch, per_example=True": _step(model, autobatched_per_example),
+            "plain batched": _step(model, batched),
+            "eager": _step(model, eager),
             "per-example Python only": python_only,
         },
         args.reps * 4,
@@ -318,18 +321,11 @@ def mnist_list_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
         for a, b in zip(torch.autograd.grad(fn(), params), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
-    def step(fn):  # type: ignore[no-untyped-def]
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            fn().backward()
-
-        return run
-
     times = interleaved(
         {
-            "autobatch, list of samples": step(autobatched),
-            "DataLoader-collated batch": step(collated),
-            "eager per sample": step(eager),
+            "autobatch, list of samples": _step(model, autobatched),
+            "DataLoader-collated batch": _step(model, collated),
+            "eager per sample": _step(model, eager),
         },
         args.reps * 4,
     )

@@ -103,6 +103,25 @@ def sources(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(2, vocab, (int(k),), generator=g) for k in lengths]
 
 
+def _no_grad(fn):  # type: ignore[no-untyped-def]
+    """``fn`` run under torch.no_grad() (decoding and parsing are inference)."""
+
+    def go() -> None:
+        with torch.no_grad():
+            fn()
+
+    return go
+
+
+def _against(times: dict[str, list[float]], base: str) -> list[dict]:
+    """Per contender its median and its ratio to the median of ``base``."""
+    med = {k: median(v) for k, v in times.items()}
+    return [
+        {"method": k, "median_ms": 1e3 * t, "vs_hand": t / med[base], "reps": len(times[k])}
+        for k, t in med.items()
+    ]
+
+
 def decode_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     srcs = sources(args.sources, 8)
     # The same decisions from all three, in float64 (where a near tie cannot flip).
@@ -120,26 +139,13 @@ def decode_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = Seq2Seq(hidden=args.hidden)
 
-    def run(fn):  # type: ignore[no-untyped-def]
-        def go() -> None:
-            with torch.no_grad():
-                fn()
-
-        return go
-
     contenders = {
-        "autobatch": run(lambda: fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)),
-        "hand, masked": run(lambda: model.hand(srcs)),
+        "autobatch": _no_grad(lambda: fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)),
+        "hand, masked": _no_grad(lambda: model.hand(srcs)),
     }
     if args.eager_reps:
-        contenders["eager per example"] = run(lambda: [model.greedy(s) for s in srcs])
-    times = interleaved(contenders, args.reps)
-    med = {k: median(v) for k, v in times.items()}
-    base = med["hand, masked"]
-    rows = [
-        {"method": k, "median_ms": 1e3 * t, "vs_hand": t / base, "reps": len(times[k])}
-        for k, t in med.items()
-    ]
+        contenders["eager per example"] = _no_grad(lambda: [model.greedy(s) for s in srcs])
+    rows = _against(interleaved(contenders, args.reps), "hand, masked")
     print(
         f"decoded lengths: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, "
         f"max {max(lengths)} (sum {sum(lengths)})"
@@ -204,25 +210,12 @@ def parser_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = Parser(len(vocab) + 1)
 
-    def run(fn):  # type: ignore[no-untyped-def]
-        def go() -> None:
-            with torch.no_grad():
-                fn()
-
-        return go
-
     contenders = {
-        "autobatch": run(lambda: fold.autobatch(lambda w: model.parse(w), words, stack=False)),
-        "hand, stack machine": run(lambda: hand(model)),
-        "eager per sentence": run(lambda: [model.parse(w) for w in words]),
+        "autobatch": _no_grad(lambda: fold.autobatch(lambda w: model.parse(w), words, stack=False)),
+        "hand, stack machine": _no_grad(lambda: hand(model)),
+        "eager per sentence": _no_grad(lambda: [model.parse(w) for w in words]),
     }
-    times = interleaved(contenders, args.reps)
-    med = {k: median(v) for k, v in times.items()}
-    base = med["hand, stack machine"]
-    return [
-        {"method": k, "median_ms": 1e3 * t, "vs_hand": t / base, "reps": len(times[k])}
-        for k, t in med.items()
-    ]
+    return _against(interleaved(contenders, args.reps), "hand, stack machine")
 
 
 class _Counter(nn.Module):
