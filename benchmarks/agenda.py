@@ -1,11 +1,17 @@
-"""Depth vs agenda scheduling on a workload where they differ: RNNs over sequences of
-different lengths with a two-layer classifier head on each final state.
+"""The three strategies (``auto``, ``depth``, ``agenda``) on a GRU classifier and a binary
+TreeLSTM: ``auto`` should never be far from the better of the other two.
 
     python benchmarks/agenda.py
+    python benchmarks/agenda.py --only gru --sequences 256
 
-Depth scheduling runs the head once per distinct sequence length; the agenda lets the head
-wait until every sequence is done and runs it once.  Prints groups launched and forward+
-backward time (planning included) for both; writes benchmarks/results/agenda.json.
+- ``gru``: RNNs over sequences of different lengths with a two-layer classifier head on
+  each final state.  Depth scheduling runs the head once per distinct sequence length; the
+  agenda lets the head wait until every sequence is done and runs it once.
+- ``treelstm``: binary TreeLSTM (``fold.models.TreeLSTM``) over random trees, the leaves and
+  internal nodes recorded as ``record_tree`` does.
+
+Prints groups launched, forward+backward time (recording and planning included) and each
+strategy's ratio to the better of depth and agenda; writes benchmarks/results/agenda.json.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
+from fold.models import TreeLSTM, record_tree  # noqa: E402
+from fold.treebank import random_tree  # noqa: E402
 
 
 class SeqClassifier(nn.Module):
@@ -53,47 +62,71 @@ def record(strategy: str, seqs: list[list[int]]) -> tuple[fold.Fold, list[fold.N
     return f, outs
 
 
+STRATEGIES = ("auto", "depth", "agenda")
+
+
+def tree_record(strategy: str, trees: list[Any]) -> tuple[fold.Fold, list[fold.Node]]:
+    f = fold.Fold(strategy)
+    return f, [record_tree(f, t) for t in trees]
+
+
 def main() -> None:
     ap = parser(__doc__, device=False)
+    ap.add_argument("--only", nargs="+", choices=["gru", "treelstm"], default=["gru", "treelstm"])
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--trees", type=int, default=64)
     ap.add_argument("--reps", type=int, default=11)
     args = ap.parse_args()
     setup(args)
     torch.manual_seed(0)
     rng = random.Random(0)
-    seqs = [
-        [rng.randrange(1000) for _ in range(rng.randint(1, args.max_len))]
-        for _ in range(args.sequences)
-    ]
-    model = SeqClassifier(1000, args.hidden)
+    workloads: dict[str, tuple[Any, Any, Any]] = {}
+    if "gru" in args.only:
+        seqs = [
+            [rng.randrange(1000) for _ in range(rng.randint(1, args.max_len))]
+            for _ in range(args.sequences)
+        ]
+        workloads["gru"] = (SeqClassifier(1000, args.hidden), record, seqs)
+    if "treelstm" in args.only:
+        trees = [random_tree(rng, rng.randint(5, 35), 1000) for _ in range(args.trees)]
+        workloads["treelstm"] = (TreeLSTM(1000, args.hidden), tree_record, trees)
+    rows = []
+    for name, (model, rec, data) in workloads.items():
 
-    def run(strategy: str):
-        def go() -> None:
-            f, outs = record(strategy, seqs)
-            model.zero_grad(set_to_none=True)
-            f.apply(model, [outs])[0].sum().backward()
+        def run(strategy: str, model: Any = model, rec: Any = rec, data: Any = data) -> Any:
+            def go() -> None:
+                f, outs = rec(strategy, data)
+                model.zero_grad(set_to_none=True)
+                f.apply(model, [outs])[0].sum().backward()
 
-        return go
+            return go
 
-    ref = {s: record(s, seqs) for s in ("depth", "agenda")}
-    values = {s: f.apply(model, [outs])[0] for s, (f, outs) in ref.items()}
-    torch.testing.assert_close(values["depth"], values["agenda"])
-    times = interleaved({s: run(s) for s in ("depth", "agenda")}, args.reps)
-    rows = [
-        {
-            "strategy": s,
-            "groups": ref[s][0].plan().num_groups,
-            "head groups": sum(1 for r in ref[s][0].last_run if r[1] == "head"),
-            "median_ms": 1e3 * median(times[s]),
-        }
-        for s in ("depth", "agenda")
-    ]
+        ref = {s: rec(s, data) for s in STRATEGIES}
+        values = {s: f.apply(model, [outs])[0] for s, (f, outs) in ref.items()}
+        for s in STRATEGIES[1:]:
+            torch.testing.assert_close(values[s], values["auto"])
+        times = interleaved({s: run(s) for s in STRATEGIES}, args.reps)
+        med = {s: median(times[s]) for s in STRATEGIES}
+        best = min(med["depth"], med["agenda"])
+        for s in STRATEGIES:
+            f = ref[s][0]
+            rows.append(
+                {
+                    "model": name,
+                    "strategy": s,
+                    "groups": f.plan().num_groups,
+                    "median_ms": 1e3 * med[s],
+                    "/best": med[s] / best,
+                }
+            )
     print(
-        f"{args.sequences} sequences of 1-{args.max_len} steps, GRU hidden {args.hidden}, forward+backward"
+        f"forward+backward, hidden {args.hidden}: GRU over {args.sequences} sequences of "
+        f"1-{args.max_len} steps, TreeLSTM over {args.trees} trees of 5-35 leaves; /best: "
+        "against the better of depth and agenda"
     )
-    print(table(rows, ["strategy", "groups", "head groups", "median_ms"]))
+    print(table(rows, ["model", "strategy", "groups", "median_ms", "/best"]))
     print(f"wrote {write_json('agenda', {'args': vars(args), 'rows': rows})}")
 
 

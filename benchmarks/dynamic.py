@@ -1,7 +1,7 @@
 """Dynamic models four ways: eager per example, fold with list arguments (``fold.Ragged``),
 fold without them (the best of the workarounds before lists), and hand-batched code.
 
-    python benchmarks/dynamic.py                          # all four models, 1 thread
+    python benchmarks/dynamic.py                          # all five models, 1 thread
     python benchmarks/dynamic.py --only childsum gnn --reps 15
 
 - ``childsum``: child-sum TreeLSTM over 64 dependency-like trees (0-5 children per node),
@@ -19,6 +19,12 @@ fold without them (the best of the workarounds before lists), and hand-batched c
 - ``gnn``: message passing over 64 graphs of 10-40 nodes (3-5 neighbours each), 3 rounds,
   hidden 128.  Without lists: neighbour lists padded to the largest degree with a zero node
   and a mask.  Hand: all graphs as one block-diagonal edge list, ``index_add`` per round.
+- ``memory``: 8 examples whatever ``--examples`` says, each a memory of 1000 positions
+  (hidden 16) at one of two depths and 200 GRU decoder steps, each step attending over its
+  example's memory.  The graph where the agenda's fewer groups cost more: it runs every
+  step's attention as one group that copies a memory per step (100 MB), where depth reads
+  the memories in place.  One fold column per strategy (no lists).  Hand: the examples in
+  lockstep, one GRU and one attention call per step.
 
 Every fold variant is run with ``strategy="auto"`` (the default), ``"depth"`` and
 ``"agenda"``.  Before timing, each variant is checked against eager per-example code in
@@ -525,6 +531,112 @@ def gnn_hand(model: GraphNet, graphs: list[Graph]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# Decoder steps reading per-example memories (the graph where the agenda's plan copies)
+
+MEMORY_LEN, MEMORY_STEPS, MEMORY_EXAMPLES = 1000, 200, 8
+
+
+class Memory(nn.Module):
+    """Each example encodes a memory of ``MEMORY_LEN`` positions (odd examples through one
+    more layer, so the memories sit at two depths); a GRU decoder runs ``MEMORY_STEPS``
+    steps, and every step's state attends over its example's memory (``use``).  Nothing
+    reads ``use``'s output but the loss, so the agenda lets all of them wait and runs them
+    as one group that gathers one memory per step; depth runs them step by step, reading
+    the memories where they are."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pre_ = nn.Linear(hidden, hidden)
+        self.enc_ = nn.Linear(hidden, hidden)
+        self.cell = nn.GRUCell(hidden, hidden)
+        self.query = nn.Linear(hidden, hidden)
+
+    def pre(self, m: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.pre_(m))
+
+    def enc(self, words: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.enc_(self.embed(words)))
+
+    def start(self, y: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(y))
+
+    def step(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.cell(self.embed(y), h)
+
+    def use(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        weights = torch.bmm(memory, self.query(h)[:, :, None])[:, :, 0].softmax(1)
+        return torch.bmm(weights[:, None], memory)[:, 0]
+
+
+MemoryExample = tuple[torch.Tensor, list[int]]  # memory words (1, MEMORY_LEN), decoder inputs
+
+
+def memory_data(rng: random.Random, vocab: int) -> list[MemoryExample]:
+    """``MEMORY_EXAMPLES`` examples whatever ``--examples`` says: the graph's size is set by
+    its memories and steps."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    return [
+        (
+            torch.randint(vocab, (1, MEMORY_LEN), generator=gen),
+            [rng.randrange(vocab) for _ in range(MEMORY_STEPS + 1)],
+        )
+        for _ in range(MEMORY_EXAMPLES)
+    ]
+
+
+def _memory_of(model: Memory, i: int, words: torch.Tensor) -> torch.Tensor:
+    m = model.enc(words)
+    return model.pre(m) if i % 2 else m
+
+
+def memory_eager(model: Memory, data: list[MemoryExample]) -> torch.Tensor:
+    outs = []
+    for i, (words, ys) in enumerate(data):
+        memory = _memory_of(model, i, words)
+        h = model.start(torch.tensor(ys[:1]))
+        for y in ys[1:]:
+            h = model.step(h, torch.tensor([y]))
+            outs.append(model.use(h, memory))
+    return torch.cat(outs)
+
+
+def memory_fold(ragged: bool, strategy: str) -> Callable[..., torch.Tensor]:
+    def run(model: Memory, data: list[MemoryExample]) -> torch.Tensor:
+        f = fold.Fold(strategy=strategy)
+        add = f.add
+        outs = []
+        for i, (words, ys) in enumerate(data):
+            memory = add("enc", words)
+            if i % 2:
+                memory = add("pre", memory)
+            h = add("start", ys[0])
+            for y in ys[1:]:
+                h = add("step", h, y)
+                outs.append(add("use", h, memory))
+        return f.apply(model, [outs])[0]
+
+    return run
+
+
+def memory_hand(model: Memory, data: list[MemoryExample]) -> torch.Tensor:
+    """The examples in lockstep (they have the same number of steps): the memories encoded
+    in one call, the odd ones' extra layer in another, then per step one GRU call and one
+    attention call over all examples."""
+    words = torch.cat([w for w, _ in data])
+    memory = model.enc(words)
+    odd = torch.arange(1, len(data), 2)
+    memory = memory.index_copy(0, odd, model.pre(memory.index_select(0, odd)))
+    ys = torch.tensor([y for _, y in data])
+    h = model.start(ys[:, 0])
+    outs = []
+    for t in range(1, ys.shape[1]):
+        h = model.step(h, ys[:, t])
+        outs.append(model.use(h, memory))
+    return torch.stack(outs, 1).reshape(-1, h.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
 # Driver
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -559,6 +671,14 @@ MODELS: dict[str, dict[str, Any]] = {
         "fold": gnn_fold,
         "hand": gnn_hand,
         "hidden": (128,),
+    },
+    "memory": {
+        "make": lambda hidden: Memory(100, hidden),
+        "data": lambda rng, n: memory_data(rng, 100),
+        "eager": memory_eager,
+        "fold": memory_fold,
+        "hand": memory_hand,
+        "hidden": (16,),
     },
 }
 
@@ -613,7 +733,7 @@ def main() -> None:
         variants = {"hand": spec["hand"]}
         for strategy in STRATEGIES:
             variants[f"ragged/{strategy}"] = spec["fold"](True, strategy)
-            if name != "spinn":
+            if name not in ("spinn", "memory"):
                 variants[f"without/{strategy}"] = spec["fold"](False, strategy)
         check(spec, spec["hidden"][0], data, variants)
         for hidden in spec["hidden"]:

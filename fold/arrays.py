@@ -162,6 +162,8 @@ class GraphArrays:
         self.node_type = node_type
         self.count: list[int] = list(map(len, memos))
         self.plans: dict[Any, Any] = {}
+        # What applies of the object being applied have shown (``fold.scheduler.auto``).
+        self.facts: Any = None
         self._handles: dict[int, list[int]] = {}
         self._first: dict[int, int] | None = None
         self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None

@@ -44,6 +44,7 @@ from fold.ops import (
     resolve_op,
 )
 from fold.ragged import ModelRagged, Ragged, element_shapes
+from fold.scheduler.auto import facts_of
 from fold.scheduler.chain import whole_output
 from fold.scheduler.plan import Input, Plan
 from fold.values import How, Recipe, Values
@@ -153,6 +154,11 @@ class Executor:
         # (op, list argument position) -> (element shape, dtype), as the last group with
         # elements gave them, kept with obj across applies (see element_shapes).
         self._elements = element_shapes(obj)
+        # Bytes of a node's row per output, per signature, for auto's plan estimates.
+        facts = facts_of(obj)
+        facts.device = self.device.type
+        self._row_bytes = facts.row_bytes
+        self._sized: set[int] = set()
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -290,6 +296,11 @@ class Executor:
             else:
                 values.append(self._literal(k, p))
         outs = self._call(step, op, values, plans, n, alone)
+        if sid not in self._sized:
+            self._sized.add(sid)
+            self._row_bytes[a.signatures[sid]] = tuple(
+                [o.numel() * o.element_size() // (n * self.models) for o in outs]
+            )
         v.add_sources(outs, alone, members)
 
     def _plan_list(

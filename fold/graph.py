@@ -211,7 +211,8 @@ class Fold:
 
     Args:
         strategy: the scheduler. ``"auto"`` (default) takes the depth schedule, or the
-            agenda's where that makes fewer groups (see ``fold.scheduler.auto``);
+            agenda's where that is estimated to cost less: fewer groups, unless its groups
+            copy more (see ``fold.scheduler.auto``);
             ``"depth"`` groups same-signature nodes at equal depth; ``"agenda"`` runs ready
             nodes DyNet-style, merging same-signature nodes of different depths (e.g. a
             classifier on sequences of different lengths) into fewer groups, at a higher

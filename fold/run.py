@@ -22,6 +22,7 @@ from fold.errors import FoldError, describe, op_name
 from fold.executor import Executor, ModelBatched
 from fold.node import Node, UnfoldNode
 from fold.scheduler import Plan, make_plan
+from fold.scheduler.auto import facts_of
 
 __all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
 
@@ -89,6 +90,7 @@ def _apply(
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return _apply(fold, obj, lists, max_rows, max_bytes, None)
     specs = classify_lists(lists)
+    arrays.facts = facts_of(obj)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
     chunk = obj.fold_chunk() if isinstance(obj, ModelBatched) else None

@@ -257,3 +257,114 @@ def test_auto_remembers_its_choice_per_model(monkeypatch) -> None:
     assert planned == []
     auto_schedule(graph())  # the RECHECK-th graph after the choice: both planned again
     assert planned == [1]
+
+
+def test_plan_cost_counts_groups_copied_bytes_and_repeated_reads() -> None:
+    """plan_cost: groups at GROUP each; a column read in place (a whole source in order)
+    costs nothing more; a column with rows read twice is copied whole, and its repeats cost
+    REPEAT on top."""
+    from fold.scheduler import auto
+
+    def graph(reads):
+        f = fold.Fold()
+        enc = [f.add("enc", torch.ones(1, 2)) for _ in range(4)]
+        for k, i in enumerate(reads):
+            f.add("use", enc[i], k)
+        return f.snapshot()
+
+    in_order, repeats = graph([0, 1, 2, 3]), graph([0, 1, 0, 1])
+    enc_sig, use_sig = in_order.signatures
+    facts = auto.Facts(row_bytes={enc_sig: (1000,), use_sig: (8,)})
+    group_s, copy_s, repeat_s = auto.COSTS["cpu"]
+    cost, known = auto.plan_cost(in_order, depth_schedule(in_order), facts)
+    assert known and cost == pytest.approx(2 * group_s, rel=1e-12)
+    cost, known = auto.plan_cost(repeats, depth_schedule(repeats), facts)
+    want = 2 * group_s + 4 * 1000 * copy_s + 2 * 1000 * repeat_s
+    assert known and cost == pytest.approx(want, rel=1e-12)
+    # Unmeasured sizes count DEFAULT_ROW_BYTES and say so.
+    cost, known = auto.plan_cost(repeats, depth_schedule(repeats), auto.Facts())
+    rows = auto.DEFAULT_ROW_BYTES
+    assert not known and cost == pytest.approx(
+        2 * group_s + 4 * rows * copy_s + 2 * rows * repeat_s, rel=1e-12
+    )
+
+
+class _Memory(nn.Module):
+    """Decoder steps that each attend over their example's memory (benchmarks/dynamic.py's
+    memory graph, small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.enc_ = nn.Linear(4, 4)
+        self.cell = nn.GRUCell(4, 4)
+
+    def enc(self, words):
+        return torch.tanh(self.enc_(self.embed(words)))
+
+    def start(self, y):
+        return self.cell(self.embed(y))
+
+    def step(self, h, y):
+        return self.cell(self.embed(y), h)
+
+    def use(self, h, memory):
+        weights = torch.bmm(memory, h[:, :, None])[:, :, 0].softmax(1)
+        return torch.bmm(weights[:, None], memory)[:, 0]
+
+
+def test_auto_takes_depth_where_the_agenda_would_copy_memories_once_sizes_are_known() -> None:
+    """The agenda merges every step's ``use`` into one group with fewer groups in all, but
+    that group copies a memory per step.  Before any apply the rows count a default size
+    and auto takes the agenda; the apply measures the memory's rows, and from then on auto
+    takes depth and remembers it.  Every apply equals eager, values and gradients."""
+    torch.manual_seed(0)
+    model = _Memory().double()
+    rng = random.Random(0)
+    data = [
+        (torch.randint(10, (1, 2000)), [rng.randrange(10) for _ in range(21)]) for _ in range(4)
+    ]
+
+    def eager():
+        outs = []
+        for words, ys in data:
+            memory = model.enc(words)
+            h = model.start(torch.tensor(ys[:1]))
+            for y in ys[1:]:
+                h = model.step(h, torch.tensor([y]))
+                outs.append(model.use(h, memory))
+        return torch.cat(outs)
+
+    def batched():
+        f = fold.Fold()
+        outs = []
+        for words, ys in data:
+            memory = f.add("enc", words)
+            h = f.add("start", ys[0])
+            for y in ys[1:]:
+                h = f.add("step", h, y)
+                outs.append(f.add("use", h, memory))
+        (out,) = f.apply(model, [outs])
+        snap = f.snapshot()
+        return out, f, depth_schedule(snap).num_groups, agenda_schedule(snap).num_groups
+
+    def grads(out):
+        model.zero_grad()
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = eager()
+    want_g = grads(want)
+    used = []
+    for _ in range(3):
+        out, f, depth_groups, agenda_groups = batched()
+        assert agenda_groups < depth_groups
+        used.append(len(f.last_run))
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads(out), want_g):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert used == [agenda_groups, depth_groups, depth_groups]
+    from fold.scheduler import auto
+
+    ((chosen, _since),) = auto.facts_of(model).chosen.values()
+    assert chosen is depth_schedule

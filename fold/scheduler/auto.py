@@ -1,37 +1,111 @@
-"""The default schedule, ``strategy="auto"``: depth, or the agenda where it makes fewer groups.
+"""The default schedule, ``strategy="auto"``: depth or the agenda, whichever is estimated to
+cost less.
 
-Both schedules run every node once, so they do the same arithmetic; what differs is how many
-batched calls (groups) that work is split into, and every group costs a fixed amount
-(argument gathers, the op's own kernel launches, their backward), 0.3-3 ms on a CPU for the
-models of ``benchmarks/dynamic.py``.  So:
+Both schedules run every node once, so they do the same arithmetic.  What differs is how
+many batched calls (groups) the work is split into, and how much data the argument columns
+of those groups copy:
+
+- every group costs a fixed amount: its argument gathers, the op's own kernel launches,
+  their backward (0.3-3 ms on a CPU for the models of ``benchmarks/dynamic.py``, tens of
+  microseconds for one small layer);
+- a column that is not one earlier group's output in order (or a contiguous run of it) is
+  copied: a ``cat`` of pieces or an ``index_select`` from a value table, and its gradient
+  is scattered back in backward;
+- a column that reads one source row several times (decoder steps reading their example's
+  memory) materialises every copy: the group's working set grows with the readers, not with
+  the data, and its backward accumulates the copies one by one.  The agenda makes such
+  groups where it merges nodes of many steps: 1600 steps reading eight (1000, 16) memories
+  become one group of 100 MB, where depth's groups read the eight memories in place.
+
+So a plan's cost is estimated as (:func:`plan_cost`)::
+
+    groups * GROUP + bytes copied * COPY + bytes copied more than once * REPEAT
+
+with per-device constants (``COSTS``; the CPU's measured on ``benchmarks/dynamic.py``'s
+memory graph, the GPU's from launch latency and memory bandwidth).  Bytes per row of each
+signature's outputs come from earlier applies of the same object (the executor records
+them in :class:`Facts`, kept with the object); before the first apply every row counts
+``DEFAULT_ROW_BYTES``.  The estimate costs a few array operations over the graph's edges
+(about 1 ms for 10k edges), no Python work per node.
+
+The rule:
 
 1. plan by depth (cheap: a sort, about 0.5 ms for 5k nodes);
-2. if that plan has one group per signature, no schedule can have fewer: take it (trees
-   with list arguments, message passing, MNIST);
-3. else plan the agenda too, and take it if it has fewer groups; on a tie, depth.
+2. if that plan has one group per signature, no schedule can have fewer, and depth reads
+   every column from its source in order where one exists: take it (trees with list
+   arguments, message passing, MNIST);
+3. else plan the agenda too, estimate both, and take the agenda where it costs less; on a
+   tie, depth.
 
-Step 3 costs the agenda's planning (2-16 ms for 1k-8k nodes: +7% on a TreeLSTM batch at
-hidden 32, where depth is already optimal), so its outcome is remembered per model: graphs
-of the same signatures (ops and argument kinds) take the remembered schedule, and step 3
-runs again every ``RECHECK``-th such graph, in case the graphs changed character.  So in a
-training loop ``auto`` costs the chosen schedule's planning plus, amortised, 1/``RECHECK`` of
-the other's.  The rule's figures (``auto`` against the better of depth and agenda on each
-model) are in docs/benchmarks.md.
+Step 3 costs the agenda's planning and two estimates (2-16 ms for 1k-8k nodes), so its
+outcome is remembered per model: graphs of the same signatures (ops and argument kinds)
+applied to the same object take the remembered schedule, and step 3 runs again every
+``RECHECK``-th such graph, in case the graphs changed character.  A choice made while some
+signature's row size was still unknown is not remembered: the next graph decides again with
+the sizes the first apply measured.  So in a training loop ``auto`` costs the chosen
+schedule's planning plus, amortised, 1/``RECHECK`` of the other's.  The rule's figures
+(``auto`` against the better of depth and agenda on each model) are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from fold._encoding import LIST, NODE, OUT_MASK, list_handles, list_lengths, node_id
 from fold.scheduler.agenda import agenda_schedule
 from fold.scheduler.depth import depth_schedule
 from fold.scheduler.plan import GraphView, Plan
 
-__all__ = ["RECHECK", "auto_schedule", "group_count"]
+__all__ = [
+    "COSTS",
+    "DEFAULT_ROW_BYTES",
+    "RECHECK",
+    "Facts",
+    "auto_schedule",
+    "facts_of",
+    "group_count",
+    "plan_cost",
+]
 
 RECHECK = 32
-# signatures of a graph -> [the schedule step 3 chose, graphs planned with it since]
+# Seconds per group, per byte copied, per byte copied again (a repeated read), by device
+# type.  CPU: on benchmarks/dynamic.py's memory graph, one thread, forward and backward
+# (pieces cost about 0.4 ns a byte; the agenda's repeated reads 1.5 ns more).  GPU: about
+# ten kernel launches a group, copies at about 1 TB/s; not measured here.
+COSTS = {"cpu": (50e-6, 0.5e-9, 1.5e-9), "cuda": (30e-6, 1e-12, 3e-12)}
+DEFAULT_ROW_BYTES = 512
+# Graphs planned without an object (Fold.plan(), a hand-built graph): signatures -> [the
+# schedule step 3 chose, graphs planned with it since].
 _CHOSEN: dict[Any, list[Any]] = {}
+
+
+@dataclass(eq=False)
+class Facts:
+    """What applies of one object have shown, for ``auto``: per signature ``(op, kinds)``
+    the bytes of one node's row of each output, the device type, and the choices made."""
+
+    row_bytes: dict[Any, tuple[int, ...]] = field(default_factory=dict)
+    device: str = "cpu"
+    chosen: dict[Any, list[Any]] = field(default_factory=dict)
+
+
+_FACTS: weakref.WeakKeyDictionary[Any, Facts] = weakref.WeakKeyDictionary()
+
+
+def facts_of(obj: Any) -> Facts:
+    """The facts kept with ``obj`` (fresh ones for this apply alone where ``obj`` cannot be
+    weakly referenced)."""
+    try:
+        got = _FACTS.get(obj)
+        if got is None:
+            got = _FACTS[obj] = Facts()
+        return got
+    except TypeError:
+        return Facts()
 
 
 def group_count(plan: Plan) -> int:
@@ -39,22 +113,106 @@ def group_count(plan: Plan) -> int:
     return sum(len(step.groups) for step in plan.steps)
 
 
+def plan_cost(a: GraphView, plan: Plan, facts: Facts | None = None) -> tuple[float, bool]:
+    """The estimated seconds of ``plan`` (forward and backward, see above), and whether every
+    signature's row size was known.  A graph without recorded columns (an ``ArrayGraph``)
+    is estimated by its groups alone."""
+    group_s, copy_s, repeat_s = COSTS.get(facts.device if facts else "cpu", COSTS["cpu"])
+    groups = [g.nodes for step in plan.steps for g in step.groups]
+    cost = len(groups) * group_s
+    signatures = getattr(a, "signatures", None)
+    if signatures is None or not groups or a.n == 0:
+        return cost, True
+    sizes = np.fromiter(map(len, groups), np.int64, len(groups))
+    gid = np.empty(a.n, np.int64)
+    pos = np.empty(a.n, np.int64)
+    members = np.concatenate([np.asarray(g, np.int64) for g in groups])
+    gid[members] = np.repeat(np.arange(len(groups)), sizes)
+    pos[members] = np.arange(len(members)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    table, known = _row_bytes(signatures, facts)
+
+    # Every read of a node value by a group: (column key, source node, output index), a
+    # column being one argument position of one group.
+    keys, srcs, outs = [], [], []
+    offset = 0
+    for sid, (_op, kinds) in enumerate(signatures):
+        if NODE not in kinds and LIST not in kinds:
+            continue
+        cols, node_js, _hmat, decoded = a.columns(sid)
+        cg = gid[a.ids(sid)]
+        if node_js:
+            width = len(node_js)
+            keys.append((cg[:, None] * width + np.arange(width)).ravel() + offset)
+            srcs.append(decoded[0].ravel())
+            outs.append(decoded[1].ravel())
+            offset += len(groups) * width
+        for j, k in enumerate(kinds):
+            if k == LIST:
+                h = list_handles(cols[j])
+                keys.append(np.repeat(cg, list_lengths(cols[j])) + offset)
+                srcs.append(node_id(h))
+                outs.append(h & OUT_MASK)
+                offset += len(groups)
+    if not keys:
+        return cost, known
+    key, src, out = np.concatenate(keys), np.concatenate(srcs), np.concatenate(outs)
+    if not len(key):
+        return cost, known
+    nbytes = table[a.sig[src], np.minimum(out, table.shape[1] - 1)]
+    read = src * (OUT_MASK + 1) + out
+    order = np.lexsort((read, key))
+    key, read, nbytes, src = key[order], read[order], nbytes[order], src[order]
+    new = np.empty(len(key), bool)
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    again = ~new
+    again[1:] &= read[1:] == read[:-1]  # the column read this row already
+    rows = np.diff(np.append(starts, len(key)))
+    sg, sp = gid[src], pos[src]
+    one_source = np.minimum.reduceat(sg, starts) == np.maximum.reduceat(sg, starts)
+    span = np.maximum.reduceat(sp, starts) - np.minimum.reduceat(sp, starts) + 1
+    repeats = np.add.reduceat(again, starts)
+    in_place = one_source & (repeats == 0) & (span == rows)  # a narrow, or a whole source
+    copied = float(np.add.reduceat(nbytes, starts)[~in_place].sum())
+    repeated = float(nbytes[again].sum())
+    return cost + copied * copy_s + repeated * repeat_s, known
+
+
+def _row_bytes(signatures: list[Any], facts: Facts | None) -> tuple[np.ndarray, bool]:
+    """Per signature and output index, the bytes of one node's row (``DEFAULT_ROW_BYTES``
+    where no apply measured it); and whether every signature was measured."""
+    if facts is None:
+        return np.full((len(signatures), 1), DEFAULT_ROW_BYTES, np.float64), True
+    got = [facts.row_bytes.get(s) for s in signatures]
+    width = max((len(g) for g in got if g), default=1)
+    table = np.full((len(signatures), width), DEFAULT_ROW_BYTES, np.float64)
+    for sid, g in enumerate(got):
+        if g:
+            table[sid, : len(g)] = g
+    return table, all(got)
+
+
 def auto_schedule(a: GraphView) -> Plan:
-    """Plan ``a`` by depth, or by the agenda where that makes fewer groups (see above)."""
+    """Plan ``a`` by depth, or by the agenda where that is estimated to cost less (see
+    above)."""
+    facts: Facts | None = getattr(a, "facts", None)
     sigs = getattr(a, "signatures", None)  # a recorded graph's; a hand-built one has none
     key = tuple(sigs) if sigs is not None else None
-    known = _CHOSEN.get(key) if key is not None else None
+    chosen = facts.chosen if facts is not None else _CHOSEN
+    known = chosen.get(key) if key is not None else None
     if known is not None and known[1] < RECHECK:
         known[1] += 1
         return known[0](a)
     plan = depth_schedule(a)
-    groups = group_count(plan)
-    if groups <= len(a.count):  # one group per signature: nothing left to merge
+    if group_count(plan) <= len(a.count):  # one group per signature: nothing left to merge
         return plan
     other = agenda_schedule(a)
-    better = group_count(other) < groups
-    if key is not None:
-        if len(_CHOSEN) > 256:
-            _CHOSEN.clear()
-        _CHOSEN[key] = [agenda_schedule if better else depth_schedule, 0]
+    depth_cost, sized = plan_cost(a, plan, facts)
+    agenda_cost, _ = plan_cost(a, other, facts)
+    better = agenda_cost < depth_cost
+    if key is not None and sized:
+        if len(chosen) > 256:
+            chosen.clear()
+        chosen[key] = [agenda_schedule if better else depth_schedule, 0]
     return other if better else plan
