@@ -2,12 +2,18 @@
 
    fold.graph generates, per argument pattern, a Python recorder (see _recorder_source).  A
    Recorder here runs the first branch of that function for patterns whose arguments are
-   nodes, Python ints/floats/bools and lists of nodes (no literal tensors): it checks the
+   nodes, Python ints/floats/bools, lists of nodes and literal tensors: it checks the
    argument types, builds the same memo key the Python recorder builds (packed int64 bytes
    where every argument is a node; otherwise a tuple of plain ints, the numbers themselves,
-   and the bytes of each list's int64 handles), looks the node up in the same memo dict,
-   records it if new (depth one step after the deepest node argument, id from the Fold's
-   shared counter) and returns the handle, whole or split.
+   the bytes of each list's int64 handles and each tensor's id), looks the node up in the
+   same memo dict, records it if new (depth one step after the deepest node argument, id
+   from the Fold's shared counter) and returns the handle, whole or split.
+
+   With literal tensors the memo is the one of the tensors' shapes and dtypes: ``sigs`` maps
+   (shape, dtype, ...) of the tensors, in argument order, to (memo, targs), and a new node's
+   arguments go to targs as the Python recorder appends them (the key, each tensor in place
+   of its id).  Shapes not in ``sigs`` yet (a new signature, or a tensor that is no batch of
+   one) are the Python recorder's.
 
    Everything else (another type or arity, keywords, a list holding anything but this Fold's
    nodes, a float zero, a handle or depth beyond int64) is handed to the Python recorder
@@ -27,6 +33,7 @@
 #define K_FLOAT 2
 #define K_BOOL 3
 #define K_LIST 4
+#define K_TENSOR 5
 #define MAX_ARGS 64
 #define DEPTH_SHIFT 44
 #define ID_SHIFT 16
@@ -37,7 +44,8 @@ typedef struct {
     PyObject *fallback; /* the Python recorder of the same pattern and state */
     PyObject *types;    /* tuple: the exact type of each argument */
     PyObject *node_type;
-    PyObject *memo;     /* dict: key -> handle (a plain int) */
+    PyObject *memo;     /* dict: key -> handle (a plain int); unused with tensors */
+    PyObject *sigs;     /* with literal tensors, dict: shapes and dtypes -> (memo, targs) */
     PyObject *ids;      /* iterator of node ids, shared by the Fold's recorders */
     PyObject *name;
     PyObject *weakrefs;
@@ -45,8 +53,11 @@ typedef struct {
     Py_ssize_t nargs;
     int outputs;        /* 0: a whole node; n: a tuple of n outputs */
     int packed;         /* all arguments nodes: one bytes key */
+    int tensors;        /* how many literal tensor arguments */
     unsigned char kinds[MAX_ARGS];
 } Recorder;
+
+static PyObject *str_shape, *str_dtype;
 
 static PyObject *
 fall_back(Recorder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -118,24 +129,33 @@ make_node(PyObject *node_type, int64_t h)
     return node;
 }
 
-static PyObject *
-recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+/* A new node's arguments as the Python recorder appends them to targs: its key, each
+   tensor in place of its id. */
+static int
+append_row(Recorder *self, PyObject *const *args, PyObject *key, PyObject *targs)
 {
-    Recorder *self = (Recorder *)op;
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (self->fallback == NULL || self->types == NULL || self->node_type == NULL ||
-        self->memo == NULL || self->ids == NULL) {
-        /* tp_clear ran (the collector, or gc.get_objects() and a caller of tp_clear). */
-        PyErr_SetString(PyExc_ReferenceError, "fold: this recorder was cleared; its Fold is "
-                                              "gone. Fix: record with a live Fold's add/op.");
-        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(key);
+    PyObject *row = PyTuple_New(n);
+    if (row == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = self->kinds[i] == K_TENSOR ? args[i] : PyTuple_GET_ITEM(key, i);
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(row, i, v);
     }
-    if (kwnames != NULL || n != self->nargs)
-        return fall_back(self, args, nargsf, kwnames);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if ((PyObject *)Py_TYPE(args[i]) != PyTuple_GET_ITEM(self->types, i))
-            return fall_back(self, args, nargsf, kwnames);
+    int bad = PyList_Append(targs, row);
+    Py_DECREF(row);
+    return bad;
+}
 
+/* The memo key of a call whose types were checked, looked up in memo (and the node recorded
+   there, its arguments appended to targs where targs is not NULL): the handle, whole or
+   split. */
+static PyObject *
+record_in(Recorder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+          PyObject *memo, PyObject *targs)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     int64_t deepest = -1; /* as the Python recorder's max(), -1 standing for "no node" */
     PyObject *key;
     if (self->packed) {
@@ -189,6 +209,13 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
                     ok = 0;
                 }
                 break;
+            case K_TENSOR: /* keyed by identity, as id() */
+                part = PyLong_FromVoidPtr(a);
+                if (part == NULL) {
+                    Py_DECREF(key);
+                    return NULL;
+                }
+                break;
             default: /* int, bool: the number itself */
                 Py_INCREF(a);
                 part = a;
@@ -210,7 +237,7 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         Py_DECREF(key);
         return fall_back(self, args, nargsf, kwnames);
     }
-    PyObject *found = PyDict_GetItemWithError(self->memo, key);
+    PyObject *found = PyDict_GetItemWithError(memo, key);
     int64_t h;
     if (found != NULL) {
         int ok = 1;
@@ -245,7 +272,8 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             Py_XDECREF(shift);
             Py_XDECREF(hi);
             Py_DECREF(id_obj);
-            if (hv == NULL || PyDict_SetItem(self->memo, key, hv) < 0) {
+            if (hv == NULL || PyDict_SetItem(memo, key, hv) < 0 ||
+                (targs != NULL && append_row(self, args, key, targs) < 0)) {
                 Py_XDECREF(hv);
                 Py_DECREF(key);
                 return NULL;
@@ -258,12 +286,16 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         Py_DECREF(id_obj);
         h = ((((deepest >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)) | (id << ID_SHIFT);
         PyObject *hv = PyLong_FromLongLong(h);
-        if (hv == NULL || PyDict_SetItem(self->memo, key, hv) < 0) {
+        if (hv == NULL || PyDict_SetItem(memo, key, hv) < 0) {
             Py_XDECREF(hv);
             Py_DECREF(key);
             return NULL;
         }
         Py_DECREF(hv);
+        if (targs != NULL && append_row(self, args, key, targs) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
         Py_DECREF(key);
     }
     if (self->outputs == 0)
@@ -284,15 +316,74 @@ recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
 }
 
 static PyObject *
+recorder_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Recorder *self = (Recorder *)op;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (self->fallback == NULL || self->types == NULL || self->node_type == NULL ||
+        self->memo == NULL || self->ids == NULL || (self->tensors && self->sigs == NULL)) {
+        /* tp_clear ran (the collector, or gc.get_objects() and a caller of tp_clear). */
+        PyErr_SetString(PyExc_ReferenceError, "fold: this recorder was cleared; its Fold is "
+                                              "gone. Fix: record with a live Fold's add/op.");
+        return NULL;
+    }
+    if (kwnames != NULL || n != self->nargs)
+        return fall_back(self, args, nargsf, kwnames);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)Py_TYPE(args[i]) != PyTuple_GET_ITEM(self->types, i))
+            return fall_back(self, args, nargsf, kwnames);
+    if (!self->tensors)
+        return record_in(self, args, nargsf, kwnames, self->memo, NULL);
+
+    /* The tensors' shapes and dtypes, flat in argument order: the key of sigs. */
+    PyObject *shapes = PyTuple_New(2 * self->tensors);
+    if (shapes == NULL)
+        return NULL;
+    Py_ssize_t t = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (self->kinds[i] != K_TENSOR)
+            continue;
+        PyObject *shape = PyObject_GetAttr(args[i], str_shape);
+        PyObject *dtype = shape ? PyObject_GetAttr(args[i], str_dtype) : NULL;
+        if (dtype == NULL) {
+            Py_XDECREF(shape);
+            Py_DECREF(shapes);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shapes, t++, shape);
+        PyTuple_SET_ITEM(shapes, t++, dtype);
+    }
+    PyObject *entry = PyDict_GetItemWithError(self->sigs, shapes); /* borrowed */
+    Py_DECREF(shapes);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return fall_back(self, args, nargsf, kwnames); /* a new signature: Python's */
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
+        !PyList_CheckExact(PyTuple_GET_ITEM(entry, 1)))
+        return fall_back(self, args, nargsf, kwnames);
+    /* Owned while the key is built and looked up: nothing in sigs may go meanwhile. */
+    Py_INCREF(entry);
+    PyObject *out = record_in(self, args, nargsf, kwnames, PyTuple_GET_ITEM(entry, 0),
+                              PyTuple_GET_ITEM(entry, 1));
+    Py_DECREF(entry);
+    return out;
+}
+
+static PyObject *
 recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"fallback", "kinds", "types", "node_type", "memo", "ids",
-                            "outputs", "code", "name", NULL};
+                            "outputs", "code", "name", "sigs", NULL};
     PyObject *fallback, *kinds, *types, *node_type, *memo, *ids, *outputs, *name;
+    PyObject *sigs = NULL;
     long long code;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OO!OOLU", names, &fallback,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OO!OOLU|O!", names, &fallback,
                                      &PyTuple_Type, &kinds, &PyTuple_Type, &types, &node_type,
-                                     &PyDict_Type, &memo, &ids, &outputs, &code, &name))
+                                     &PyDict_Type, &memo, &ids, &outputs, &code, &name,
+                                     &PyDict_Type, &sigs))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(kinds);
     if (n < 1 || n > MAX_ARGS || PyTuple_GET_SIZE(types) != n) {
@@ -318,15 +409,15 @@ recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->fallback = self->types = self->node_type = self->memo = self->ids = NULL;
-    self->name = self->weakrefs = NULL;
-    int packed = 1;
+    self->name = self->weakrefs = self->sigs = NULL;
+    int packed = 1, tensors = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
-        if (k < K_NODE || k > K_LIST) {
+        if (k < K_NODE || k > K_TENSOR) {
             Py_DECREF(self);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "Recorder: a kind of node, int, float, "
-                                                  "bool or list");
+                                                  "bool, list or tensor");
             return NULL;
         }
         /* Each kind's argument type: what recorder_call compares exactly, and what its
@@ -337,7 +428,8 @@ recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                    : k == K_INT   ? t == (PyObject *)&PyLong_Type
                    : k == K_FLOAT ? t == (PyObject *)&PyFloat_Type
                    : k == K_BOOL  ? t == (PyObject *)&PyBool_Type
-                                  : t == (PyObject *)&PyList_Type;
+                   : k == K_LIST  ? t == (PyObject *)&PyList_Type
+                                  : PyType_Check(t); /* a tensor: any type, compared exactly */
         if (!fits) {
             Py_DECREF(self);
             PyErr_Format(PyExc_TypeError, "Recorder: argument %zd's type does not fit its kind "
@@ -346,6 +438,13 @@ recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         self->kinds[i] = (unsigned char)k;
         packed &= k == K_NODE;
+        tensors += k == K_TENSOR;
+    }
+    if (tensors && sigs == NULL) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_TypeError, "Recorder: literal tensors need sigs, the dict of "
+                                         "their shapes and dtypes -> (memo, targs)");
+        return NULL;
     }
     self->vectorcall = recorder_call;
     Py_INCREF(fallback);
@@ -364,6 +463,9 @@ recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->nargs = n;
     self->outputs = out_n;
     self->packed = packed;
+    self->tensors = tensors;
+    Py_XINCREF(sigs);
+    self->sigs = sigs;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -376,6 +478,7 @@ recorder_traverse(Recorder *self, visitproc visit, void *arg)
     Py_VISIT(self->node_type);
     Py_VISIT(self->memo);
     Py_VISIT(self->ids);
+    Py_VISIT(self->sigs);
     return 0;
 }
 
@@ -387,6 +490,7 @@ recorder_clear(Recorder *self)
     Py_CLEAR(self->node_type);
     Py_CLEAR(self->memo);
     Py_CLEAR(self->ids);
+    Py_CLEAR(self->sigs);
     Py_CLEAR(self->name);
     return 0;
 }
@@ -466,7 +570,8 @@ static PyTypeObject RecorderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fold._crecord.Recorder",
     .tp_doc = PyDoc_STR("Recorder(fallback, kinds, types, node_type, memo, ids, outputs, "
-                        "code, name): a generated recorder's fast path (see fold.graph)."),
+                        "code, name, sigs=None): a generated recorder's fast path (see "
+                        "fold.graph)."),
     .tp_basicsize = sizeof(Recorder),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = recorder_new,
@@ -492,6 +597,10 @@ PyMODINIT_FUNC
 PyInit__crecord(void)
 {
     if (PyType_Ready(&RecorderType) < 0)
+        return NULL;
+    str_shape = PyUnicode_InternFromString("shape");
+    str_dtype = PyUnicode_InternFromString("dtype");
+    if (str_shape == NULL || str_dtype == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

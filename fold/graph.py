@@ -58,8 +58,10 @@ _MISSING = object()
 
 # The C fast path of the generated recorders (fold/_crecord.c), where it was compiled at
 # install (setup.py builds it as an optional extension): it runs the first branch of a
-# recorder for node, number and list arguments and hands every other call to the Python
-# recorder, so both give the same graph.  FOLD_RECORDER=python records without it.
+# recorder for node, number, list and literal tensor arguments and hands every other call
+# to the Python recorder, so both give the same graph.  FOLD_RECORDER=python records
+# without it.  Its kind of a literal tensor argument (TENSOR here is a string):
+_C_TENSOR = 5
 try:
     from fold._crecord import Recorder as _CRecorder
 except ImportError:  # not compiled: the generated Python recorders alone
@@ -361,11 +363,17 @@ class Fold:
             tail += (struct.Struct(f"{len(kinds)}q").pack, _too_deep)
         fn = make(_MISSING, self._ids, T, code, generic, float_key, *types, *convs, *checks, *tail)
         fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
-        if _CRecorder is not None and not convs and TENSOR not in kinds and 0 < len(kinds) <= 64:
+        if _CRecorder is not None and not convs and 0 < len(kinds) <= 64:
             if all(t is list for t, k in zip(types, kinds) if k == LIST):
-                fn = _CRecorder(
-                    fn, tuple(kinds), types, T, tail[0], self._ids, outputs, code, fn.__name__
-                )
+                if TENSOR in kinds:  # the memo of the tensors' shapes: in sigs (tail[0])
+                    c_kinds = tuple(_C_TENSOR if k == TENSOR else k for k in kinds)
+                    fn = _CRecorder(
+                        fn, c_kinds, types, T, {}, self._ids, outputs, code, fn.__name__, tail[0]
+                    )
+                else:
+                    fn = _CRecorder(
+                        fn, tuple(kinds), types, T, tail[0], self._ids, outputs, code, fn.__name__
+                    )
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
             self._by_op.clear()

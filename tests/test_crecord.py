@@ -230,3 +230,57 @@ def test_recorder_constructor_checks_kinds_against_types(kinds: Any, types: Any)
     f = fold.Fold()
     with pytest.raises(TypeError, match="does not fit its kind"):
         C(lambda *a: None, kinds, types, f._node_type, {}, iter(range(9)), None, 0, "x")
+
+
+@pytest.mark.skipif(C is None, reason="fold._crecord not built")
+def test_a_tensor_recorder_needs_its_sigs_and_refuses_calls_once_cleared() -> None:
+    f = fold.Fold()
+    with pytest.raises(TypeError, match="need sigs"):
+        C(lambda *a: None, (5,), (torch.Tensor,), f._node_type, {}, iter(range(9)), None, 0, "x")
+    f.add("embed", torch.ones(1, 2))
+    (rec,) = f._by_op.values()
+    assert type(rec) is C
+    rec._clear()
+    with pytest.raises(ReferenceError, match="cleared"):
+        rec(torch.ones(1, 2))
+
+
+@pytest.mark.skipif(C is None, reason="fold._crecord not built")
+def test_c_recorder_of_literal_tensors(monkeypatch: Any) -> None:
+    """Literal tensors on the C path: keyed by identity within the signature of their shapes
+    and dtypes; a new shape or dtype makes its signature (through the Python recorder); a
+    tensor that is no batch of one is the Python recorder's FoldError.  Handles, signatures,
+    memos and recorded arguments (tensors in place) equal the Python path's."""
+    a, b = torch.zeros(1, 3), torch.zeros(1, 3)
+    wide, double = torch.zeros(1, 4), torch.zeros(1, 3, dtype=torch.float64)
+
+    def run(c: bool) -> tuple[Any, ...]:
+        monkeypatch.setattr(graph, "_CRecorder", C if c else None)
+        f = fold.Fold()
+        x = f.add("leaf", 1)
+        got = [f.add("mix", x, a, [x], 2)]
+        assert type(f._by_op["mix"]) is (C if c else type(f._by_op["leaf"]))
+        for t, kids, k in [(a, [x], 2), (b, [x], 2), (wide, [x], 2), (wide, [], 3)]:
+            got.append(f.add("mix", x, t, kids, k))
+        got.append(f.add("mix", x, double, [x, x], 2))
+        got.append(f.add("mix", x, a, [x], 2))  # a hit after other signatures
+        with pytest.raises(
+            FoldError, match=r"'mix', ...\): argument 1 is a tensor of shape \(3,\)"
+        ):
+            f.add("mix", x, torch.zeros(3), [x], 2)  # no batch of one
+        state = [
+            (
+                sig,
+                list(m.items()),
+                [tuple(id(v) if torch.is_tensor(v) else v for v in r) for r in t or ()],
+            )
+            for sig, m, t in zip(f.signatures, f._memos, f._targs)
+        ]
+        return [int(h) for h in got], state
+
+    with_c, without = run(True), run(False)
+    assert with_c == without
+    handles, state = with_c
+    assert handles[0] == handles[1] == handles[-1] and len(set(handles)) == 5
+    mix = [s for s in state if s[0][0] == "mix"]
+    assert len(mix) == 3 and sum(len(s[2]) for s in mix) == 5
