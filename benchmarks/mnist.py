@@ -7,7 +7,8 @@
 Each contender does the same training step (forward, cross-entropy, backward, Adam) on the
 same 32 images of 1x28x28: eager runs the model once per image (gradients accumulated), fold
 records one ``forward`` node per image and applies the graph, plain batched calls the model
-once on the stacked (32, 1, 28, 28) batch; "fold, apply only" runs fold's training loop on
+once on the concatenated (32, 28, 28) batch, collated once on what a DataLoader's default
+``collate_fn`` makes of the (image, label) samples, (32, 1, 28, 28) and a label tensor; "fold, apply only" runs fold's training loop on
 graphs recorded beforehand (what recording costs is the difference); "fold, loss nodes"
 records each sample's loss as a node too (forward -> loss).  --steady-malloc: see
 benchmarks/common.py, steady_malloc.  Writes benchmarks/results/mnist.json.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, paired_ratio, parser, setup, table, write_json  # noqa: E402
@@ -99,12 +101,22 @@ def main() -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
+    def collated() -> None:  # what a DataLoader's default collate_fn makes of the samples
+        for s in range(args.steps):
+            x, y = default_collate(
+                list(zip(images[s * b : (s + 1) * b], labels[s * b : (s + 1) * b]))
+            )
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
     times = interleaved(
         {
             "fold": folded,
             "fold, apply only": apply_only,
             "fold, loss nodes": folded_loss,
             "batched": batched,
+            "collated": collated,
         },
         args.reps,
     )
@@ -118,7 +130,7 @@ def main() -> None:
             "samples/s": b * args.steps / med[k],
             "vs_batched": med[k] / med["batched"],
         }
-        for k in ("eager", "fold", "fold, apply only", "fold, loss nodes", "batched")
+        for k in ("eager", "fold", "fold, apply only", "fold, loss nodes", "batched", "collated")
     ]
     print(
         f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
@@ -130,12 +142,15 @@ def main() -> None:
     loss_paired = paired_ratio(times, "fold, loss nodes", "batched")
     print(f"fold apply only / batched, median of per-round ratios: {apply_paired:.3f}")
     print(f"fold with loss nodes / batched, median of per-round ratios: {loss_paired:.3f}")
+    collated_paired = paired_ratio(times, "fold", "collated")
+    print(f"fold / DataLoader-collated, median of per-round ratios: {collated_paired:.3f}")
     result = {
         "args": vars(args),
         "rows": rows,
         "fold_vs_batched_paired": paired,
         "apply_only_vs_batched_paired": apply_paired,
         "loss_nodes_vs_batched_paired": loss_paired,
+        "fold_vs_collated_paired": collated_paired,
     }
     print(f"wrote {write_json('mnist', result)}")
 

@@ -110,15 +110,22 @@ class _Session:
     ``.item()``, ``if t:``) switches back here: the example pauses, and the next one runs.
     When every unfinished example is paused, the graph recorded since the last round runs
     as one batched round (``run_round``), and every paused example resumes with its value.
-    So there are as many rounds as the most reads any one example makes.  Each round records
-    into a Fold of its own; values of earlier rounds enter later ones as literal rows of
-    their outputs, so no round runs an earlier round's nodes again and gradients flow back
-    across rounds."""
+    So there are at most as many rounds as the most reads any one example makes.  Each round
+    records into a Fold of its own; values of earlier rounds enter later ones as literal rows
+    of their outputs, so no round runs an earlier round's nodes again and gradients flow back
+    across rounds.
+
+    Where a round's groups held fewer than ``EAGER_GROUP`` nodes on average (few examples
+    left, or examples whose shapes split every op into groups of their own: memories of
+    different lengths), batching no longer pays for a round's fixed cost: the examples still
+    paused then finish one after another as eager code (``eager``), each torch call run at
+    once on the rows of earlier rounds.  Values and gradients are the same."""
 
     def __init__(self) -> None:
         self.current: _Recorder | None = _Recorder(session=self)
         self.running: Any = None  # the example greenlet running now
         self.rounds = 0
+        self.eager = False  # the paused examples finish as eager code (see above)
 
     def records(self) -> bool:
         """Whether the current round records (a value of an earlier round may be used)."""
@@ -145,6 +152,9 @@ class _Session:
             _LOCAL.rec = outer
         rec.close()
         self.rounds += 1
+        groups = len(rec.fold.last_run or ())
+        if groups and len(rec.fold) < EAGER_GROUP * groups:
+            self.eager = True
         nxt = _Recorder(session=self)
         nxt.device = rec.device
         self.current = nxt
@@ -156,6 +166,12 @@ try:  # the coroutines of data-dependent control flow
     _greenlet: Any = _greenlet_module
 except ImportError:  # pragma: no cover  (a dependency; without it reads stay errors)
     _greenlet = None
+
+
+# The average group size of a round below which the examples still paused finish as eager
+# code: a group's fixed cost (its gathers, the op's dispatch, the executor's bookkeeping) is
+# about that many eager calls of its op on one example (CPU, benchmarks/control_flow.py).
+EAGER_GROUP = 8
 
 
 def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:

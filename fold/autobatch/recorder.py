@@ -271,6 +271,8 @@ class _Recorder:
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
         session = self.session
+        if session is not None and session.eager:  # the rest runs as eager code
+            return session.current._now(fn, kind, args, kwargs)
         if session is not None and session.rounds and kind == "torch":
             computed = _computed(self, args, kwargs)
             if computed is not None:  # only values of earlier rounds: eager, as they are
@@ -423,6 +425,16 @@ class _Recorder:
             tuple(kwargs),
             tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
         )
+
+    def _now(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call run at once as eager code, on the computed rows of earlier rounds' values
+        (the session's examples finish eagerly: nothing of this round is lazy)."""
+        found = [False]
+        new_args = _row_of(self, list(args), found)
+        values = _row_of(self, list(kwargs.values()), found) if kwargs else []
+        if new_args is _CURRENT or values is _CURRENT:  # cannot be: nothing records now
+            raise AssertionError("autobatch: a value of the round recording in eager mode")
+        return self._eager(fn, kind, tuple(new_args), dict(zip(kwargs, values)))
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":
