@@ -226,6 +226,7 @@ class _Recorder:
         # once its round has run, values: node -> (the round's output, row).
         self.session = session
         self.values: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
         self.device: torch.device | None = None
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).
@@ -271,8 +272,12 @@ class _Recorder:
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
         session = self.session
-        if session is not None and session.eager:  # the rest runs as eager code
-            return session.current._now(fn, kind, args, kwargs)
+        if session is not None:
+            if session.eager:  # the rest runs as eager code
+                return session.current._now(fn, kind, args, kwargs)
+            if self.closed and self.values is not None and session.records():
+                # A method of a value of an earlier round: the round recording now records it.
+                return session.current.record(fn, kind, args, kwargs)
         if session is not None and session.rounds and kind == "torch":
             computed = _computed(self, args, kwargs)
             if computed is not None:  # only values of earlier rounds: eager, as they are

@@ -267,11 +267,16 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
 def _value_of(x: Lazy) -> torch.Tensor | None:
     """The value of a lazy value whose round has run (its row of the round's output), else
     None."""
-    values = x.rec.values
+    rec = x.rec
+    values = rec.values
     if values is None:
         return None
-    src, row = values[x.node]
-    return src[row]
+    node = x.node
+    got = rec.rows_of.get(node)
+    if got is None:  # one view per value, however often it is read (a parser's encoder rows)
+        src, row = values[node]
+        got = rec.rows_of[node] = src[row]
+    return got
 
 
 def _library_read() -> str:
