@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median, parser, setup, table, write_json  # noqa: E402
-
-import torch  # noqa: E402
 
 import fold  # noqa: E402
 from fold import graph  # noqa: E402

@@ -155,9 +155,8 @@ class Executor:
         # elements gave them, kept with obj across applies (see element_shapes).
         self._elements = element_shapes(obj)
         # Bytes of a node's row per output, per signature, for auto's plan estimates.
-        facts = facts_of(obj)
-        facts.device = self.device.type
-        self._row_bytes = facts.row_bytes
+        self._facts = facts_of(obj)
+        self._facts.device = self.device.type
         self._sized: set[int] = set()
 
     # ------------------------------------------------------------------ ops
@@ -298,8 +297,9 @@ class Executor:
         outs = self._call(step, op, values, plans, n, alone)
         if sid not in self._sized:
             self._sized.add(sid)
-            self._row_bytes[a.signatures[sid]] = tuple(
-                [o.numel() * o.element_size() // (n * self.models) for o in outs]
+            self._facts.measured(
+                a.signatures[sid],
+                tuple([o.numel() * o.element_size() // (n * self.models) for o in outs]),
             )
         v.add_sources(outs, alone, members)
 

@@ -28,6 +28,7 @@ from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _
 from fold.autobatch.values import _METAS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.run import collector_paused
+from fold.scheduler.auto import facts_of
 
 
 def clear_cache() -> None:
@@ -40,6 +41,7 @@ def clear_cache() -> None:
     _UNTRACEABLE.clear()
     _WITH_MODULES.clear()
     _PLAIN.clear()
+    facts_of(None).forget()  # the row sizes its rounds' ops measured (they key them)
 
 
 class _DeviceAnchor(nn.Module):

@@ -92,13 +92,31 @@ class Facts:
     device: str = "cpu"
     chosen: dict[Any, list[Any]] = field(default_factory=dict)
 
+    def measured(self, signature: Any, row_bytes: tuple[int, ...]) -> None:
+        """Keep the row size an apply measured (at most ``4096`` signatures: a graph of a new
+        callable per node, for one, would make them without end)."""
+        if len(self.row_bytes) >= 4096:
+            self.row_bytes.clear()
+        self.row_bytes[signature] = row_bytes
+
+    def forget(self) -> None:
+        """Drop what was measured and chosen (and the ops the keys hold)."""
+        self.row_bytes.clear()
+        self.chosen.clear()
+
 
 _FACTS: weakref.WeakKeyDictionary[Any, Facts] = weakref.WeakKeyDictionary()
 
 
+_NO_OBJECT = Facts()  # applies with no object (callable ops, autobatch's rounds on the CPU)
+
+
 def facts_of(obj: Any) -> Facts:
-    """The facts kept with ``obj`` (fresh ones for this apply alone where ``obj`` cannot be
-    weakly referenced)."""
+    """The facts kept with ``obj``: one set for all applies with ``None`` (their ops are
+    callables, which key their signatures themselves), fresh ones for this apply alone
+    where ``obj`` cannot be weakly referenced."""
+    if obj is None:
+        return _NO_OBJECT
     try:
         got = _FACTS.get(obj)
         if got is None:
