@@ -16,13 +16,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import SCALAR_KINDS
-from fold.arrays import GraphArrays
+from fold._encoding import LIST, NODE, SCALAR_KINDS, node_id
+from fold.arrays import GraphArrays, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.executor import Executor, ModelBatched
 from fold.node import Node, UnfoldNode
+from fold.ops import (
+    bad_split,
+    check_outputs,
+    device_of,
+    literal_output,
+    literal_value,
+    op_failed,
+    resolve_op,
+)
 from fold.scheduler import Plan, make_plan
 from fold.scheduler.auto import facts_of
+from fold.scheduler.chain import whole_output
 
 __all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
 
@@ -90,6 +100,10 @@ def _apply(
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return _apply(fold, obj, lists, max_rows, max_bytes, None)
     specs = classify_lists(lists)
+    if max_rows is None and max_bytes is None:
+        outs = _one_call(fold, arrays, obj, specs)
+        if outs is not None:
+            return outs
     arrays.facts = facts_of(obj)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
@@ -124,6 +138,56 @@ def _run(
         return [ex.output(kind, items, i) for i, (kind, items) in enumerate(specs)]
     finally:
         fold.last_run = ex.report
+
+
+def _one_call(
+    fold: Any, arrays: GraphArrays, obj: Any, specs: list[tuple[str, Any]]
+) -> list[torch.Tensor] | None:
+    """A graph of one op on literal arguments alone (a per-sample loop: one ``forward`` per
+    image) whose node lists are each a whole output of it: the op called once on the
+    literal columns, as the executor would call it, without a plan or a value store (what
+    hand-written code does: stack the samples, call the model).  None for any other graph.
+    """
+    if len(arrays.signatures) != 1 or arrays.nobatch or isinstance(obj, ModelBatched):
+        return None
+    op, kinds = arrays.signatures[0]
+    if NODE in kinds or LIST in kinds:
+        return None
+    wanted = []
+    for kind, items in specs:
+        if kind != NODES:
+            wanted.append(None)
+            continue
+        if set(map(type, items)) != {arrays.node_type}:
+            return None  # the executor names the foreign nodes
+        src = whole_output(arrays, items)
+        if src is None:
+            return None
+        wanted.append(src)
+    device = device_of(obj)
+    n = arrays.n
+    rows = arrays.rows(0)
+    values = [
+        literal_value(k, literal_column(op, j, k, [r[j] for r in rows]), device)
+        for j, k in enumerate(kinds)
+    ]
+    fn = resolve_op(obj, op, False)
+    fold.last_run = []
+    try:
+        out = fn(*values)
+    except Exception as err:
+        raise op_failed(op, 0, n, values, err) from err
+    outs = check_outputs(op, 0, n, out, False)
+    fold.last_run = [(0, op_name(op), n, tuple([(t.shape, t.dtype) for t in values]))]
+    result = []
+    for i, ((kind, items), src) in enumerate(zip(specs, wanted)):
+        if src is None:
+            result.append(literal_output(kind, items, i, device))
+            continue
+        if len(outs) != (src.nsplit or 1):
+            raise bad_split(arrays, node_id(int(items[0])), src.nsplit, len(outs))
+        result.append(outs[src.out])
+    return result
 
 
 def check_limit_ops(signatures: list[Any], obj: Any, max_rows: Mapping[Any, int]) -> None:

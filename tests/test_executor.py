@@ -502,6 +502,66 @@ def test_one_op_graphs_take_one_call_and_keep_every_check() -> None:
         g.apply(_PerSample(), [theirs])
 
 
+def _total(x: torch.Tensor) -> torch.Tensor:
+    return x.sum()
+
+
+@pytest.mark.parametrize(
+    "case", ["forward", "split outputs", "numbers and tensors lists", "bad split", "fails", "rows"]
+)
+def test_the_one_call_path_equals_the_executor(case: str, monkeypatch) -> None:
+    """``run._one_call`` (a graph of one op on literals, its node lists whole outputs) gives
+    what the general executor gives: values, gradients, the summary, and errors."""
+    from fold import run
+
+    executors = []
+
+    def go(fast: bool):
+        if not fast:
+            monkeypatch.setattr(run, "_one_call", lambda *a: None)
+        real = run.Executor
+        monkeypatch.setattr(
+            run, "Executor", lambda *a, **k: executors.append(fast) or real(*a, **k)
+        )
+        torch.manual_seed(0)
+        xs = [torch.randn(1, 3, requires_grad=True) for _ in range(5)]
+        f = fold.Fold()
+        if case == "split outputs":
+            pairs = [f.add("two", x).split(2) for x in xs]
+            lists = [[p[1] for p in pairs], [p[0] for p in pairs]]
+        elif case == "bad split":
+            lists = [[f.add("two", x) for x in xs]]
+        elif case == "fails":
+            lists = [[f.add("bad", x) for x in xs]]
+        elif case == "rows":
+            total = _total  # one callable op: no row per node
+            lists = [[f.add(total, x) for x in xs]]
+        else:
+            nodes = [f.add("forward", x, i, 0.25 * i) for i, x in enumerate(xs)]
+            lists = [nodes]
+            if case == "numbers and tensors lists":
+                lists += [[1.5, 2.0, 3.0], [torch.ones(1, 2)] * 2, torch.arange(3)]
+        try:
+            outs = f.apply(_PerSample(), lists)
+        except fold.FoldError as err:
+            monkeypatch.undo()
+            return ("error", str(err))
+        grads = torch.autograd.grad(sum(o.sum() for o in outs if o.requires_grad), xs)
+        monkeypatch.undo()
+        return outs, grads, f.summary()
+
+    fast, general = go(True), go(False)
+    assert executors == [False]  # the one-call path ran no executor
+    if fast[0] == "error":
+        assert fast == general
+        return
+    for a, b in zip(fast[0], general[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(fast[1], general[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert fast[2] == general[2]
+
+
 class _Chain(nn.Module):
     """Per-sample ops that chain: an encoder with two outputs, a head, a per-sample loss."""
 
