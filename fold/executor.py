@@ -155,6 +155,13 @@ class Executor:
         # elements gave them, kept with obj across applies (see element_shapes).
         self._elements = element_shapes(obj)
         # Bytes of a node's row per output, per signature, for auto's plan estimates.
+        # Columns copied by gathers (node rows, list elements) in this pass, by their rows:
+        # where later groups read the same rows (decoder steps reading their examples'
+        # memories), they take the same tensor, not a copy each.  Only where gradients are
+        # on (the copies are kept for backward anyway) and no memory limit is set.
+        self._copies: dict[Any, Any] | None = (
+            {} if torch.is_grad_enabled() and max_rows is None and max_bytes is None else None
+        )
         self._facts = facts_of(obj)
         self._facts.device = self.device.type
         self._sized: set[int] = set()
@@ -212,6 +219,7 @@ class Executor:
         # literal columns, in the members' order.
         idx: list[np.ndarray] = []
         plans: list[Any] = [None] * len(kinds)
+        lists: dict[int, list[bytes]] = {}  # per list argument, the group's lists (memo keys)
         v = self.values
         if node_js and n == 1 and not nobatch:
             # One node (an RNN step, the top of a tree): each argument is one row of one
@@ -266,34 +274,30 @@ class Executor:
             if k == LIST:  # every element of the group's lists: one gather, its index array
                 # after the node columns'
                 plans[j] = (Arg.RAGGED, self._plan_list(op, j, picked, idx))
+                lists[j] = picked
             else:
                 plans[j] = (Arg.TENSORS, picked)
 
-        # Phase 2: index tensors, then the argument values.
+        # Phase 2: index tensors, then the argument values; a column read before in this pass
+        # (the same rows, or the same lists) is that value again (see _copies).
         itensors = v.index_tensors(idx)
         values: list[torch.Tensor] = []
-        for (what, p), k in zip(plans, kinds):
-            if what is Arg.GATHER:
-                values.append(v.gather(p, itensors))
-            elif what is Arg.WHOLE:
-                values.append(v.sources[p])
-            elif what is Arg.RAGGED:
-                recipe, lengths = p
-                if recipe is not None:
-                    flat = v.gather(recipe, itensors)
-                    self._elements[(op, len(values))] = (flat.shape[1:], flat.dtype)
-                else:  # every list empty: the elements' shape as any group of it gave it
-                    feature, dtype = self._elements.get(
-                        (op, len(values)), ((), torch.get_default_dtype())
-                    )
-                    flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
-                if self.models > 1:
-                    values.append(self._models_ragged(flat, lengths))
-                    continue
-                lengths = torch.tensor(lengths, dtype=torch.long)
-                values.append(Ragged(flat, lengths.to(flat.device, non_blocking=True)))
-            else:
-                values.append(self._literal(k, p))
+        copies = self._copies
+        for j, ((what, p), k) in enumerate(zip(plans, kinds)):
+            key = None
+            if copies is not None:
+                if what is Arg.GATHER and p.how is not How.SOURCE:
+                    key = (NODE, rows[:, gathered.index(j)].tobytes())
+                elif what is Arg.RAGGED:
+                    key = (LIST, tuple(lists[j]))
+                if key is not None:
+                    got = copies.get(key)
+                    if got is not None:
+                        values.append(got)
+                        continue
+            values.append(self._value(what, p, k, op, j, itensors))
+            if key is not None:
+                copies[key] = values[-1]
         outs = self._call(step, op, values, plans, n, alone)
         if sid not in self._sized:
             self._sized.add(sid)
@@ -302,6 +306,29 @@ class Executor:
                 tuple([o.numel() * o.element_size() // (n * self.models) for o in outs]),
             )
         v.add_sources(outs, alone, members)
+
+    def _value(
+        self, what: Arg, p: Any, k: Any, op: Any, j: int, itensors: list[torch.Tensor]
+    ) -> Any:
+        """The value of argument ``j`` of a group, by its plan."""
+        v = self.values
+        if what is Arg.GATHER:
+            return v.gather(p, itensors)
+        if what is Arg.WHOLE:
+            return v.sources[p]
+        if what is not Arg.RAGGED:
+            return self._literal(k, p)
+        recipe, lengths = p
+        if recipe is not None:
+            flat = v.gather(recipe, itensors)
+            self._elements[(op, j)] = (flat.shape[1:], flat.dtype)
+        else:  # every list empty: the elements' shape as any group of it gave it
+            feature, dtype = self._elements.get((op, j), ((), torch.get_default_dtype()))
+            flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
+        if self.models > 1:
+            return self._models_ragged(flat, lengths)
+        lengths = torch.tensor(lengths, dtype=torch.long)
+        return Ragged(flat, lengths.to(flat.device, non_blocking=True))
 
     def _plan_list(
         self, op: Any, j: int, lists: list[bytes], idx: list[np.ndarray]

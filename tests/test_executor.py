@@ -650,3 +650,75 @@ def test_chain_reports_and_checks_as_the_general_executor() -> None:
     heads = [w.add("loss", h, 1) for h in whole]
     with pytest.raises(fold.FoldError, match=r"op 'twice' returned 2 outputs, but node 0 .*whole"):
         w.apply(model, [heads])
+
+
+class _Memories(nn.Module):
+    """Per-example memories at two depths, read by every decoder step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc_ = nn.Linear(3, 3)
+        self.pre_ = nn.Linear(3, 3)
+        self.cell = nn.GRUCell(3, 3)
+        self.seen: list[int] = []
+
+    def enc(self, x):
+        return torch.tanh(self.enc_(x))
+
+    def pre(self, m):
+        return torch.tanh(self.pre_(m))
+
+    def step(self, h, y):
+        return self.cell(y[:, None].expand(-1, 3).to(h.dtype), h)
+
+    def use(self, h, memory):
+        self.seen.append(memory.data_ptr())
+        weights = torch.bmm(memory, h[:, :, None])[:, :, 0].softmax(1)
+        return torch.bmm(weights[:, None], memory)[:, 0]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_a_column_read_again_is_gathered_once(grad: bool) -> None:
+    """Decoder steps read their examples' memories, which sit at two depths, so each step's
+    memory column is gathered from two groups: with gradients on the gather is made once
+    and read again by every later step (no memory limit set; without the reuse each
+    step's gather stays alive for backward at an address of its own); values and
+    gradients equal eager either way."""
+    model = _Memories().double()
+    xs = [torch.randn(1, 5, 3, dtype=torch.float64) for _ in range(4)]
+    h0 = [torch.randn(1, 3, dtype=torch.float64) for _ in range(4)]
+
+    def eager():
+        outs = []
+        for i, (x, h) in enumerate(zip(xs, h0)):
+            m = model.enc(x)
+            m = model.pre(m) if i % 2 else m
+            for t in range(6):
+                h = model.step(h, torch.tensor([float(t)], dtype=torch.float64))
+                outs.append(model.use(h, m))
+        return torch.cat(outs)
+
+    f = fold.Fold(strategy="depth")
+    outs = []
+    for i, (x, h) in enumerate(zip(xs, h0)):
+        m = f.add("enc", x)
+        m = f.add("pre", m) if i % 2 else m
+        for t in range(6):
+            h = f.add("step", h, float(t))
+            outs.append(f.add("use", h, m))
+    with torch.set_grad_enabled(grad):
+        model.seen.clear()
+        (got,) = f.apply(model, [outs])
+        seen = list(model.seen)
+        want = eager()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(seen) == 6  # the first step's memories sit at two depths: two groups
+    if grad:  # every later step reads the one gather (alive for backward: one address)
+        assert len(set(seen[2:])) == 1
+    if grad:
+        params = list(model.parameters())
+        for a, b in zip(
+            torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
