@@ -1596,7 +1596,8 @@ def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
             j = int(enc[i].argmax()) % 5  # a read: enc is an earlier round's value now
             row = torch.cat([enc[j], enc[i]])
             seen.append(type(row))
-            total = total + lin(x) * row[:4].sum()
+            seen.append(type(enc[i, 1:3]))  # a method of an earlier value, plain indices
+            total = total + lin(x) * row[:4].sum() + enc[i, 1:3].sum() * enc[..., 0].view(-1)[j]
         return total
 
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])

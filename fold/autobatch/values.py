@@ -322,11 +322,28 @@ def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A tensor method or operator called on a lazy value ``args[0]``: record it."""
+    """A tensor method or operator called on a lazy value ``args[0]``: record it.
+
+    A method of an earlier round's value whose other arguments are plain numbers, slices or
+    ``None`` (``enc[i]``, ``h[0]``, ``x.view(-1)``) runs at once on its row, as the recorder
+    would run it (see ``recorder._computed``), without the recorder's walk of the
+    arguments: a parser indexes its encoder's rows so at every step."""
     rec = getattr(args[0], "rec", None)
     if rec is None:
         raise _unfilled(_fn_name(func, "torch"))
+    if rec.values is not None and not kwargs:  # (in-place methods never come here)
+        session = rec.session
+        if session is not None and session.current is not rec and session.rounds:
+            for a in args[1:]:
+                t = type(a)
+                if t not in _PLAIN and not (t is tuple and all(type(x) in _PLAIN for x in a)):
+                    break
+            else:
+                return func(_value_of(args[0]), *args[1:])
     return rec.record(func, "torch", args, kwargs)
+
+
+_PLAIN = frozenset((int, float, bool, type(None), slice, type(Ellipsis)))
 
 
 def _unfilled(what: str) -> FoldError:
