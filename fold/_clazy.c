@@ -56,7 +56,8 @@ static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
-    *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd;
+    *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
+    *s_shape, *s_unsqueeze, *s_tensor, *s_rows;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -256,7 +257,11 @@ done:
    to the slow path, which keys -0.0 apart from 0.0); None; a list or tuple of lazy values of
    rec (not for a batched=True function, whose lists become Ragged): its type, its length,
    their metas; a known value that travels as a number (torch.tensor(word)): Known, its
-   meta; a module, first: itself, where it hashes and compares by identity.  The slow path
+   meta; any other known value: Known, its meta, False (its tensor's batch-of-one row passed
+   to the recorder); a plain tensor that is no leaf needing a gradient and no row of a
+   tensor autobatch iterates over (an eager result: a row of an earlier round, a cat of
+   them): torch.Tensor, its shape, dtype and device (its batch-of-one row passed); a module,
+   first: itself, where it hashes and compares by identity.  The slow path
    (fold.autobatch.recorder._Recorder.record) makes one op of all calls whose fast keys are
    equal: each item above is what its key holds, or tells apart what its key tells apart.
    And, as fold.autobatch.recorder._NUMBER_BRANCH: a 0-dim tensor that needs no gradient,
@@ -297,6 +302,58 @@ key_release(Key *k)
         Py_DECREF(k->nodes[i]);
     Py_CLEAR(k->number);
     k->nk = k->nn = 0;
+}
+
+/* A per-example tensor of one or more dims that is no leaf needing a gradient (an eager
+   result inside the function: a row of an earlier round, a cat of them, a torch.zeros) and
+   no row of a tensor autobatch iterates over (rec._rows): as the slow path's _part, a
+   batch-of-one literal row, keyed by (torch.Tensor, shape, dtype, device).  1 where put in
+   ``k``, 0 where the slow path takes it, -1 on error. */
+static int
+tensor_row(Key *k, PyObject *rec, PyObject *a)
+{
+    if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
+        return 0;
+    PyObject *v = PyObject_GetAttr(a, s_requires_grad);
+    if (v == NULL)
+        return -1;
+    int grad = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (grad < 0)
+        return -1;
+    if (grad) { /* a leaf needing a gradient is shared (a parameter): keyed by identity */
+        if ((v = PyObject_GetAttr(a, s_is_leaf)) == NULL)
+            return -1;
+        int leaf = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (leaf != 0)
+            return leaf < 0 ? -1 : 0;
+    }
+    PyObject *rows = PyObject_GetAttr(rec, s_rows);
+    if (rows == NULL)
+        return -1;
+    PyObject *id = PyLong_FromVoidPtr(a);
+    int listed = id == NULL ? -1 : PyDict_Check(rows) ? PyDict_Contains(rows, id) : 1;
+    Py_XDECREF(id);
+    Py_DECREF(rows);
+    if (listed != 0)
+        return listed < 0 ? -1 : 0;
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    PyObject *dtype = shape ? PyObject_GetAttr(a, s_dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(a, s_device) : NULL;
+    PyObject *row = device ? PyObject_CallMethodOneArg(a, s_unsqueeze, g_small[0]) : NULL;
+    if (row == NULL) {
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_XDECREF(device);
+        return -1;
+    }
+    key_item(k, g_tensor_type);
+    k->items[k->nk++] = shape; /* owned */
+    k->items[k->nk++] = dtype;
+    k->items[k->nk++] = device;
+    k->nodes[k->nn++] = row;
+    return 1;
 }
 
 /* 1 where the call has a fast key (in k), 0 where not, -1 on error; k holds references in
@@ -360,14 +417,28 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 return -1;
             int number = v == Py_True;
             Py_DECREF(v);
-            if (!number || k->nn >= MAX_NODES)
+            if (k->nn >= MAX_NODES || k->nk + 3 > MAX_ITEMS)
                 return 0;
             if ((v = PyObject_GetAttr(a, s_meta)) == NULL)
                 return -1;
             key_item(k, g_known_type);
             k->items[k->nk++] = v; /* owned */
-            if ((v = PyObject_GetAttr(a, s_value)) == NULL)
-                return -1;
+            if (number) {
+                if ((v = PyObject_GetAttr(a, s_value)) == NULL)
+                    return -1;
+            }
+            else {
+                /* Any other known value: its tensor's batch-of-one row, as the slow path's
+                   _part passes it (keyed apart from a number by the False after its meta). */
+                key_item(k, Py_False);
+                PyObject *t = PyObject_CallMethodNoArgs(a, s_tensor);
+                if (t == NULL)
+                    return -1;
+                v = PyObject_CallMethodOneArg(t, s_unsqueeze, g_small[0]);
+                Py_DECREF(t);
+                if (v == NULL)
+                    return -1;
+            }
             k->nodes[k->nn++] = v; /* owned */
         }
         else if (i == 0 && PyObject_TypeCheck(a, (PyTypeObject *)g_module_type)) {
@@ -375,30 +446,43 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 return 0;
             key_item(k, a);
         }
-        else if ((PyObject *)t == g_tensor_type &&
-                 (n == 1 || (n == 2 && i == 1 && !PyObject_TypeCheck(args[0], &LazyBaseType) &&
-                             PyObject_TypeCheck(args[0], (PyTypeObject *)g_module_type)))) {
+        else if ((PyObject *)t == g_tensor_type) {
+            /* A 0-dim tensor that needs no gradient, of a dtype that travels as a Python
+               number (fold.autobatch.recorder._as_number: long, bool, the default dtype):
+               alone or after a module, (dtype, device) and its .item(); else a row. */
             int ok = number_tensor(a);
-            if (ok <= 0)
-                return ok;
-            PyObject *dtype = PyObject_GetAttr(a, s_dtype);
-            if (dtype == NULL)
+            if (ok < 0)
                 return -1;
+            PyObject *dtype = NULL;
+            if (ok) {
+                if ((dtype = PyObject_GetAttr(a, s_dtype)) == NULL)
+                    return -1;
+                if (dtype != g_long && dtype != g_bool) {
+                    PyObject *d = PyObject_CallNoArgs(g_default_dtype);
+                    if (d == NULL) {
+                        Py_DECREF(dtype);
+                        return -1;
+                    }
+                    Py_DECREF(d);
+                    ok = d == dtype;
+                }
+            }
+            if (!ok) {
+                Py_XDECREF(dtype);
+                if ((ok = tensor_row(k, rec, a)) <= 0)
+                    return ok;
+                continue;
+            }
+            if (!(n == 1 || (n == 2 && i == 1 && !PyObject_TypeCheck(args[0], &LazyBaseType) &&
+                             PyObject_TypeCheck(args[0], (PyTypeObject *)g_module_type)))) {
+                Py_DECREF(dtype);
+                return 0;
+            }
             k->items[k->nk++] = dtype; /* owned */
             PyObject *device = PyObject_GetAttr(a, s_device);
             if (device == NULL)
                 return -1;
             k->items[k->nk++] = device;
-            /* Only a tensor that travels as a Python number (fold.autobatch.recorder._as_number): long,
-               bool, or the default dtype. */
-            if (dtype != g_long && dtype != g_bool) {
-                PyObject *d = PyObject_CallNoArgs(g_default_dtype);
-                if (d == NULL)
-                    return -1;
-                Py_DECREF(d);
-                if (d != dtype)
-                    return 0;
-            }
             Py_INCREF(a);
             Py_XSETREF(k->number, a);
         }
@@ -496,6 +580,9 @@ fast_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return key;
 }
 
+static PyObject *fast_now(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args,
+                          Py_ssize_t n);
+
 static PyObject *
 fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -503,8 +590,10 @@ fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "fast(rec, fn, kind, args: tuple)");
         return NULL;
     }
-    return fast_impl(args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
-                     PyTuple_GET_SIZE(args[3]), s_fast);
+    /* The table of the mode on now: a module call recorded under torch.no_grad() comes
+       here from the slow path's entry and finds the table its first call filled. */
+    return fast_now(args[0], args[1], args[2], &PyTuple_GET_ITEM(args[3], 0),
+                    PyTuple_GET_SIZE(args[3]));
 }
 
 /* The fast table for the grad/autocast mode on now: the recorder's ``_fast`` where gradients
@@ -838,7 +927,8 @@ static PyMethodDef functions[] = {
     {"fast_key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
      PyDoc_STR("fast_key(rec, fn, kind, args): the call's fast key, or None")},
     {"fast", (PyCFunction)(void (*)(void))fast, METH_FASTCALL,
-     PyDoc_STR("fast(rec, fn, kind, args): the recorded outputs, or MISS")},
+     PyDoc_STR("fast(rec, fn, kind, args): the recorded outputs (from the table of the "
+               "grad mode on now), or MISS")},
     {"torch_function", (PyCFunction)(void (*)(void))torch_function,
      METH_FASTCALL | METH_KEYWORDS,
      PyDoc_STR("Lazy.__torch_function__(cls, func, types, args, kwargs)")},
@@ -869,13 +959,15 @@ add_type(PyObject *m, const char *name, PyTypeObject *t)
 PyMODINIT_FUNC
 PyInit__clazy(void)
 {
-    PyObject **strs[] = {&s_rec,  &s_paused,        &s_running, &s_fast,   &s_item,
-                         &s_ndim, &s_requires_grad, &s_dtype,   &s_device, &s_call,
-                         &s_number, &s_meta,        &s_value,   &s_fast_nograd};
-    const char *names[] = {"rec",  "paused",        "running", "_fast",  "item",
-                           "ndim", "requires_grad", "dtype",   "device", "_call",
-                           "number", "meta",        "value",   "_fast_nograd"};
-    for (int i = 0; i < 14; i++)
+    PyObject **strs[] = {&s_rec,      &s_paused,        &s_running, &s_fast,      &s_item,
+                         &s_ndim,     &s_requires_grad, &s_dtype,   &s_device,    &s_call,
+                         &s_number,   &s_meta,          &s_value,   &s_fast_nograd, &s_is_leaf,
+                         &s_shape,    &s_unsqueeze,     &s_tensor,  &s_rows};
+    const char *names[] = {"rec",     "paused",        "running", "_fast",        "item",
+                           "ndim",    "requires_grad", "dtype",   "device",       "_call",
+                           "number",  "meta",          "value",   "_fast_nograd", "is_leaf",
+                           "shape",   "unsqueeze",     "tensor",  "_rows"};
+    for (int i = 0; i < 19; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)
