@@ -135,10 +135,11 @@ class _Op:
 
     def __call__(self, *values: Any) -> Any:
         try:
-            if self.recorded_in is None and torch.is_grad_enabled() and not _any_autocast():
-                out = self._run(values)
+            mode = self.recorded_in or _USUAL_MODE
+            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
+                out = self._run(values)  # the mode on now is the one recorded in
             else:  # run in the mode the calls were recorded in
-                with _in_mode(self.recorded_in or _USUAL_MODE):
+                with _in_mode(mode):
                     out = self._run(values)
         except Exception as err:
             raise _OpFailed(self, values) from err
