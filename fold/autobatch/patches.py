@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fold.autobatch.common import _LOCAL
-from fold.autobatch.values import Known, Lazy, _as_number, _meta
+from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _meta
 from fold.errors import FoldError
 
 
@@ -53,6 +53,13 @@ def _make_module_call(inner: Any, token: object) -> Any:
         rec = _LOCAL.rec
         if rec is None or rec.paused or _PATCHES.token is not token:
             return inner(self, *args, **kwargs)
+        session = rec.session
+        if session is not None and session.eager:  # the examples finish as eager code
+            return inner(
+                self,
+                *[_eager_value(a) for a in args],
+                **{k: _eager_value(v) for k, v in kwargs.items()},
+            )
         return rec.record(self, "module", args, kwargs)
 
     __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"

@@ -75,7 +75,25 @@ def _torch_function(
             "function autobatch runs (kept from an earlier call, or used while its graph "
             "runs). Fix: use the results autobatch returns."
         )
+    session = rec.session
+    if session is not None and session.eager:  # the examples finish as eager code
+        kw = {k: _eager_value(v) for k, v in kwargs.items()} if kwargs else {}
+        return func(*[_eager_value(a) for a in args], **kw)
     return rec.record(func, "torch", args, kwargs or {})
+
+
+def _eager_value(a: Any) -> Any:
+    """An argument of a call run as eager code once the examples finish so (see
+    ``driver._Session``): a lazy value (of an earlier round: nothing is lazy in the rounds
+    after) its row, a known value its tensor, in lists and tuples too."""
+    t = type(a)
+    if t is Lazy:
+        return _value_of(a)
+    if t is Known:
+        return a.tensor()
+    if t is list or t is tuple:
+        return t([_eager_value(x) for x in a])
+    return a
 
 
 class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
@@ -334,6 +352,8 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if rec.values is not None and not kwargs:  # (in-place methods never come here)
         session = rec.session
         if session is not None and session.current is not rec and session.rounds:
+            if session.eager:  # the examples finish as eager code
+                return func(*[_eager_value(a) for a in args])
             for a in args[1:]:
                 t = type(a)
                 if t not in _PLAIN and not (t is tuple and all(type(x) in _PLAIN for x in a)):
