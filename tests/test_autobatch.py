@@ -1602,3 +1602,26 @@ def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
 
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
     assert torch.Tensor in seen
+
+
+def test_reads_with_tuple_states_and_keyword_arguments_match_eager(finish):
+    """An LSTM cell's (h, c) state passed as a tuple, a keyword argument of a torch
+    function, a module called on an earlier round's value: batched rounds and the eager
+    finish both equal eager, values and gradients."""
+    torch.manual_seed(5)
+    cell = nn.LSTMCell(4, 4)
+    head = nn.Linear(4, 3)
+
+    def fn(x):
+        state = (torch.tanh(x), torch.zeros(4))
+        out = []
+        for _ in range(6):
+            state = cell(x, state)
+            logits = head(state[0])
+            out.append(torch.softmax(logits, dim=0))
+            if int(logits.argmax()) == 0:  # a read: a data-dependent stop
+                break
+        return torch.stack(out).sum(0) + state[1].sum()
+
+    xs = [torch.randn(4) for _ in range(6)]  # groups of at most 6: the eager finish engages
+    assert_same(fn, [*cell.parameters(), *head.parameters()], xs)
