@@ -97,6 +97,13 @@ def _read_order(rows: np.ndarray) -> np.ndarray | None:
 _CHEAP = (How.SOURCE, How.PIECES)
 
 
+_UNSEEN = object()  # a column key no group of the pass has read (see Executor._copies)
+# Columns of at most this many rows are looked up (their key is hashed: a few us); larger
+# groups gain little from it (their gathers are a small part of their work) and a TreeLSTM
+# level of thousands of nodes would pay for hashing every column.
+_COPY_ROWS = 512
+
+
 class Arg(enum.Enum):
     """Where an argument value of a group comes from."""
 
@@ -157,8 +164,9 @@ class Executor:
         # Bytes of a node's row per output, per signature, for auto's plan estimates.
         # Columns copied by gathers (node rows, list elements) in this pass, by their rows:
         # where later groups read the same rows (decoder steps reading their examples'
-        # memories), they take the same tensor, not a copy each.  Only where gradients are
-        # on (the copies are kept for backward anyway) and no memory limit is set.
+        # memories), they take the same tensor, not a copy each.  A column is kept from its
+        # second read on (None after its first), only where gradients are on (the copies
+        # are kept for backward anyway) and no memory limit is set.
         self._copies: dict[Any, Any] | None = (
             {} if torch.is_grad_enabled() and max_rows is None and max_bytes is None else None
         )
@@ -285,18 +293,21 @@ class Executor:
         copies = self._copies
         for j, ((what, p), k) in enumerate(zip(plans, kinds)):
             key = None
-            if copies is not None:
+            if copies is not None and n <= _COPY_ROWS:
                 if what is Arg.GATHER and p.how is not How.SOURCE:
                     key = (NODE, rows[:, gathered.index(j)].tobytes())
-                elif what is Arg.RAGGED:
+                elif what is Arg.RAGGED and p[0] is not None and p[0].length <= _COPY_ROWS:
                     key = (LIST, tuple(lists[j]))
                 if key is not None:
-                    got = copies.get(key)
-                    if got is not None:
+                    got = copies.get(key, _UNSEEN)
+                    if got is _UNSEEN:  # first read: nothing kept (most columns are read once)
+                        copies[key] = None
+                        key = None
+                    elif got is not None:
                         values.append(got)
                         continue
             values.append(self._value(what, p, k, op, j, itensors))
-            if key is not None:
+            if key is not None:  # read a second time: kept for the reads after
                 copies[key] = values[-1]
         outs = self._call(step, op, values, plans, n, alone)
         if sid not in self._sized:
