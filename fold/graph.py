@@ -168,8 +168,42 @@ _FACTORIES: dict[tuple[Any, ...], Callable[..., Any]] = {}
 # (op name, argument types, outputs) -> (kinds, factory, converters): the classification of
 # a call, kept for the next Fold (a training loop makes one per step).  The Fold's own Node
 # class appears in the key as _THIS_FOLD.
-_PATTERNS: dict[tuple[Any, ...], tuple[list[Any], Any, tuple[Any, ...]]] = {}
+_PATTERNS: dict[tuple[Any, ...], _Pattern] = {}
 _THIS_FOLD = object()
+
+
+class _Pattern:
+    """What a recorder needs of its argument pattern (op, argument types, outputs), worked
+    out once: the kinds, the generated recorder's factory, conversions, the positions of
+    literal tensors and of lists, the packing of an all-node key, the split code, the name,
+    and the C recorder's kinds (None where the C path does not take the pattern)."""
+
+    __slots__ = ("kinds", "make", "convs", "tpos", "lists", "packing", "code", "name", "c_kinds")
+
+    def __init__(
+        self,
+        op: Any,
+        kinds: list[Any],
+        exact: list[bool],
+        types: tuple[type, ...],
+        outputs: int | None,
+    ) -> None:
+        self.kinds = kinds
+        self.make = _recorder_factory(kinds, exact, outputs)
+        self.convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
+        self.tpos = tuple(i for i, k in enumerate(kinds) if k == TENSOR)
+        self.lists = tuple(i for i, k in enumerate(kinds) if k == LIST)
+        self.packing: tuple[Any, ...] = (
+            (struct.Struct(f"{len(kinds)}q").pack, _too_deep) if packed(kinds) else ()
+        )
+        self.code = 0 if outputs is None else split_code(outputs)
+        self.name = f"record_{op_name(op)}"
+        fits = (
+            not self.convs
+            and 0 < len(kinds) <= 64
+            and all(t is list for t, k in zip(types, kinds) if k == LIST)
+        )
+        self.c_kinds = tuple(_C_TENSOR if k == TENSOR else k for k in kinds) if fits else None
 
 
 def _recorder_factory(kinds: list[Any], exact: list[bool], outputs: int | None) -> Any:
@@ -322,7 +356,11 @@ class Fold:
     def _specialise(
         self, op: Any, args: tuple[Any, ...], types: tuple[type, ...], outputs: int | None
     ) -> Callable[..., Any]:
-        """Classify the arguments (a FoldError for bad ones) and generate their recorder."""
+        """Classify the arguments (a FoldError for bad ones) and generate their recorder.
+
+        What depends on the pattern alone (op, argument types, outputs) is worked out once
+        per process (``_Pattern``); per Fold, only its state is bound: a training loop makes
+        a Fold per step, and its first ``add`` of each op comes here."""
         T = self._node_type
         # Kept by op name and types with this Fold's Node class as a marker: a key holding
         # the class would keep it from going back to the pool (a new class every step).
@@ -335,45 +373,43 @@ class Fold:
                 type(a) is T or type(a) in SCALAR_KINDS or k in (TENSOR, LIST)
                 for a, k in zip(args, kinds)
             ]
-            convs = tuple(convert(k) for k, ex in zip(kinds, exact) if not ex)
-            pattern = (kinds, _recorder_factory(kinds, exact, outputs), convs)
+            pattern = _Pattern(op, kinds, exact, types, outputs)
             if type(op) is str:  # for the next Fold (a training loop makes one per step)
                 if len(_PATTERNS) > 1024:
                     _PATTERNS.clear()
                 _PATTERNS[pkey] = pattern
-        kinds, make, convs = pattern
+        kinds = pattern.kinds
         ref = weakref.ref(self)
 
         def generic(*a: Any) -> Any:  # other types or arity: classified afresh
             return _alive(ref, op)._record(op, outputs, a)
 
-        if TENSOR in kinds:
+        if pattern.tpos:
             sigs: dict[Any, Any] = {}
-            tail: tuple[Any, ...] = (sigs, self._tensor_signatures(op, kinds, sigs))
+            new_sig = self._tensor_signatures(op, kinds, sigs, pattern.tpos)
+            new_sig(tuple([args[i] for i in pattern.tpos]))  # these shapes' signature now
+            tail: tuple[Any, ...] = (sigs, new_sig)
         else:
             tail = (self._memos[self._signature(op, tuple(kinds))],)
-        code = 0 if outputs is None else split_code(outputs)
-        checks: tuple[Any, ...] = tuple(
-            self._list_key(op, i) for i, k in enumerate(kinds) if k == LIST
-        )
+        checks: tuple[Any, ...] = tuple([self._list_key(op, i) for i in pattern.lists])
         if checks:  # the inline list key's type test and array constructor
             checks += (frozenset((T,)).issuperset, array.array)
         # The state, in the order of make's parameters (see _recorder_source).
-        if packed(kinds):
-            tail += (struct.Struct(f"{len(kinds)}q").pack, _too_deep)
-        fn = make(_MISSING, self._ids, T, code, generic, float_key, *types, *convs, *checks, *tail)
-        fn.__name__ = fn.__qualname__ = f"record_{op_name(op)}"
-        if _CRecorder is not None and not convs and 0 < len(kinds) <= 64:
-            if all(t is list for t, k in zip(types, kinds) if k == LIST):
-                if TENSOR in kinds:  # the memo of the tensors' shapes: in sigs (tail[0])
-                    c_kinds = tuple(_C_TENSOR if k == TENSOR else k for k in kinds)
-                    fn = _CRecorder(
-                        fn, c_kinds, types, T, {}, self._ids, outputs, code, fn.__name__, tail[0]
-                    )
-                else:
-                    fn = _CRecorder(
-                        fn, tuple(kinds), types, T, tail[0], self._ids, outputs, code, fn.__name__
-                    )
+        tail += pattern.packing
+        code = pattern.code
+        fn = pattern.make(
+            _MISSING, self._ids, T, code, generic, float_key, *types, *pattern.convs, *checks, *tail
+        )
+        fn.__name__ = fn.__qualname__ = pattern.name
+        if _CRecorder is not None and pattern.c_kinds is not None:
+            if pattern.tpos:  # the memo of the tensors' shapes: in sigs (tail[0])
+                fn = _CRecorder(
+                    fn, pattern.c_kinds, types, T, {}, self._ids, outputs, code, pattern.name, sigs
+                )
+            else:
+                fn = _CRecorder(
+                    fn, pattern.c_kinds, types, T, tail[0], self._ids, outputs, code, pattern.name
+                )
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
             self._by_op.clear()
@@ -426,13 +462,13 @@ class Fold:
         return TENSOR if is_tensor_kind(kind) else kind
 
     def _tensor_signatures(
-        self, op: Any, kinds: list[Any], sigs: dict[Any, Any]
+        self, op: Any, kinds: list[Any], sigs: dict[Any, Any], tpos: tuple[int, ...]
     ) -> Callable[[tuple[torch.Tensor, ...]], tuple[dict[Any, int], list[Any]]]:
-        """For a recorder with literal tensors: the signature of given tensors' shapes.
+        """For a recorder with literal tensors (at positions ``tpos``): the signature of given
+        tensors' shapes.
 
         Its entries are keyed by the tensors' whole shapes and dtypes, and only shapes that
         pass the batch-of-one check get in, so the recorder checks nothing on a hit."""
-        tpos = [i for i, k in enumerate(kinds) if k == TENSOR]
         ref = weakref.ref(self)
 
         def new_sig(tensors: tuple[torch.Tensor, ...]) -> tuple[dict[Any, int], list[Any]]:
