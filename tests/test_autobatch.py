@@ -1625,3 +1625,31 @@ def test_reads_with_tuple_states_and_keyword_arguments_match_eager(finish):
 
     xs = [torch.randn(4) for _ in range(6)]  # groups of at most 6: the eager finish engages
     assert_same(fn, [*cell.parameters(), *head.parameters()], xs)
+
+
+def test_a_value_of_an_earlier_round_kept_beyond_the_call_is_refused(finish):
+    """A lazy value of a round, kept in a list past the autobatch call (with batched rounds,
+    and after the examples finished as eager code): every later use is a FoldError, never a
+    value read from the call's tables."""
+    lin = nn.Linear(3, 3)
+    kept = []
+
+    def fn(x):
+        h = lin(x)
+        if float(h.detach().sum()) > -100:  # a read: h is an earlier round's value after it
+            kept.append(h)
+            h = h * 2
+        return h
+
+    fold.autobatch(fn, [torch.randn(3) for _ in range(4)])
+    uses = [
+        lambda v: v[0],
+        lambda v: v + 1,
+        lambda v: v.view(-1),
+        lambda v: lin(v),
+        lambda v: torch.tanh(v),
+        lambda v: float(v.sum()),
+    ]
+    for use in uses:
+        with pytest.raises(fold.FoldError, match="used (after|outside)"):
+            use(kept[0])

@@ -272,12 +272,13 @@ class _Recorder:
         seen before whose arguments are all lazy values (a method's module first, perhaps)
         goes through ``_fast``; others build their key here."""
         session = self.session
-        if session is not None:
+        current = session.current if session is not None else None
+        if current is not None:  # (None: the call has ended; _record refuses the value)
             if session.eager:  # the rest runs as eager code
-                return session.current._now(fn, kind, args, kwargs)
-            if self.closed and self.values is not None and session.records():
+                return current._now(fn, kind, args, kwargs)
+            if self.closed and self.values is not None and not current.closed:
                 # A method of a value of an earlier round: the round recording now records it.
-                return session.current.record(fn, kind, args, kwargs)
+                return current.record(fn, kind, args, kwargs)
         if session is not None and session.rounds and kind == "torch":
             computed = _computed(self, args, kwargs)
             if computed is not None:  # only values of earlier rounds: eager, as they are

@@ -351,7 +351,10 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         raise _unfilled(_fn_name(func, "torch"))
     if rec.values is not None and not kwargs:  # (in-place methods never come here)
         session = rec.session
-        if session is not None and session.current is not rec and session.rounds:
+        cur = session.current if session is not None else None
+        # Only inside the call that made the value, while it records (a value kept beyond
+        # its call is refused by the recorder's path).
+        if cur is not None and cur is not rec and cur is _LOCAL.rec and session.rounds:
             if session.eager:  # the examples finish as eager code
                 return func(*[_eager_value(a) for a in args])
             for a in args[1:]:
