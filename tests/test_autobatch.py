@@ -1653,3 +1653,30 @@ def test_a_value_of_an_earlier_round_kept_beyond_the_call_is_refused(finish):
     for use in uses:
         with pytest.raises(fold.FoldError, match="used (after|outside)"):
             use(kept[0])
+
+
+def test_a_value_of_another_call_is_refused_in_rounds(finish):
+    """A lazy value of one autobatch call passed into another call with reads (batched
+    rounds, or the eager finish): a FoldError naming the fix, never the other call's row."""
+    lin = nn.Linear(3, 3)
+    kept = []
+
+    def first(x):
+        h = lin(x)
+        if float(h.detach().sum()) > -100:
+            kept.append(h)
+        return h
+
+    fold.autobatch(first, [torch.randn(3) for _ in range(4)])
+    other = kept[0]
+    uses = [lambda h: lin(other) + h, lambda h: torch.tanh(other) + h, lambda h: other[0] + h]
+    for use in uses:
+
+        def second(x, use=use):
+            h = lin(x)
+            if float(h.detach().sum()) > -100:  # a read: the next lines run in a later round
+                h = h * 1.0
+            return use(h)
+
+        with pytest.raises(fold.FoldError, match="(another|after the) autobatch call"):
+            fold.autobatch(second, [torch.randn(3) for _ in range(4)])

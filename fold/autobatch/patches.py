@@ -57,8 +57,8 @@ def _make_module_call(inner: Any, token: object) -> Any:
         if session is not None and session.eager:  # the examples finish as eager code
             return inner(
                 self,
-                *[_eager_value(a) for a in args],
-                **{k: _eager_value(v) for k, v in kwargs.items()},
+                *[_eager_value(a, session) for a in args],
+                **{k: _eager_value(v, session) for k, v in kwargs.items()},
             )
         return rec.record(self, "module", args, kwargs)
 

@@ -44,6 +44,7 @@ from fold.autobatch.values import (
     Known,
     Lazy,
     _as_number,
+    _foreign,
     _inplace_call,
     _Meta,
     _meta,
@@ -438,8 +439,8 @@ class _Recorder:
         found = [False]
         new_args = _row_of(self, list(args), found)
         values = _row_of(self, list(kwargs.values()), found) if kwargs else []
-        if new_args is _CURRENT or values is _CURRENT:  # cannot be: nothing records now
-            raise AssertionError("autobatch: a value of the round recording in eager mode")
+        if new_args is _CURRENT or values is _CURRENT:  # (nothing of this round is lazy)
+            raise _foreign()
         return self._eager(fn, kind, tuple(new_args), dict(zip(kwargs, values)))
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

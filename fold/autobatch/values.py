@@ -77,23 +77,33 @@ def _torch_function(
         )
     session = rec.session
     if session is not None and session.eager:  # the examples finish as eager code
-        kw = {k: _eager_value(v) for k, v in kwargs.items()} if kwargs else {}
-        return func(*[_eager_value(a) for a in args], **kw)
+        kw = {k: _eager_value(v, session) for k, v in kwargs.items()} if kwargs else {}
+        return func(*[_eager_value(a, session) for a in args], **kw)
     return rec.record(func, "torch", args, kwargs or {})
 
 
-def _eager_value(a: Any) -> Any:
-    """An argument of a call run as eager code once the examples finish so (see
-    ``driver._Session``): a lazy value (of an earlier round: nothing is lazy in the rounds
-    after) its row, a known value its tensor, in lists and tuples too."""
+def _eager_value(a: Any, session: Any) -> Any:
+    """An argument of a call run as eager code once the examples of ``session`` finish so
+    (see ``driver._Session``): a lazy value (of an earlier round: nothing is lazy in the
+    rounds after) its row, a known value its tensor, in lists and tuples too.  A lazy value
+    of another call is a FoldError, as the recorder says it."""
     t = type(a)
     if t is Lazy:
+        if a.rec.session is not session or a.rec.values is None:
+            raise _foreign()
         return _value_of(a)
     if t is Known:
         return a.tensor()
     if t is list or t is tuple:
-        return t([_eager_value(x) for x in a])
+        return t([_eager_value(x, session) for x in a])
     return a
+
+
+def _foreign() -> FoldError:
+    return FoldError(
+        "autobatch: a lazy value from another autobatch call (or an earlier one) was passed "
+        "in. Fix: return it from that call and pass the result as an input."
+    )
 
 
 class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
@@ -356,7 +366,7 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         # its call is refused by the recorder's path).
         if cur is not None and cur is not rec and cur is _LOCAL.rec and session.rounds:
             if session.eager:  # the examples finish as eager code
-                return func(*[_eager_value(a) for a in args])
+                return func(*[_eager_value(a, session) for a in args])
             for a in args[1:]:
                 t = type(a)
                 if t not in _PLAIN and not (t is tuple and all(type(x) in _PLAIN for x in a)):
