@@ -161,7 +161,6 @@ class Executor:
         # (op, list argument position) -> (element shape, dtype), as the last group with
         # elements gave them, kept with obj across applies (see element_shapes).
         self._elements = element_shapes(obj)
-        # Bytes of a node's row per output, per signature, for auto's plan estimates.
         # Columns copied by gathers (node rows, list elements) in this pass, by their rows:
         # where later groups read the same rows (decoder steps reading their examples'
         # memories), they take the same tensor, not a copy each.  A column is kept from its
@@ -170,6 +169,7 @@ class Executor:
         self._copies: dict[Any, Any] | None = (
             {} if torch.is_grad_enabled() and max_rows is None and max_bytes is None else None
         )
+        # Bytes of a node's row per output, per signature, for auto's plan estimates.
         self._facts = facts_of(obj)
         self._facts.device = self.device.type
         self._sized: set[int] = set()
