@@ -21,7 +21,7 @@ per-sentence code alone (eager with the scoring MLP stubbed: the Python and the 
 per-sentence tensor ops that autobatch runs once per sentence as written, a floor).
 
 autobatch runs as by default: once a round's groups hold fewer than
-``fold.autobatch.driver.EAGER_GROUP`` nodes on average, the examples still paused finish as
+``EAGER_GROUP`` (``fold/autobatch/driver.py``) nodes on average, the examples still paused finish as
 eager code (the decoder's memories of 24 lengths split its first round into groups of about
 five nodes, so its examples finish eagerly after it).
 
