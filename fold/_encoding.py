@@ -291,6 +291,7 @@ def list_handles(keys: Any) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype=np.int64)
 
 
-def list_lengths(keys: Any) -> list[int]:
-    """The number of elements of each list argument's memo key."""
-    return [len(k) >> 3 for k in keys]
+def list_lengths(keys: Any) -> np.ndarray:
+    """The number of elements of each list argument's memo key, as an int64 array (a tensor
+    of it is ``torch.from_numpy``: no per-item conversion)."""
+    return np.fromiter(map(len, keys), np.int64, len(keys)) >> 3

@@ -338,12 +338,11 @@ class Executor:
             flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
         if self.models > 1:
             return self._models_ragged(flat, lengths)
-        lengths = torch.tensor(lengths, dtype=torch.long)
-        return Ragged(flat, lengths.to(flat.device, non_blocking=True))
+        return Ragged(flat, torch.from_numpy(lengths).to(flat.device, non_blocking=True))
 
     def _plan_list(
         self, op: Any, j: int, lists: list[bytes], idx: list[np.ndarray]
-    ) -> tuple[Recipe | None, list[int]]:
+    ) -> tuple[Recipe | None, np.ndarray]:
         """The gather of a list column (the lists' memo keys, see ``list_handles``): every
         element of every list, in order, by one recipe; and the lists' lengths."""
         lengths = list_lengths(lists)
@@ -375,7 +374,7 @@ class Executor:
             )
         return recipe, lengths
 
-    def _models_ragged(self, flat: torch.Tensor, lengths: list[int]) -> ModelRagged:
+    def _models_ragged(self, flat: torch.Tensor, lengths: np.ndarray) -> ModelRagged:
         """A list column of N models: the gathered rows (element after element, the models'
         rows of each element together, model index fastest) as the lists of (node, model)
         pairs, list ``i * N + m`` holding node i's elements for model m."""
