@@ -245,7 +245,8 @@ class Pair(Obj):
 
 def test_unknown_strategy() -> None:
     with pytest.raises(
-        FoldError, match=r"unknown strategy; expected one of \['agenda', 'auto', 'depth'\]"
+        FoldError,
+        match=r"unknown strategy; expected one of \['agenda', 'auto', 'depth', 'lockstep'\]",
     ):
         fold.Fold(strategy="magic")
 

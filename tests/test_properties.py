@@ -212,7 +212,7 @@ def assert_same(folded: Any, unfolded: Any) -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(programs(), st.sampled_from(["depth", "agenda"]))
+@given(programs(), st.sampled_from(["depth", "agenda", "lockstep"]))
 def test_random_dags_fold_equals_unfold(prog: list[tuple[Any, ...]], strategy: str) -> None:
     leaves = _leaves(1)
     model = Ops()

@@ -135,7 +135,9 @@ def _ref(made: list[Any], ref: tuple[int, Any]) -> Any:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(list_programs(), st.sampled_from(["depth", "agenda"]), st.sampled_from([None, 2]))
+@given(
+    list_programs(), st.sampled_from(["depth", "agenda", "lockstep"]), st.sampled_from([None, 2])
+)
 def test_random_graphs_with_list_arguments_fold_equals_unfold(
     prog: list[tuple[Any, ...]], strategy: str, max_rows: int | None
 ) -> None:

@@ -20,6 +20,7 @@ from fold.scheduler import (
     auto_schedule,
     chain_plan,
     depth_schedule,
+    lockstep_schedule,
 )
 from fold.treebank import random_tree
 
@@ -95,7 +96,7 @@ def test_agenda_matches_depth_on_trees() -> None:
     torch.testing.assert_close(out["depth"], out["agenda"])
 
 
-@pytest.mark.parametrize("schedule", [depth_schedule, agenda_schedule])
+@pytest.mark.parametrize("schedule", [depth_schedule, agenda_schedule, lockstep_schedule])
 def test_empty_graph_has_an_empty_plan(schedule) -> None:
     assert schedule(fold.Fold().snapshot()).steps == []
     assert schedule(ArrayGraph(sig=[], depth=[])).steps == []
@@ -368,3 +369,101 @@ def test_auto_takes_depth_where_the_agenda_would_copy_memories_once_sizes_are_kn
 
     ((chosen, _since),) = auto.facts_of(model).chosen.values()
     assert chosen is depth_schedule
+
+
+class _ShiftReduce(nn.Module):
+    """A tiny SPINN: a tracker step per transition, a reduce on the stack's top two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 4)
+        self.tracker = nn.RNNCell(8, 4)
+        self.compose = nn.Linear(12, 4)
+
+    def leaf(self, w):
+        return torch.tanh(self.emb(w))
+
+    def track(self, top, t):
+        return self.tracker(torch.cat([top, top], 1), t)
+
+    def reduce(self, left, right, t):
+        return torch.tanh(self.compose(torch.cat([left, right, t], 1)))
+
+
+def _shift_reduce(f, words, actions):
+    """Record a sentence's transitions (0 shift, 1 reduce); returns the root."""
+    t = f.add("leaf", 0)
+    stack, buffer = [], [f.add("leaf", w) for w in words]
+    for a in actions:
+        top = stack[-1] if stack else buffer[0]
+        t = f.add("track", top, t)
+        if a == 0:
+            stack.append(buffer.pop(0))
+        else:
+            right, left = stack.pop(), stack.pop()
+            stack.append(f.add("reduce", left, right, t))
+    return stack[-1]
+
+
+def _random_parse(rng, n):
+    """The transitions of a random binary tree over n words."""
+    actions, depth = [], 0
+    shifted = 0
+    while shifted < n or depth > 1:
+        if shifted < n and (depth < 2 or rng.random() < 0.5):
+            actions.append(0)
+            shifted += 1
+            depth += 1
+        else:
+            actions.append(1)
+            depth -= 1
+    return actions
+
+
+def test_lockstep_runs_a_shift_reduce_batch_a_transition_at_a_time() -> None:
+    """Sentences parsed together: lockstep makes a tracker group and a reduce group per
+    transition (as hand-written batching does), fewer than depth and the agenda; every
+    strategy gives eager's values and gradients, and auto takes lockstep there."""
+    rng = random.Random(0)
+    data = []
+    for _ in range(12):
+        n = rng.randint(3, 9)
+        data.append(([rng.randrange(20) for _ in range(n)], _random_parse(rng, n)))
+    model = _ShiftReduce().double()
+
+    def eager():
+        outs = []
+        for words, actions in data:
+            t = model.leaf(torch.tensor([0]))
+            stack, buffer = [], [model.leaf(torch.tensor([w])) for w in words]
+            for a in actions:
+                top = stack[-1] if stack else buffer[0]
+                t = model.track(top, t)
+                if a == 0:
+                    stack.append(buffer.pop(0))
+                else:
+                    right, left = stack.pop(), stack.pop()
+                    stack.append(model.reduce(left, right, t))
+            outs.append(stack[-1])
+        return torch.cat(outs)
+
+    want = eager()
+    want_g = torch.autograd.grad(want.sum(), list(model.parameters()))
+    longest = max(len(a) for _, a in data)
+    reduces = max(sum(a) for _, a in data)
+    groups = {}
+    for strategy in ("depth", "agenda", "lockstep", "auto"):
+        f = fold.Fold(strategy)
+        roots = [_shift_reduce(f, w, a) for w, a in data]
+        (got,) = f.apply(model, [roots])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(got.sum(), list(model.parameters())), want_g):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        groups[strategy] = len(f.last_run)
+    # one leaf group, a tracker group per transition, a reduce group per transition that
+    # reduces in some sentence
+    assert groups["lockstep"] <= 1 + longest + (longest - 1)
+    assert groups["lockstep"] < min(groups["depth"], groups["agenda"])
+    assert groups["auto"] == groups["lockstep"]
+    assert reduces < longest

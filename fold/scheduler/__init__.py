@@ -13,6 +13,7 @@ from fold.scheduler.agenda import agenda_schedule as agenda_schedule
 from fold.scheduler.auto import auto_schedule as auto_schedule
 from fold.scheduler.chain import chain_plan as chain_plan
 from fold.scheduler.depth import depth_schedule as depth_schedule
+from fold.scheduler.lockstep import lockstep_schedule as lockstep_schedule
 from fold.scheduler.plan import ArrayGraph as ArrayGraph
 from fold.scheduler.plan import GraphView as GraphView
 from fold.scheduler.plan import Group as Group
@@ -25,6 +26,7 @@ SCHEDULERS: dict[str, Callable[[GraphView], Plan]] = {
     "auto": auto_schedule,
     "depth": depth_schedule,
     "agenda": agenda_schedule,
+    "lockstep": lockstep_schedule,
 }
 
 
@@ -48,5 +50,6 @@ __all__ = [
     "auto_schedule",
     "chain_plan",
     "depth_schedule",
+    "lockstep_schedule",
     "make_plan",
 ]

@@ -1,7 +1,7 @@
-"""The default schedule, ``strategy="auto"``: depth or the agenda, whichever is estimated to
-cost less.
+"""The default schedule, ``strategy="auto"``: depth, the agenda or lockstep, whichever is
+estimated to cost less.
 
-Both schedules run every node once, so they do the same arithmetic.  What differs is how
+All three schedules run every node once, so they do the same arithmetic.  What differs is how
 many batched calls (groups) the work is split into, and how much data the argument columns
 of those groups copy:
 
@@ -34,10 +34,12 @@ The rule:
 2. if that plan has one group per signature, no schedule can have fewer, and depth reads
    every column from its source in order where one exists: take it (trees with list
    arguments, message passing, MNIST);
-3. else plan the agenda too, estimate both, and take the agenda where it costs less; on a
-   tie, depth.
+3. else plan the agenda and lockstep too (``fold.scheduler.lockstep``: the examples'
+   programs advancing one step of each op's chain at a time, as hand-written batching of a
+   shift-reduce parser does), estimate all three, and take the cheapest; on a tie, depth,
+   then the agenda.
 
-Step 3 costs the agenda's planning and two estimates (2-16 ms for 1k-8k nodes), so its
+Step 3 costs the other two plans and three estimates (2-16 ms for 1k-8k nodes), so its
 outcome is remembered per model: graphs of the same signatures (ops and argument kinds)
 applied to the same object take the remembered schedule, and step 3 runs again every
 ``RECHECK``-th such graph, in case the graphs changed character.  A choice made while some
@@ -58,6 +60,7 @@ import numpy as np
 from fold._encoding import LIST, NODE, OUT_MASK, list_handles, list_lengths, node_id
 from fold.scheduler.agenda import agenda_schedule
 from fold.scheduler.depth import depth_schedule
+from fold.scheduler.lockstep import lockstep_schedule
 from fold.scheduler.plan import GraphView, Plan
 
 __all__ = [
@@ -212,8 +215,8 @@ def _row_bytes(signatures: list[Any], facts: Facts | None) -> tuple[np.ndarray, 
 
 
 def auto_schedule(a: GraphView) -> Plan:
-    """Plan ``a`` by depth, or by the agenda where that is estimated to cost less (see
-    above)."""
+    """Plan ``a`` by depth, or by the agenda or lockstep where one of them is estimated to
+    cost less (see above)."""
     facts: Facts | None = getattr(a, "facts", None)
     sigs = getattr(a, "signatures", None)  # a recorded graph's; a hand-built one has none
     key = tuple(sigs) if sigs is not None else None
@@ -225,12 +228,14 @@ def auto_schedule(a: GraphView) -> Plan:
     plan = depth_schedule(a)
     if group_count(plan) <= len(a.count):  # one group per signature: nothing left to merge
         return plan
-    other = agenda_schedule(a)
-    depth_cost, sized = plan_cost(a, plan, facts)
-    agenda_cost, _ = plan_cost(a, other, facts)
-    better = agenda_cost < depth_cost
+    best, (best_cost, sized) = depth_schedule, plan_cost(a, plan, facts)
+    for schedule in (agenda_schedule, lockstep_schedule):
+        other = schedule(a)
+        cost, _ = plan_cost(a, other, facts)
+        if cost < best_cost:
+            best, best_cost, plan = schedule, cost, other
     if key is not None and sized:
         if len(chosen) > 256:
             chosen.clear()
-        chosen[key] = [agenda_schedule if better else depth_schedule, 0]
-    return other if better else plan
+        chosen[key] = [best, 0]
+    return plan
