@@ -26,8 +26,8 @@ fold without them (the best of the workarounds before lists), and hand-batched c
   the memories in place.  One fold column per strategy (no lists).  Hand: the examples in
   lockstep, one GRU and one attention call per step.
 
-Every fold variant is run with ``strategy="auto"`` (the default), ``"depth"`` and
-``"agenda"``.  Before timing, each variant is checked against eager per-example code in
+Every fold variant is run with ``strategy="auto"`` (the default), ``"depth"``, ``"agenda"``
+and ``"lockstep"``.  Before timing, each variant is checked against eager per-example code in
 float64, values and gradients.  Timed: forward and backward of a sum over the outputs, fold
 time including recording.  Interleaved runs, medians; writes ``dynamic.json``.
 """
@@ -56,7 +56,7 @@ from fold.models import (  # noqa: E402
 )
 from fold.treebank import DepTree, random_dep_tree  # noqa: E402
 
-STRATEGIES = ("auto", "depth", "agenda")
+STRATEGIES = ("auto", "depth", "agenda", "lockstep")
 
 
 # --------------------------------------------------------------------------------------------
