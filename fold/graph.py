@@ -247,12 +247,14 @@ class Fold:
 
     Args:
         strategy: the scheduler. ``"auto"`` (default) takes the depth schedule, or the
-            agenda's where that is estimated to cost less: fewer groups, unless its groups
-            copy more (see ``fold.scheduler.auto``);
+            agenda's or lockstep's where one is estimated to cost less: fewer groups, unless
+            its groups copy more (see ``fold.scheduler.auto``);
             ``"depth"`` groups same-signature nodes at equal depth; ``"agenda"`` runs ready
             nodes DyNet-style, merging same-signature nodes of different depths (e.g. a
             classifier on sequences of different lengths) into fewer groups, at a higher
-            planning cost.  See ``fold.scheduler``.
+            planning cost; ``"lockstep"`` advances the examples one step of each op's own
+            chain at a time (a shift-reduce parser's transitions, as hand-written batching
+            runs them).  See ``fold.scheduler``.
     """
 
     def __init__(self, strategy: str = "auto") -> None:
