@@ -98,9 +98,10 @@ _CHEAP = (How.SOURCE, How.PIECES)
 
 
 _UNSEEN = object()  # a column key no group of the pass has read (see Executor._copies)
-# Columns of at most this many rows are looked up (their key is hashed: a few us); larger
-# groups gain little from it (their gathers are a small part of their work) and a TreeLSTM
-# level of thousands of nodes would pay for hashing every column.
+# Groups of at most this many nodes look their columns up (a node column's key is its rows'
+# bytes, hashed: a few us; a list column's, the lists' memo keys, whose hashes are kept);
+# larger groups gain little from it (their gathers are a small part of their work) and a
+# TreeLSTM level of thousands of nodes would pay for hashing every column.
 _COPY_ROWS = 512
 
 
@@ -296,7 +297,7 @@ class Executor:
             if copies is not None and n <= _COPY_ROWS:
                 if what is Arg.GATHER and p.how is not How.SOURCE:
                     key = (NODE, rows[:, gathered.index(j)].tobytes())
-                elif what is Arg.RAGGED and p[0] is not None and p[0].length <= _COPY_ROWS:
+                elif what is Arg.RAGGED and p[0] is not None:
                     key = (LIST, tuple(lists[j]))
                 if key is not None:
                     got = copies.get(key, _UNSEEN)
