@@ -44,6 +44,7 @@ from fold.autobatch.values import (
     Known,
     Lazy,
     _as_number,
+    _eager_value,
     _foreign,
     _inplace_call,
     _Meta,
@@ -436,12 +437,9 @@ class _Recorder:
     def _now(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call run at once as eager code, on the computed rows of earlier rounds' values
         (the session's examples finish eagerly: nothing of this round is lazy)."""
-        found = [False]
-        new_args = _row_of(self, list(args), found)
-        values = _row_of(self, list(kwargs.values()), found) if kwargs else []
-        if new_args is _CURRENT or values is _CURRENT:  # (nothing of this round is lazy)
-            raise _foreign()
-        return self._eager(fn, kind, tuple(new_args), dict(zip(kwargs, values)))
+        session = self.session
+        kw = {k: _eager_value(v, session) for k, v in kwargs.items()} if kwargs else {}
+        return self._eager(fn, kind, tuple([_eager_value(a, session) for a in args]), kw)
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":
@@ -467,11 +465,7 @@ class _Recorder:
                     src, row = old.values[a.node]
                     fargs.append(src.narrow(0, row, 1))
                     return a.meta
-                raise FoldError(
-                    f"autobatch: example {self.example}: a lazy value from another autobatch "
-                    "call (or an earlier one) was passed in. Fix: return it from that call "
-                    "and pass the result as an input."
-                )
+                raise _foreign(self.example)
             fargs.append(a.node)
             return a.meta
         if t is int or t is str or a is None:

@@ -75,10 +75,6 @@ def _torch_function(
             "function autobatch runs (kept from an earlier call, or used while its graph "
             "runs). Fix: use the results autobatch returns."
         )
-    session = rec.session
-    if session is not None and session.eager:  # the examples finish as eager code
-        kw = {k: _eager_value(v, session) for k, v in kwargs.items()} if kwargs else {}
-        return func(*[_eager_value(a, session) for a in args], **kw)
     return rec.record(func, "torch", args, kwargs or {})
 
 
@@ -99,10 +95,13 @@ def _eager_value(a: Any, session: Any) -> Any:
     return a
 
 
-def _foreign() -> FoldError:
+def _foreign(example: int | None = None) -> FoldError:
+    """The FoldError for a lazy value of another autobatch call (naming the example that
+    passed it, where known)."""
+    where = "" if example is None else f"example {example}: "
     return FoldError(
-        "autobatch: a lazy value from another autobatch call (or an earlier one) was passed "
-        "in. Fix: return it from that call and pass the result as an input."
+        f"autobatch: {where}a lazy value from another autobatch call (or an earlier one) was "
+        "passed in. Fix: return it from that call and pass the result as an input."
     )
 
 
@@ -365,8 +364,6 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         # Only inside the call that made the value, while it records (a value kept beyond
         # its call is refused by the recorder's path).
         if cur is not None and cur is not rec and cur is _LOCAL.rec and session.rounds:
-            if session.eager:  # the examples finish as eager code
-                return func(*[_eager_value(a, session) for a in args])
             for a in args[1:]:
                 t = type(a)
                 if t not in _PLAIN and not (t is tuple and all(type(x) in _PLAIN for x in a)):
