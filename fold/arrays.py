@@ -40,6 +40,7 @@ __all__ = [
     "GraphArrays",
     "distinct",
     "handles_array",
+    "runs_of",
     "stable_order",
     "literal_column",
     "number_column",
@@ -93,6 +94,16 @@ def stable_order(x: np.ndarray, bound: int) -> np.ndarray:
         if bound <= np.iinfo(small).max + 1:
             return np.argsort(x.astype(small), kind="stable")
     return np.argsort(x, kind="stable")
+
+
+def runs_of(keys: np.ndarray, bound: int) -> list[np.ndarray]:
+    """The positions of each distinct key (non-negative ints below ``bound``), key after key
+    in increasing order, each run in position order: one stable sort (``stable_order``).
+    A scheduler walks a graph's edges so, level by level."""
+    order = stable_order(keys, bound)
+    sk = keys[order]
+    cuts = (np.flatnonzero(sk[1:] != sk[:-1]) + 1).tolist()
+    return [order[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, len(order)])]
 
 
 def handles_array(handles: Any) -> np.ndarray:

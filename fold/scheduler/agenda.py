@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fold.arrays import distinct, stable_order
+from fold.arrays import distinct, runs_of, stable_order
 from fold.scheduler.plan import GraphView, Group, Plan, Step
 
 __all__ = ["agenda_schedule"]
@@ -136,11 +136,7 @@ def _agenda_arrays(a: GraphView) -> Plan:
     if len(dst):
         level = a.depth[dst]
         deepest = int(level.max())
-        by_level = stable_order(deepest - level, deepest + 1)
-        lv = level[by_level]
-        cuts = (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
-        for lo, hi in zip([0, *cuts], [*cuts, len(lv)]):
-            e = by_level[lo:hi]
+        for e in runs_of(deepest - level, deepest + 1):
             np.maximum.at(ahead, src[e], ahead[dst[e]] + 1)
 
     # Per key, as plain ints (there are few keys): its nodes not yet launched, and of its

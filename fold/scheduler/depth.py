@@ -10,7 +10,7 @@ import numpy as np
 from fold.arrays import stable_order
 from fold.scheduler.plan import GraphView, Group, Plan, Step
 
-__all__ = ["depth_schedule"]
+__all__ = ["depth_schedule", "plan_by_level"]
 
 
 def depth_schedule(a: GraphView) -> Plan:
@@ -27,16 +27,25 @@ def depth_schedule(a: GraphView) -> Plan:
     nsig = len(a.count)
     if nsig == 1 and a.flat:  # e.g. one op per sample: one group
         return Plan([Step([Group(0, np.arange(a.n))])])
-    levels = int(a.depth.max()) + 1
-    key = a.depth * nsig + a.sig
-    order = stable_order(key, levels * nsig)
+    return plan_by_level(a.depth, a.sig, nsig)
+
+
+def plan_by_level(level: np.ndarray, sig: np.ndarray, nsig: int) -> Plan:
+    """A plan of one step per distinct ``level`` (in increasing order), one group per
+    signature in it, its nodes in node-id order (one stable sort of all nodes): depth's plan
+    of its depths, lockstep's of its (time, sub) levels.  No edge may join two nodes of one
+    level."""
+    key = level * nsig + sig
+    order = stable_order(key, (int(level.max()) + 1) * nsig)
     sk = key[order]
-    cuts = np.flatnonzero(sk[1:] != sk[:-1]) + 1
-    starts = [0, *cuts.tolist()]
-    ends = [*cuts.tolist(), a.n]
-    steps = [Step() for _ in range(levels)]
-    for lo, hi, k in zip(starts, ends, sk[starts].tolist()):
-        steps[k // nsig].groups.append(Group(k % nsig, order[lo:hi]))
+    cuts = (np.flatnonzero(sk[1:] != sk[:-1]) + 1).tolist()
+    steps: list[Step] = []
+    last = -1
+    for lo, hi, k in zip([0, *cuts], [*cuts, len(key)], sk[[0, *cuts]].tolist()):
+        if k // nsig != last:
+            steps.append(Step())
+            last = k // nsig
+        steps[-1].groups.append(Group(k % nsig, order[lo:hi]))
     return Plan(steps)
 
 

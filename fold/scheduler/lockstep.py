@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fold.arrays import stable_order
-from fold.scheduler.depth import depth_schedule
-from fold.scheduler.plan import GraphView, Group, Plan, Step
+from fold.arrays import runs_of
+from fold.scheduler.depth import depth_schedule, plan_by_level
+from fold.scheduler.plan import GraphView, Plan
 
 __all__ = ["lockstep_schedule"]
 
@@ -45,27 +45,10 @@ def lockstep_schedule(a: GraphView) -> Plan:
         # Consumers level by level (an argument's depth is below its consumer's), so each
         # argument's time and sub are final when read.
         level = a.depth[dst]
-        by_level = stable_order(level, int(level.max()) + 1)
-        lv = level[by_level]
-        cuts = (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
-        for lo, hi in zip([0, *cuts], [*cuts, len(lv)]):
-            e = by_level[lo:hi]
+        for e in runs_of(level, int(level.max()) + 1):
             s, d = src[e], dst[e]
             np.maximum.at(time, d, time[s] + (sig[s] == sig[d]))
             same = time[s] == time[d]
             if same.any():
                 np.maximum.at(sub, d[same], sub[s[same]] + 1)
-    nsig = len(a.count)
-    key = (time * (int(sub.max()) + 1) + sub) * nsig + sig
-    order = np.argsort(key, kind="stable")
-    sk = key[order]
-    cuts = (np.flatnonzero(sk[1:] != sk[:-1]) + 1).tolist()
-    steps: list[Step] = []
-    last = -1
-    for lo, hi, k in zip([0, *cuts], [*cuts, n], sk[[0, *cuts]].tolist()):
-        step = k // nsig
-        if step != last:
-            steps.append(Step())
-            last = step
-        steps[-1].groups.append(Group(k % nsig, order[lo:hi]))
-    return Plan(steps)
+    return plan_by_level(time * (int(sub.max()) + 1) + sub, sig, len(a.count))
