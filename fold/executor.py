@@ -116,6 +116,18 @@ class Arg(enum.Enum):
     RAGGED = 5  # a list argument: its elements gathered by one Recipe, and the lengths
 
 
+class _Mixed:
+    """A group whose gathered columns (``mixed``: their virtual rows) span values of
+    different shapes or dtypes (see ``Executor._run_mixed``)."""
+
+    __slots__ = ("op", "sid", "members", "mixed", "alone")
+
+    def __init__(
+        self, op: Any, sid: int, members: np.ndarray, mixed: list[np.ndarray], alone: bool
+    ) -> None:
+        self.op, self.sid, self.members, self.mixed, self.alone = op, sid, members, mixed, alone
+
+
 class Executor:
     """Runs one pass of ``apply``: executes a plan's groups, then returns the outputs.
 
@@ -174,6 +186,10 @@ class Executor:
         self._facts = facts_of(obj)
         self._facts.device = self.device.type
         self._sized: set[int] = set()
+        # Where a caller sets it to a list: every group's (signature, outputs, the node ids of
+        # their rows), in the order they ran (autobatch's rounds read their values so; see
+        # fold.run.run_groups).
+        self.groups: list[tuple[int, tuple[torch.Tensor, ...], Any]] | None = None
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -210,7 +226,37 @@ class Executor:
     # ------------------------------------------------------------------ gathers
     def _run_group(self, step: int, members: np.ndarray, sid: int | None = None) -> None:
         """Run one group: its arguments gathered (its members perhaps reordered, see
-        ``_read_order``), one batched call, its outputs registered."""
+        ``_read_order``), one batched call, its outputs registered.  A group whose gathered
+        arguments differ in shape runs in parts of one shape each: one call per part, or one
+        call for all where its op takes padded parts (see ``_run_padded``)."""
+        got = self._gather(members, sid)
+        if type(got) is _Mixed:
+            self._run_mixed(step, got)
+            return
+        op, sid, values, plans, members, alone = got
+        n = len(members)
+        outs = self._call(step, op, values, plans, n, alone)
+        self._store(sid, outs, members, alone)
+
+    def _store(
+        self, sid: int, outs: tuple[torch.Tensor, ...], members: np.ndarray, alone: bool
+    ) -> None:
+        """A group's outputs registered as the values of ``members``."""
+        if sid not in self._sized:
+            self._sized.add(sid)
+            n = len(members)
+            self._facts.measured(
+                self.arrays.signatures[sid],
+                tuple([o.numel() * o.element_size() // (n * self.models) for o in outs]),
+            )
+        self.values.add_sources(outs, alone, members)
+        if self.groups is not None:
+            self.groups.append((sid, outs, members))
+
+    def _gather(self, members: np.ndarray, sid: int | None) -> Any:
+        """A group's argument values: ``(op, sid, values, plans, members, alone)``, its
+        members perhaps reordered (see ``_read_order``); a ``_Mixed`` where gathered
+        columns differ in shape or dtype across the members."""
         a = self.arrays
         nid0 = int(members[0])
         if sid is None:
@@ -269,8 +315,7 @@ class Executor:
                     self._plain.add(sid)
                 mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
                 if mixed:
-                    self._run_subgroups(step, members, mixed)
-                    return
+                    return _Mixed(op, sid, members, mixed, alone)
                 for j, r in zip(gathered, recipes):
                     plans[j] = (Arg.GATHER, r)
         for j, k in enumerate(kinds):
@@ -310,14 +355,7 @@ class Executor:
             values.append(self._value(what, p, k, op, j, itensors))
             if key is not None:  # read a second time: kept for the reads after
                 copies[key] = values[-1]
-        outs = self._call(step, op, values, plans, n, alone)
-        if sid not in self._sized:
-            self._sized.add(sid)
-            self._facts.measured(
-                a.signatures[sid],
-                tuple([o.numel() * o.element_size() // (n * self.models) for o in outs]),
-            )
-        v.add_sources(outs, alone, members)
+        return op, sid, values, plans, members, alone
 
     def _value(
         self, what: Arg, p: Any, k: Any, op: Any, j: int, itensors: list[torch.Tensor]
@@ -418,6 +456,8 @@ class Executor:
         outs = self._call(step, op, values, plans, n, False)
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
+        if self.groups is not None:
+            self.groups.append((sid, outs, members.ids(a)))
 
     def _input(self, src: Input) -> torch.Tensor:
         """The output that an Input names, checked against the split its handles make."""
@@ -525,14 +565,52 @@ class Executor:
             return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
         return first  # not tensors: check_outputs reports it
 
-    def _run_subgroups(self, step: int, members: np.ndarray, mixed: list[np.ndarray]) -> None:
-        """Split a group whose gathered arguments differ in shape or dtype, and run each part."""
-        classes = np.stack([Values.class_of(rows) for rows in mixed])
+    def _run_mixed(self, step: int, got: _Mixed) -> None:
+        """A group whose gathered arguments differ in shape or dtype, split into parts of one
+        shape and dtype each: one call per part, or one call for all of them where the op
+        takes padded parts (``padded_call``, see ``_run_padded``)."""
+        classes = np.stack([Values.class_of(rows) for rows in got.mixed])
         _, part = np.unique(classes, axis=1, return_inverse=True)
         part = part.reshape(-1)
-        sid = int(self.arrays.sig[members[0]])
-        for p in range(int(part.max()) + 1):
-            self._run_group(step, members[part == p], sid)
+        members, sid = got.members, got.sid
+        parts = [members[part == p] for p in range(int(part.max()) + 1)]
+        padded = getattr(got.op, "padded_call", None)
+        if (
+            padded is None
+            or got.alone
+            or self.models > 1
+            or self.max_rows is not None
+            or self.max_bytes is not None
+        ):
+            for p in parts:
+                self._run_group(step, p, sid)
+            return
+        self._run_padded(step, sid, parts, padded)
+
+    def _run_padded(self, step: int, sid: int, parts: list[np.ndarray], padded: Any) -> None:
+        """The parts of a group (each of one shape: sequences of one length) run as one call:
+        ``padded(per part its values)`` returns per part its outputs (an RNN's sequences
+        padded and packed into one batch inside, the outputs cut back to each part's
+        shapes), registered part by part as any group's."""
+        gathered = []
+        for p in parts:
+            got = self._gather(p, sid)
+            if type(got) is _Mixed:  # (parts are of one class per column: not expected)
+                for q in parts:
+                    self._run_group(step, q, sid)
+                return
+            gathered.append(got)
+        op = gathered[0][0]
+        n = sum(len(g[4]) for g in gathered)
+        try:
+            outs = padded([g[2] for g in gathered])
+        except Exception as err:
+            raise op_failed(op, step, n, gathered[0][2], err) from err
+        # One call: one entry in the report, shown with its first part's shapes.
+        first = gathered[0][2]
+        self.report.append((step, op_name(op), n, tuple([(t.shape, t.dtype) for t in first])))
+        for (_, _, _, _, members, _), out in zip(gathered, outs):
+            self._store(sid, check_outputs(op, step, len(members), out, False), members, False)
 
     # ------------------------------------------------------------------ results
     def output(self, kind: str, items: list[Any], i: int) -> torch.Tensor:

@@ -1162,7 +1162,7 @@ def test_copy_of_a_lazy_value_is_its_value_cut_from_the_history_as_eager():
 @pytest.mark.parametrize("state", ["none", "given"])
 def test_recurrent_modules_on_one_unbatched_sequence_match_eager(make, state):
     """nn.LSTM/GRU/RNN called on one sentence (L, D), as a tagger's encoder is written:
-    sequences of one length run as one batch; several lengths, several groups."""
+    sequences of one length run as one batch; several lengths, one packed call."""
     torch.manual_seed(0)
     rnn, emb = make(), nn.Linear(3, 4)
     dirs = 2 if rnn.bidirectional else 1
@@ -1185,6 +1185,59 @@ def test_recurrent_modules_on_one_unbatched_sequence_match_eager(make, state):
     xs = [torch.randn(n, 3) for n in (5, 3, 5, 7, 3)]
     assert_same(fn, [*rnn.parameters(), *emb.parameters()], xs)
     assert_same(fn, [*rnn.parameters(), *emb.parameters()], torch.randn(4, 6, 3))  # rows
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.GRU(3, 4), lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True)],
+    ids=["gru", "lstm-2-bi"],
+)
+def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
+    """An RNN on sentences of several lengths: one call on the packed batch (a forward hook
+    sees one PackedSequence), every sentence's outputs (each position, the last state)
+    equal to eager per sentence, and gradients with them; float64, where a mix-up of rows
+    or lengths cannot hide in rounding."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn.utils.rnn import PackedSequence
+
+    torch.manual_seed(0)
+    rnn, emb = make().double(), nn.Linear(2, 3).double()
+    packed = []  # per call of the module: packed, or not (shape inference's are fake)
+    rnn.register_forward_hook(
+        lambda m, args, out: packed.append(
+            type(args[0]) is PackedSequence or isinstance(args[0], FakeTensor) and None
+        )
+    )
+
+    def fn(x):
+        out, h = rnn(torch.tanh(emb(x)))
+        last = h[0] if isinstance(h, tuple) else h
+        return out * 2, last + 1
+
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (5, 1, 7, 3, 5, 2, 7)]
+    want = [fn(x) for x in xs]
+    packed.clear()
+    with torch.set_grad_enabled(grad):
+        got = fold.autobatch(fn, xs, stack=False)
+    assert packed.count(True) == 1 and packed.count(False) == 0
+    for (go, gh), (wo, wh) in zip(got, want):
+        assert go.shape == wo.shape
+        torch.testing.assert_close(go, wo)
+        torch.testing.assert_close(gh, wh)
+    if not grad:
+        assert not any(o.requires_grad for pair in got for o in pair)
+        return
+    params = [*rnn.parameters(), *emb.parameters()]
+    weights = [(torch.randn_like(o), torch.randn_like(h)) for o, h in want]
+
+    def loss(outs):
+        return sum((a * o).sum() + (b * h).sum() for (a, b), (o, h) in zip(weights, outs))
+
+    for a, b in zip(
+        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
+    ):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fold
+from fold.errors import op_name
 from fold.models import MLP, TreeLSTM, record_tree
 from fold.treebank import Tree, random_tree
 
@@ -722,3 +723,48 @@ def test_a_column_read_again_is_gathered_once(grad: bool) -> None:
             torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)
         ):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+class _PaddedSum:
+    """An op that sums each node's row of any length: its groups may mix lengths, and it
+    takes them as one call on padded parts (``padded_call``), counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1) * 2
+
+    def padded_call(self, parts: list[tuple[torch.Tensor, ...]]) -> list[Any]:
+        self.calls.append([p[0].shape[1] for p in parts])
+        longest = max(p[0].shape[1] for p in parts)
+        x = torch.cat([F.pad(p[0], (0, longest - p[0].shape[1])) for p in parts])
+        out = self(x)
+        sizes = [p[0].shape[0] for p in parts]
+        return [(o,) for o in out.split(sizes)]
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded-call", "part-by-part"])
+def test_a_group_whose_rows_differ_in_shape_runs_in_parts_or_padded(padded: bool) -> None:
+    """A group whose node argument reads rows of several shapes (sequences of several
+    lengths) runs one call per shape; an op with ``padded_call`` takes all the parts in one
+    call instead; both equal eager, values and gradients, each node's row where it was."""
+    torch.manual_seed(0)
+    op = _PaddedSum()
+    if not padded:
+        op = (lambda f: lambda x: f(x))(op)  # the same op, without padded_call
+    w = torch.randn(()).requires_grad_()
+    lengths = [3, 1, 3, 4, 1, 2, 4]
+    xs = [torch.randn(1, n) for n in lengths]
+    f = fold.Fold()
+    scale = lambda x: x * w  # noqa: E731
+    roots = [f.add(op, f.add(scale, x)) for x in xs]
+    (got,) = f.apply(None, [roots])
+    want = torch.cat([(x * w).sum(1) * 2 for x in xs])
+    torch.testing.assert_close(got, want)
+    (gw,) = torch.autograd.grad(got.square().sum(), w)
+    (ww,) = torch.autograd.grad(want.square().sum(), w)
+    torch.testing.assert_close(gw, ww)
+    if padded:
+        assert len(op.calls) == 1 and sorted(op.calls[0]) == [1, 2, 3, 4]
+        assert [size for _, name, size, _ in f.last_run if name == op_name(op)] == [7]

@@ -44,7 +44,10 @@ How a call is recorded (the choices the contract leaves open):
 - **How a group runs.**  Calls known to be batch-polymorphic run directly on the stacked
   arguments (elementwise ops, ``F.linear`` and ``nn.Linear``, ``nn.Embedding``, the RNN cells,
   activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
-  dim, a ``BatchModule``'s rows merged into its batch).  A group of ``@batchable``
+  dim, a ``BatchModule``'s rows merged into its batch).  ``nn.LSTM``/``GRU``/``RNN`` on one
+  unbatched sequence ``(L, D)`` is one op for every length: a group holding sequences of
+  several lengths runs as ONE call on them padded and packed (``pack_padded_sequence``),
+  each example's outputs cut back to its length (``_Op.fold_op``, ``padded_call``).  A group of ``@batchable``
   per-example calls runs as the calls the function makes: the function is recorded once per
   op and autobatch call on lazy values standing for a group (it can only see their shapes,
   so the recording holds for every group of the call; the next call records it again, so

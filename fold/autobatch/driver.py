@@ -5,12 +5,16 @@ example."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fold._encoding import node_id, split_code
+from fold.arrays import handles_array
 from fold.autobatch.common import (
     _BATCHED,
     _DIRECT,
@@ -23,11 +27,11 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _PLAIN, _installed
-from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _Recorder
+from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _SEQUENCE_OPS, _Recorder
 from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
 from fold.autobatch.values import _METAS, Lazy, _value_of
 from fold.errors import FoldError, describe
-from fold.run import collector_paused
+from fold.run import collector_paused, run_groups
 from fold.scheduler.auto import facts_of
 
 
@@ -36,6 +40,7 @@ def clear_cache() -> None:
     parameters they hold)."""
     _OPS.clear()
     _MODE_OPS.clear()
+    _SEQUENCE_OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
@@ -177,38 +182,37 @@ EAGER_GROUP = 8
 
 
 def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
-    """Every output of every node the round recorded, by handle: (a tensor of the outputs
-    of one shape and dtype, the row of this one).  One apply, one list per shape."""
+    """Every output of every node the round recorded, by handle: (the output of the group
+    that computed it, its row there), read where it lies (no gather)."""
     f = rec.fold
     if not len(f):
         return {}
-    arrays = f.snapshot()
-    node = f._node_type
-    # One list per signature and output: the values of one op's outputs (one shape, dtype
-    # and autograd mode; a detached output's row needs no gradient).
-    lists: list[list[Any]] = []
-    for sid, (op, _kinds) in enumerate(arrays.signatures):
-        handles = arrays.handles(sid)
-        if type(op) is _Op and not op.single:
-            k = len(op.outs)
-            parts = [node(h).split(k) for h in handles]
-            lists.extend([p[j] for p in parts] for j in range(k))
-        else:
-            lists.append([node(h) for h in handles])
     device = _device(rec)
     obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
     try:
         with _call_programs():
-            values = f.apply(obj, lists)
+            groups = run_groups(f, obj)
     except FoldError as err:
         cause = err.__cause__
         if isinstance(cause, _OpFailed):
             raise _explained(err) from cause.__cause__
         raise
+    arrays = f.snapshot()
+    handle = np.zeros(arrays.n, np.int64)  # node id -> its whole handle
+    for sid in range(len(arrays.signatures)):
+        h = handles_array(arrays.handles(sid))
+        handle[node_id(h)] = h
     out: dict[Any, tuple[torch.Tensor, int]] = {}
-    for handles, value in zip(lists, values):
-        for r, h in enumerate(handles):
-            out[int(h)] = (value, r)
+    for sid, outs, members in groups:
+        op = arrays.signatures[sid][0]
+        hs = handle[members]
+        rows = range(len(hs))
+        if type(op) is _Op and not op.single:  # its outputs are read through split handles
+            code = split_code(len(outs))
+            for j, t in enumerate(outs):
+                out.update(zip((hs | (code | j)).tolist(), zip(repeat(t), rows)))
+        else:
+            out.update(zip(hs.tolist(), zip(repeat(outs[0]), rows)))
     return out
 
 

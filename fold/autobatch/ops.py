@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import (
@@ -124,6 +125,13 @@ class _Op:
         # usual one; a group runs in it (a target network under torch.no_grad(), a region
         # under torch.autocast).
         self.recorded_in: tuple[Any, ...] | None = None
+        # The op the node is recorded as: itself, or for an RNN over one unbatched sequence
+        # the first op of its sequence group (the same call on sequences of another length,
+        # see ``recorder._group_sequences``), whose groups then hold every length and run
+        # as one packed call (``padded_call``, which fold's executor calls with the parts of
+        # a group, one part per length).
+        self.fold_op: _Op = self
+        self.padded_call: Callable[[list[tuple[Any, ...]]], list[Any]] | None = None
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -225,6 +233,54 @@ class _Op:
         out, h = self.call(x if first else x.transpose(0, 1), hx)
         h = tuple(t.transpose(0, 1) for t in h) if type(h) is tuple else h.transpose(0, 1)
         return out if first else out.transpose(0, 1), h
+
+    def _packed_parts(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """``padded_call`` of an RNN's sequence group: the parts of a group (per part its
+        stacked sequences (n, L, D), all of one length, and states) as ONE call: the
+        sequences padded to the longest and packed (as hand-batched code runs an encoder),
+        states in the same order; per part its outputs, cut back to its length."""
+        try:
+            mode = self.recorded_in or _USUAL_MODE
+            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
+                return self._packed(parts)
+            with _in_mode(mode):
+                return self._packed(parts)
+        except Exception as err:
+            raise _OpFailed(self, parts[0]) from err
+
+    def _packed(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        filled = [_fill((self.args, self.kwargs), values)[0] for values in parts]
+        xs = [args[0] for args in filled]
+        sizes = [x.shape[0] for x in xs]
+        lengths = [x.shape[1] for x, k in zip(xs, sizes) for _ in range(k)]
+        if not lengths or min(lengths) == 0:  # (pack refuses empty sequences)
+            return [tuple(pytree.tree_leaves(self._rnn(values))) for values in parts]
+        longest = max(lengths)
+        x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
+        packed = pack_padded_sequence(
+            x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
+        )
+        hx = None
+        if len(filled[0]) > 1 and filled[0][1] is not None:  # states (n, layers, H) per part
+            states = [a[1] if type(a[1]) in (tuple, list) else (a[1],) for a in filled]
+            hx = tuple(
+                torch.cat([s[j] for s in states]).transpose(0, 1).contiguous()
+                for j in range(len(states[0]))
+            )
+            if type(filled[0][1]) not in (tuple, list):
+                hx = hx[0]
+        out, h = self.call(packed, hx)
+        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0]
+        hs = h if type(h) is tuple else (h,)
+        hs = tuple(t.transpose(0, 1) for t in hs)  # (N, layers, H)
+        results = []
+        start = 0
+        for x, k in zip(xs, sizes):
+            rows = slice(start, start + k)
+            part_h = tuple(t[rows] for t in hs)
+            results.append((out[rows, : x.shape[1]], *part_h))
+            start += k
+        return results
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)

@@ -21,6 +21,7 @@ from fold.autobatch.common import (
     _LOCAL,
     _MISS,
     _MODELS,
+    _RNN,
     _VMAP,
     _any_autocast,
     _current_mode,
@@ -372,11 +373,13 @@ class _Recorder:
         if op is None:
             op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
             op.recorded_in = mode
+            if op.mode is _RNN:
+                _group_sequences(op, key, mode)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
-            nodes = self.fold.op(op, outputs)(*fargs)
-            r = self._recorders[op] = self.fold.op(op, outputs)
+            nodes = self.fold.op(op.fold_op, outputs)(*fargs)
+            r = self._recorders[op] = self.fold.op(op.fold_op, outputs)
             out = op.wrap(nodes, self)
         else:
             out = op.wrap(r(*fargs), self)
@@ -698,6 +701,31 @@ class _Recorder:
                 op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
             )
             return op.per_example(*values)
+
+
+# Per sequence group (an RNN call on one unbatched sequence, keyed without the sequence's
+# length: mode, module, the sequence's (D,), dtype and device, the other arguments): its
+# first op, which the calls of every length are recorded as (see _Op.fold_op).
+_SEQUENCE_OPS: dict[tuple[Any, ...], _Op] = {}
+
+
+def _group_sequences(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
+    """Record RNN op ``op`` (its key ``key``, made in grad/autocast ``mode``) as the op of
+    its sequence group: calls on sequences of different lengths land in one group of the
+    round, which runs as one packed call (``_Op._packed_parts``).  The op of each length
+    keeps its own per-example outputs (shapes) and Lazy values."""
+    x = key[2]
+    if type(x) is not _Meta:
+        return  # (a literal sequence: fold keys its signature by shape anyway)
+    group = (mode, key[0], key[1], (_SEQUENCE, x.shape[1:], x.dtype, x.device), *key[3:])
+    first = _SEQUENCE_OPS.get(group)
+    if first is None:
+        first = _SEQUENCE_OPS[group] = op
+        op.padded_call = op._packed_parts
+    op.fold_op = first
+
+
+_SEQUENCE = "a sequence of any length"
 
 
 _FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}
