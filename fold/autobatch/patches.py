@@ -55,6 +55,12 @@ def _make_module_call(inner: Any, token: object) -> Any:
             return inner(self, *args, **kwargs)
         session = rec.session
         if session is not None and session.eager:  # the examples finish as eager code
+            for a in args:
+                if type(a) in _CONVERTED:
+                    break
+            else:
+                if not kwargs:  # (tensors and numbers: nothing to convert)
+                    return inner(self, *args)
             return inner(
                 self,
                 *[_eager_value(a, session) for a in args],
@@ -64,6 +70,10 @@ def _make_module_call(inner: Any, token: object) -> Any:
 
     __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"
     return __call__
+
+
+# What the eager finish converts in a module call's arguments (see values._eager_value).
+_CONVERTED = frozenset((Lazy, Known, list, tuple))
 
 
 def _module_inner() -> Any:
@@ -144,6 +154,9 @@ def _recording_tensor(
     rec = _LOCAL.rec
     if rec is not None and not rec.paused and not requires_grad and not pin_memory:
         t = type(data)
+        if t in _SCALARS and rec.session is not None and rec.session.eager:
+            # The examples finish as eager code: a tensor, as torch makes it.
+            return (_PATCHES.tensor or _TORCH_TENSOR)(data, dtype=dtype, device=device)
         if t in _SCALARS:
             if dtype is None and device is None and not _modes_on():  # torch.tensor(word)
                 # (type, default dtype) -> (meta, travels as a number, Python type)

@@ -48,6 +48,8 @@ def _flatten(out: Any) -> tuple[list[Any], Any]:
     t = type(out)
     if t is Lazy or t is torch.Tensor:
         return [out], _LEAF_SPEC
+    if t is Known:  # torch.tensor(tokens) of a decoder: the tensor it stands for
+        return [out.tensor()], _LEAF_SPEC
     if t is tuple and len(out) <= 8:
         for x in out:
             tx = type(x)
