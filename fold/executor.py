@@ -606,11 +606,12 @@ class Executor:
             outs = padded([g[2] for g in gathered])
         except Exception as err:
             raise op_failed(op, step, n, gathered[0][2], err) from err
-        # One call: one entry in the report, shown with its first part's shapes.
-        first = gathered[0][2]
-        self.report.append((step, op_name(op), n, tuple([(t.shape, t.dtype) for t in first])))
-        for (_, _, _, _, members, _), out in zip(gathered, outs):
-            self._store(sid, check_outputs(op, step, len(members), out, False), members, False)
+        # The report shows each part as the group of its shape (each costs a group's gather
+        # and bookkeeping, though the op ran once).
+        for (_, _, values, _, members, _), out in zip(gathered, outs):
+            k = len(members)
+            self.report.append((step, op_name(op), k, tuple([(t.shape, t.dtype) for t in values])))
+            self._store(sid, check_outputs(op, step, k, out, False), members, False)
 
     # ------------------------------------------------------------------ results
     def output(self, kind: str, items: list[Any], i: int) -> torch.Tensor:

@@ -1240,6 +1240,74 @@ def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("form", ["methods", "functions"])
+def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
+    """Dot attention over each example's memory (L, H) of its own length: the scores
+    (matmul), their softmax (and log_softmax), the context (matmul) and the memory's mean
+    each run as ONE call on the values padded to the longest memory (its parts listed in
+    the report, one per length); values and gradients equal eager per example (float64)."""
+    torch.manual_seed(0)
+    enc, q = nn.Linear(2, 3).double(), nn.Linear(3, 3).double()
+    calls = []
+
+    def fn(x):
+        mem = torch.tanh(enc(x))  # (L, 3)
+        if form == "methods":
+            scores = mem @ q(mem.mean(0))
+            w = scores.softmax(0)
+            ctx = w @ mem
+            return ctx, scores.log_softmax(-1), mem.mean(0, True)
+        scores = torch.matmul(mem, q(torch.mean(mem, dim=0)))
+        w = F.softmax(scores, dim=0)
+        ctx = torch.matmul(w, mem)
+        return ctx, F.log_softmax(scores, dim=-1), torch.mean(mem, 0, keepdim=True)
+
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 1, 6, 4, 2, 6, 3)]
+    from fold.autobatch import ops
+
+    real_parts, real_run = ops._Op._pad_run, ops._Op._run
+
+    def counted(self, parts):
+        calls.append((self.name, len(parts)))
+        return real_parts(self, parts)
+
+    def run(self, values):  # a call of a group op: on all seven examples at once
+        if self.padding is not None:
+            assert len(values[0]) == len(xs)
+        return real_run(self, values)
+
+    params = [*enc.parameters(), *q.parameters()]
+    want = [fn(x) for x in xs]
+    import unittest.mock
+
+    with (
+        unittest.mock.patch.object(ops._Op, "_pad_run", counted),
+        unittest.mock.patch.object(ops._Op, "_run", run),
+    ):
+        got = fold.autobatch(fn, xs, stack=False)
+    # every padded op ran once, on the five lengths
+    assert calls and all(parts == 5 for _, parts in calls), calls
+    assert len(calls) == 6, calls  # mean, scores, softmax, context, log_softmax, mean(keepdim)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b)
+    weights = [[torch.randn_like(t) for t in w] for w in want]
+
+    def loss(outs):
+        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
+
+    for a, b in zip(
+        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
+    ):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        again = fold.autobatch(fn, xs, stack=False)
+    for g, w in zip(again, want):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_pad_sequence_of_recorded_sequences_matches_eager(batch_first, side):

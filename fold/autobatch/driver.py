@@ -27,7 +27,14 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.ops import _Op, _op_device, _OpFailed
 from fold.autobatch.patches import _PLAIN, _installed
-from fold.autobatch.recorder import _KW_PARTS, _MODE_OPS, _OPS, _SEQUENCE_OPS, _Recorder
+from fold.autobatch.recorder import (
+    _KW_PARTS,
+    _MODE_OPS,
+    _OPS,
+    _PADDED_OPS,
+    _SEQUENCE_OPS,
+    _Recorder,
+)
 from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
 from fold.autobatch.values import _METAS, Lazy, _value_of
 from fold.errors import FoldError, describe
@@ -41,6 +48,7 @@ def clear_cache() -> None:
     _OPS.clear()
     _MODE_OPS.clear()
     _SEQUENCE_OPS.clear()
+    _PADDED_OPS.clear()
     _METAS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,11 @@ class _Op:
         # a group, one part per length).
         self.fold_op: _Op = self
         self.padded_call: Callable[[list[tuple[Any, ...]]], list[Any]] | None = None
+        # A group op of calls on values of several shapes (see recorder._group_padded): how
+        # its parts are padded (tables._PADDED) and the op's dim (None: no dim), and per
+        # part's per-example argument shapes, its outputs' shapes.
+        self.padding: tuple[str, int | None] | None = None
+        self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -282,6 +288,65 @@ class _Op:
             start += k
         return results
 
+    def _padded_parts(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """``padded_call`` of a group op (``padding`` set): the parts of a group, each of one
+        shape (attention scores over memories of one length), as ONE call on the values
+        padded to the largest shape (``tables._PADDED`` says with what); per part its
+        outputs cut back to its shapes."""
+        try:
+            mode = self.recorded_in or _USUAL_MODE
+            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
+                return self._pad_run(parts)
+            with _in_mode(mode):
+                return self._pad_run(parts)
+        except Exception as err:
+            raise _OpFailed(self, parts[0]) from err
+
+    def _pad_run(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        shapes = [tuple(tuple(v.shape[1:]) for v in values) for values in parts]
+        outs = [self.part_outs.get(key) for key in shapes]
+        columns = [[values[j] for values in parts] for j in range(len(parts[0]))]
+        bigs = [
+            [max(v.shape[d] for v in column) for d in range(column[0].dim())] for column in columns
+        ]
+        # Padding that would more than double what the values hold (one memory far longer
+        # than the others) costs more than it saves: one call per part then.
+        held = sum(v.numel() for column in columns for v in column)
+        padded_size = sum(
+            len(v) * math.prod(big[1:]) for column, big in zip(columns, bigs) for v in column
+        )
+        if any(o is None for o in outs) or padded_size > 2 * held + 1024:
+            return [(self._run(values),) for values in parts]
+        how, dim = self.padding  # type: ignore[misc]
+        merged = []
+        for j, (column, big) in enumerate(zip(columns, bigs)):
+            padded = []
+            for v in column:
+                short = [b - n for b, n in zip(big, v.shape)]
+                if how == "softmax" and j == 0 and dim is not None:
+                    d = dim % (v.dim() - 1) + 1  # the op's dim, past the batch dim
+                    cut, short[d] = short[d], 0
+                    v = _pad(v, short, 0.0)
+                    short = [0] * v.dim()
+                    short[d] = cut
+                    v = _pad(v, short, float("-inf"))
+                else:
+                    v = _pad(v, short, 0.0)
+                padded.append(v)
+            merged.append(torch.cat(padded))
+        out = self._run(tuple(merged))
+        results = []
+        start = 0
+        for values, (shape,) in zip(parts, outs):
+            k = values[0].shape[0]
+            part = out[(slice(start, start + k), *[slice(0, n) for n in shape])]
+            if how == "mean":  # a mean over the padded length: rescaled to the part's own
+                d = dim % (values[0].dim() - 1) + 1  # type: ignore[operator]
+                part = part * (merged[0].shape[d] / values[0].shape[d])
+            results.append((part,))
+            start += k
+        return results
+
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
         become (N, n * b, ...), one call, and back."""
@@ -289,6 +354,16 @@ class _Op:
         merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
         out = self.per_example(*merged)
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
+
+
+def _pad(v: torch.Tensor, short: list[int], value: float) -> torch.Tensor:
+    """``v`` padded at the end of each dim by ``short[d]`` (dim 0, the batch, never)."""
+    if not any(short):
+        return v
+    spec: list[int] = []
+    for n in reversed(short[1:]):  # F.pad takes the last dim first
+        spec += [0, n]
+    return F.pad(v, spec, value=value)
 
 
 def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _infer)

@@ -33,9 +33,11 @@ from fold.autobatch.common import (
 from fold.autobatch.ops import _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
+    _DIM_OPS,
     _GROUP_CALLS,
     _INPLACE,
     _PACKED_RNNS,
+    _PADDED,
     _REWRITES,
     _VALUE_ARGS,
     _direct_template,
@@ -375,6 +377,8 @@ class _Recorder:
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
+            elif kind == "torch" and fn in _PADDED:
+                _group_padded(op, key, mode)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
@@ -726,6 +730,58 @@ def _group_sequences(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
 
 
 _SEQUENCE = "a sequence of any length"
+
+
+# Per group of calls that may differ in their values' shapes (tables._PADDED; keyed by mode,
+# the key with each meta's sizes left out): its first op.
+_PADDED_OPS: dict[tuple[Any, ...], _Op] = {}
+
+
+def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
+    """Record ``op`` (a call of ``tables._PADDED``: matmul, softmax, mean) as the op of the
+    calls that differ from it only in their values' sizes: attention over memories of
+    several lengths then makes one group per step, which runs as one call on the values
+    padded (``_Op._padded_parts``), not one group per length.  The op of each shape keeps its
+    own outputs and Lazy values; the group op learns each shape's outputs here."""
+    if op.mode is not _DIRECT or not op.single:
+        return
+    slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
+    if not slots or any(s.ragged or s.meta is None for s in slots):
+        return
+    how = _PADDED[op.fn]
+    dim = None
+    if how != "zeros":
+        pos, name, _ = _DIM_OPS[op.fn]
+        dim = op.kwargs.get(name, op.args[pos] if len(op.args) > pos else None)
+        rest = [a for i, a in enumerate(op.args) if i != pos and type(a) is not _Slot]
+        # (F.softmax passes its _stacklevel and dtype=None on as keywords)
+        allowed = {name, "_stacklevel"} | ({"keepdim"} if how == "mean" else set())
+        if (
+            type(dim) is not int
+            or not set(op.kwargs) - {"dtype"} <= allowed
+            or op.kwargs.get("dtype") is not None
+            or any(type(a) is not bool for a in rest)
+        ):
+            return  # (no dim, several dims, a dtype: left to a group per shape)
+    parts = []
+    for p in key:
+        if type(p) is _Meta:
+            parts.append((_SIZES, p.ndim, p.dtype, p.device))
+        elif type(p) is tuple and any(type(x) is _Meta for x in p):
+            return  # (metas inside a list or tuple)
+        else:
+            parts.append(p)
+    group = (mode, op.mode, *parts)
+    first = _PADDED_OPS.get(group)
+    if first is None:
+        first = _PADDED_OPS[group] = op
+        op.padding = (how, dim)
+        op.padded_call = op._padded_parts
+    first.part_outs[tuple(s.meta.shape for s in slots)] = tuple(m.shape for m in op.outs)
+    op.fold_op = first
+
+
+_SIZES = "a value of any sizes"
 
 
 _FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}

@@ -92,6 +92,18 @@ _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
 _FLATTEN = _functions("flatten", torch, torch.Tensor)
 
 
+# Torch functions whose group may hold calls on values of several shapes (an attention's
+# scores over memories of several lengths), run as one call on the values padded to the
+# largest shape, each part's outputs cut back to its own (see ``_Op._padded_parts``): how a
+# part is padded.  "zeros": every dim with zeros (a matmul: padded rows and columns are cut
+# away, a padded contraction adds nothing); "softmax": zeros, and -inf along the op's dim
+# (exp(-inf) is 0: each row's sum is its own); "mean": zeros, each part's mean rescaled from
+# the padded length to its own.
+_PADDED: dict[Any, str] = {f: "zeros" for f in _MATMUL}
+_PADDED.update({f: "softmax" for f in _functions("softmax log_softmax", torch, torch.Tensor, F)})
+_PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
+
+
 _POLYMORPHIC_MODULES: tuple[type, ...] = (
     nn.Linear,
     nn.Embedding,
