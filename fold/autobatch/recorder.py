@@ -280,6 +280,8 @@ class _Recorder:
         current = session.current if session is not None else None
         if current is not None:  # (None: the call has ended; _record refuses the value)
             if session.eager:  # the rest runs as eager code
+                if kind == "torch" and not kwargs:
+                    return fn(*[_eager_value(a, session) for a in args])
                 return current._now(fn, kind, args, kwargs)
             if self.closed and self.values is not None and not current.closed:
                 # A method of a value of an earlier round: the round recording now records it.

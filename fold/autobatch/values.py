@@ -361,6 +361,9 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if rec.values is not None and not kwargs:  # (in-place methods never come here)
         session = rec.session
         cur = session.current if session is not None else None
+        if cur is not None and session.eager and cur is _LOCAL.rec:
+            # The examples finish as eager code: the method on the value's row, at once.
+            return func(_value_of(args[0]), *[_eager_value(a, session) for a in args[1:]])
         # Only inside the call that made the value, while it records (a value kept beyond
         # its call is refused by the recorder's path).
         if cur is not None and cur is not rec and cur is _LOCAL.rec and session.rounds:
