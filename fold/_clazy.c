@@ -512,22 +512,29 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
           PyObject *table_name)
 {
     Key k;
-    PyObject *result = NULL, *key = NULL, *table = NULL;
-    int ok = key_build(&k, rec, fn, kind, args, n);
-    if (ok <= 0) {
-        key_release(&k);
-        return ok < 0 ? NULL : miss();
-    }
-    key = key_tuple(&k);
-    if (key == NULL)
-        goto out;
-    table = PyObject_GetAttr(rec, table_name);
+    k.nk = k.nn = 0;
+    k.number = NULL;
+    PyObject *result = NULL, *key = NULL;
+    PyObject *table = PyObject_GetAttr(rec, table_name);
     if (table == NULL)
-        goto out;
+        return NULL;
     if (!PyDict_CheckExact(table)) {
         PyErr_SetString(PyExc_TypeError, "autobatch recorder's _fast is not a dict");
         goto out;
     }
+    if (PyDict_GET_SIZE(table) == 0) { /* nothing to find (a closed recorder's): no key */
+        result = miss();
+        goto out;
+    }
+    int ok = key_build(&k, rec, fn, kind, args, n);
+    if (ok <= 0) {
+        if (ok == 0)
+            result = miss();
+        goto out;
+    }
+    key = key_tuple(&k);
+    if (key == NULL)
+        goto out;
     PyObject *entry = PyDict_GetItemWithError(table, key); /* borrowed */
     if (entry == NULL) {
         if (!PyErr_Occurred())
