@@ -1262,17 +1262,23 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
         ctx = torch.matmul(w, mem)
         return ctx, F.log_softmax(scores, dim=-1), torch.mean(mem, 0, keepdim=True)
 
-    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 1, 6, 4, 2, 6, 3)]
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 5, 6, 4, 2, 6, 3)]
     from fold.autobatch import ops
 
     real_parts, real_run = ops._Op._pad_run, ops._Op._run
 
+    inside = []
+
     def counted(self, parts):
         calls.append((self.name, len(parts)))
-        return real_parts(self, parts)
+        inside.append(self)
+        try:
+            return real_parts(self, parts)
+        finally:
+            inside.pop()
 
-    def run(self, values):  # a call of a group op: on all seven examples at once
-        if self.padding is not None:
+    def run(self, values):  # a padded call: on all seven examples at once
+        if inside:
             assert len(values[0]) == len(xs)
         return real_run(self, values)
 
@@ -1287,7 +1293,9 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
         got = fold.autobatch(fn, xs, stack=False)
     # every padded op ran once, on the five lengths
     assert calls and all(parts == 5 for _, parts in calls), calls
-    assert len(calls) == 6, calls  # mean, scores, softmax, context, log_softmax, mean(keepdim)
+    # tanh, mean, scores, softmax, context, log_softmax, mean(keepdim); enc(x) reads each
+    # example's own tensor (a literal, grouped by shape by fold)
+    assert len(calls) == 7, calls
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             assert a.shape == b.shape
@@ -1306,6 +1314,50 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
     for g, w in zip(again, want):
         for a, b in zip(g, w):
             torch.testing.assert_close(a, b)
+    # A memory of one row broadcasts where others do not: it keeps groups of its own.
+    ys = [*xs, torch.randn(1, 2, dtype=torch.float64)]
+    for g, w in zip(fold.autobatch(fn, ys, stack=False), [fn(y) for y in ys]):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b)
+
+
+def test_additive_attention_over_memories_of_several_lengths_matches_eager():
+    """Additive (Bahdanau) attention written per example: a Linear over the memory, a
+    broadcast add, tanh, a projection, softmax, weights unsqueezed and multiplied into the
+    memory, summed, and the memory's largest entries (amax): groups mixing memories of
+    several lengths run padded; values and gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    enc = nn.Linear(2, 4).double()
+    w_mem, w_q, v = (nn.Linear(4, 4).double() for _ in range(3))
+    emb = nn.Embedding(9, 4).double()
+
+    def fn(x, ids):
+        mem = torch.relu(enc(x)) + emb(ids + 0) * 0.5  # (L, 4); ids + 0: a recorded value
+        q = torch.tanh(mem.sum(0))
+        e = v(torch.tanh(w_mem(mem) + w_q(q))).sum(-1)  # (L,)
+        w = torch.softmax(e, 0)
+        ctx = (w.unsqueeze(1) * mem).sum(0)
+        return ctx, mem.amax(0), torch.log_softmax(e, dim=0) - e.mean(0)
+
+    lengths = (3, 5, 2, 5, 7, 3, 2, 4)
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in lengths]
+    ids = [torch.randint(0, 9, (n,)) for n in lengths]
+    params = [*enc.parameters(), *w_mem.parameters(), *w_q.parameters(), *v.parameters()]
+    params += list(emb.parameters())
+    got = fold.autobatch(fn, xs, ids, stack=False)
+    want = [fn(x, i) for x, i in zip(xs, ids)]
+    weights = [[torch.randn_like(t) for t in w] for w in want]
+
+    def loss(outs):
+        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
+
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b)
+    for a, b in zip(
+        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
+    ):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

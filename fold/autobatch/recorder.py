@@ -42,6 +42,7 @@ from fold.autobatch.tables import (
     _VALUE_ARGS,
     _direct_template,
     _module_mode,
+    _padded_module,
 )
 from fold.autobatch.values import (
     Known,
@@ -379,13 +380,17 @@ class _Recorder:
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
-            elif kind == "torch" and fn in _PADDED:
+            elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
-            nodes = self.fold.op(op.fold_op, outputs)(*fargs)
-            r = self._recorders[op] = self.fold.op(op.fold_op, outputs)
+            # A round's Fold records the op of its group (calls of several shapes, see
+            # _group_padded); a recording made once for tensor rows (_Trace) checks each
+            # call's outputs against its own op.
+            target = op.fold_op if type(self.fold) is Fold else op
+            nodes = self.fold.op(target, outputs)(*fargs)
+            r = self._recorders[op] = self.fold.op(target, outputs)
             out = op.wrap(nodes, self)
         else:
             out = op.wrap(r(*fargs), self)
@@ -750,7 +755,7 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
         return
-    how = _PADDED[op.fn]
+    how = _PADDED[op.fn] if op.kind == "torch" else "zeros"
     dim = None
     if how != "zeros":
         pos, name, _ = _DIM_OPS[op.fn]
@@ -768,12 +773,14 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     parts = []
     for p in key:
         if type(p) is _Meta:
-            parts.append((_SIZES, p.ndim, p.dtype, p.device))
+            parts.append((_SIZES, *_sizeless(p)))
         elif type(p) is tuple and any(type(x) is _Meta for x in p):
             return  # (metas inside a list or tuple)
         else:
             parts.append(p)
-    group = (mode, op.mode, *parts)
+    # Which dims are 1 is part of the key: a value that broadcasts in one call would be
+    # padded in another (and not broadcast).  So are the outputs' ranks.
+    group = (mode, op.mode, *parts, tuple([_sizeless(m) for m in op.outs]))
     first = _PADDED_OPS.get(group)
     if first is None:
         first = _PADDED_OPS[group] = op
@@ -784,6 +791,11 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
 
 
 _SIZES = "a value of any sizes"
+
+
+def _sizeless(m: _Meta) -> tuple[Any, ...]:
+    """A meta without its sizes: its rank, dtype, device and which dims are 1."""
+    return (m.ndim, m.dtype, m.device, tuple([n == 1 for n in m.shape]))
 
 
 _FAST: dict[int, Callable[..., Any]] = {k: _make_fast(k) for k in range(1, 7)}

@@ -95,12 +95,29 @@ _FLATTEN = _functions("flatten", torch, torch.Tensor)
 # Torch functions whose group may hold calls on values of several shapes (an attention's
 # scores over memories of several lengths), run as one call on the values padded to the
 # largest shape, each part's outputs cut back to its own (see ``_Op._padded_parts``): how a
-# part is padded.  "zeros": every dim with zeros (a matmul: padded rows and columns are cut
-# away, a padded contraction adds nothing); "softmax": zeros, and -inf along the op's dim
-# (exp(-inf) is 0: each row's sum is its own); "mean": zeros, each part's mean rescaled from
-# the padded length to its own.
+# part is padded.  "zeros": every dim with zeros (elementwise ops and row-wise ones compute
+# each position from its own; a matmul's padded rows and columns are cut away and a padded
+# contraction adds nothing; a sum adds nothing); "softmax": zeros, and -inf along the op's
+# dim (exp(-inf) is 0: each row's sum is its own; the largest of a row is its own);
+# "mean": zeros, each part's mean rescaled from the padded length to its own.  Whatever a
+# padded position computes (inf, nan) stays in the padding: it is cut away, and the
+# padding's backward drops its gradient.
 _PADDED: dict[Any, str] = {f: "zeros" for f in _MATMUL}
-_PADDED.update({f: "softmax" for f in _functions("softmax log_softmax", torch, torch.Tensor, F)})
+_PADDED.update(
+    {
+        f: "zeros"
+        for f in _functions(
+            "add sub mul div true_divide neg exp tanh sigmoid relu sum unsqueeze __add__ "
+            "__radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __neg__",
+            torch,
+            torch.Tensor,
+            F,
+        )
+    }
+)
+_PADDED.update(
+    {f: "softmax" for f in _functions("softmax log_softmax amax", torch, torch.Tensor, F)}
+)
 _PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
 
 
@@ -383,6 +400,14 @@ _GROUP_CALLS: dict[Any, Any] = {
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
 }
+
+
+def _padded_module(module: nn.Module) -> bool:
+    """Whether calls of ``module`` on values of several shapes may share a group that runs
+    padded with zeros (see ``_PADDED``): modules that compute each row on its own."""
+    if isinstance(module, nn.Embedding):
+        return module.max_norm is None  # (max_norm renormalises the rows it looks up)
+    return type(module) in (nn.Linear, nn.LayerNorm, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
 
 def _polymorphic_module(module: nn.Module) -> bool:
