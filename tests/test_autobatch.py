@@ -1321,6 +1321,57 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
             torch.testing.assert_close(a, b)
 
 
+def test_argmax_and_argmin_run_directly_and_equal_eager():
+    """argmax/argmin over a whole value, along a dim (negative too) and with keepdim: each
+    group one call on the stacked values (no vmap), results equal eager."""
+    from fold.autobatch import record_examples
+    from fold.autobatch.common import _VMAP
+
+    lin = nn.Linear(3, 4)
+
+    def fn(x):
+        h = lin(x)  # (2, 4)
+        return (
+            h.argmax(),
+            torch.argmin(h, 1),
+            h.argmax(dim=-1, keepdim=True),
+            torch.argmax(h, 0, True),
+            h[0].argmin(),
+        )
+
+    xs = [torch.randn(2, 3) for _ in range(5)]
+    got = fold.autobatch(fn, xs, per_example=True)
+    want = eager_stack(fn, xs)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int64
+        torch.testing.assert_close(a, b)
+    rec, _, _ = record_examples(fn, xs)
+    modes = {op.name: op.mode for op, _ in rec.fold.snapshot().signatures}
+    assert not [name for name, mode in modes.items() if "arg" in name and mode is _VMAP], modes
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_of_recorded_values_and_a_parameter_runs_directly(dim):
+    """torch.cat of per-example values and a shared parameter (a parser's root row before
+    a sentence's states): one call per group on the parameter expanded (no vmap); values
+    and gradients, the parameter's included, equal eager."""
+    from fold.autobatch import record_examples
+    from fold.autobatch.common import _VMAP
+
+    lin = nn.Linear(3, 4)
+    root = nn.Parameter(torch.randn(1, 4) if dim == 0 else torch.randn(2, 1))
+
+    def fn(x):
+        h = lin(x)  # (2, 4)
+        return torch.cat([root, h, root], dim) if dim == 0 else torch.cat((h, root), dim=dim)
+
+    xs = [torch.randn(2, 3) for _ in range(5)]
+    assert_same(fn, [*lin.parameters(), root], xs)
+    rec, _, _ = record_examples(fn, xs)
+    modes = [op.mode for op, _ in rec.fold.snapshot().signatures if op.name == "torch.cat"]
+    assert modes and _VMAP not in modes
+
+
 def test_additive_attention_over_memories_of_several_lengths_matches_eager():
     """Additive (Bahdanau) attention written per example: a Linear over the memory, a
     broadcast add, tanh, a projection, softmax, weights unsqueezed and multiplied into the

@@ -393,10 +393,66 @@ def _two_batched_operands(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return bool(da and db) and (da == 1 or db == 1 or da == db)
 
 
+def _arg_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``argmax``/``argmin`` of one per-example value, over all of it or along an int dim
+    (keepdim only with a dim, as torch means it)."""
+    if len(args) > 3 or not args or type(args[0]) is not _Slot or set(kwargs) - {"dim", "keepdim"}:
+        return False
+    given = dict(zip(("dim", "keepdim"), args[1:]), **kwargs)
+    dim, keepdim = given.get("dim"), given.get("keepdim", False)
+    return (dim is None and keepdim is False) or (type(dim) is int and type(keepdim) is bool)
+
+
+def _arg_extreme_group(fn: Any) -> Any:
+    """``fn`` (torch.argmax or argmin) for a group: over each example's values (flattened
+    past the batch dim), or along its dim moved past the batch dim."""
+
+    def run(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+        if dim is None:
+            return fn(x.flatten(1), 1)
+        return fn(x, dim + 1 if dim >= 0 else dim, keepdim)
+
+    return run
+
+
+def _cat_shared_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``torch.cat`` of per-example values and shared tensors (a parameter: a parser's root
+    row before a sentence's encoder states), along an int dim."""
+    if not args or type(args[0]) not in (list, tuple) or set(kwargs) - {"dim"} or len(args) > 2:
+        return False
+    parts = args[0]
+    if not any(type(t) is _Slot for t in parts):
+        return False
+    if not all(type(t) is _Slot or isinstance(t, torch.Tensor) for t in parts):
+        return False
+    ndims = {t.meta.ndim if type(t) is _Slot else t.dim() for t in parts}
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    return len(ndims) == 1 and ndims != {0} and type(dim) is int
+
+
+def _cat_shared_group(tensors: Any, dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` for a group whose list holds stacked per-example values (n, ...) and
+    shared tensors (one rank less): the shared ones expanded over the group, the dim moved
+    past the batch dim."""
+    nd = max(t.dim() for t in tensors)
+    n = next(t.shape[0] for t in tensors if t.dim() == nd)
+    parts = [t if t.dim() == nd else t.unsqueeze(0).expand(n, *t.shape) for t in tensors]
+    return torch.cat(parts, dim + 1 if dim >= 0 else dim)
+
+
 # Torch functions whose group runs through a function of fold's own on the stacked values
 # (where the function itself has no batching rule, or vmap's costs more): fn -> (whether a
 # call's argument template fits, the group's function).
 _GROUP_CALLS: dict[Any, Any] = {
+    **{f: (_cat_shared_fits, _cat_shared_group) for f in _functions("cat concat", torch)},
+    **{
+        f: (_arg_extreme_fits, _arg_extreme_group(torch.argmax))
+        for f in _functions("argmax", torch, torch.Tensor)
+    },
+    **{
+        f: (_arg_extreme_fits, _arg_extreme_group(torch.argmin))
+        for f in _functions("argmin", torch, torch.Tensor)
+    },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
 }
