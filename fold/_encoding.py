@@ -167,6 +167,13 @@ def tensor_kind(t: Any) -> tuple[Any, Any]:
     return (t.shape[1:], t.dtype)
 
 
+def any_shape(kind: Any) -> bool:
+    """Whether ``kind`` is a literal tensor kind of any shape, ``(None, dtype)``: the kind an
+    op that takes padded parts (``padded_call``, see fold.executor) gives its literal
+    tensors, so that tensors of several shapes share its signature."""
+    return type(kind) is tuple and kind[0] is None
+
+
 # ---------------------------------------------------------------- handle layout
 OUT_MASK = (1 << 7) - 1
 SPLIT = 1 << 7

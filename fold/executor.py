@@ -27,6 +27,7 @@ import torch
 from fold._encoding import (
     LIST,
     NODE,
+    any_shape,
     is_tensor_kind,
     list_handles,
     list_lengths,
@@ -117,15 +118,23 @@ class Arg(enum.Enum):
 
 
 class _Mixed:
-    """A group whose gathered columns (``mixed``: their virtual rows) span values of
-    different shapes or dtypes (see ``Executor._run_mixed``)."""
+    """A group whose gathered columns (``mixed``: their virtual rows) or literal tensors span
+    values of different shapes or dtypes (see ``Executor._run_mixed``)."""
 
-    __slots__ = ("op", "sid", "members", "mixed", "alone")
+    __slots__ = ("op", "sid", "members", "mixed", "alone", "labels")
 
     def __init__(
-        self, op: Any, sid: int, members: np.ndarray, mixed: list[np.ndarray], alone: bool
+        self,
+        op: Any,
+        sid: int,
+        members: np.ndarray,
+        mixed: list[np.ndarray],
+        alone: bool,
+        labels: list[np.ndarray],
     ) -> None:
         self.op, self.sid, self.members, self.mixed, self.alone = op, sid, members, mixed, alone
+        # per literal column of any shape, each member's shape (see Executor._shape_labels)
+        self.labels = labels
 
 
 class Executor:
@@ -314,8 +323,15 @@ class Executor:
                     # later groups (a TreeLSTM's levels) are not arranged.
                     self._plain.add(sid)
                 mixed = [rows[:, c] for c, r in enumerate(recipes) if r is None]
-                if mixed:
-                    return _Mixed(op, sid, members, mixed, alone)
+                if mixed:  # (its literal columns may be mixed too: parts by both)
+                    return _Mixed(
+                        op,
+                        sid,
+                        members,
+                        mixed,
+                        alone,
+                        self._shape_labels(kinds, cols, whole_sig, pos),
+                    )
                 for j, r in zip(gathered, recipes):
                     plans[j] = (Arg.GATHER, r)
         for j, k in enumerate(kinds):
@@ -329,6 +345,10 @@ class Executor:
                 # after the node columns'
                 plans[j] = (Arg.RAGGED, self._plan_list(op, j, picked, idx))
                 lists[j] = picked
+            elif any_shape(k) and len({t.shape for t in picked}) > 1:
+                # literal tensors of several shapes (an op that takes padded parts)
+                labels = self._shape_labels(kinds, cols, whole_sig, pos)
+                return _Mixed(op, sid, members, [], alone, labels)
             else:
                 plans[j] = (Arg.TENSORS, picked)
 
@@ -565,11 +585,25 @@ class Executor:
             return tuple(torch.cat([p[i] for p in parts], 0) for i in range(len(first)))
         return first  # not tensors: check_outputs reports it
 
+    @staticmethod
+    def _shape_labels(
+        kinds: tuple[Any, ...], cols: list[Any], whole_sig: bool, pos: Any
+    ) -> list[np.ndarray]:
+        """Per literal column of any shape (see ``fold._encoding.any_shape``), a label per
+        member: which of the column's shapes its tensor has."""
+        labels = []
+        for j, k in enumerate(kinds):
+            if any_shape(k):
+                picked = cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()]
+                seen: dict[Any, int] = {}
+                labels.append(np.array([seen.setdefault(t.shape, len(seen)) for t in picked]))
+        return labels
+
     def _run_mixed(self, step: int, got: _Mixed) -> None:
         """A group whose gathered arguments differ in shape or dtype, split into parts of one
         shape and dtype each: one call per part, or one call for all of them where the op
         takes padded parts (``padded_call``, see ``_run_padded``)."""
-        classes = np.stack([Values.class_of(rows) for rows in got.mixed])
+        classes = np.stack([Values.class_of(rows) for rows in got.mixed] + got.labels)
         _, part = np.unique(classes, axis=1, return_inverse=True)
         part = part.reshape(-1)
         members, sid = got.members, got.sid

@@ -473,11 +473,16 @@ class Fold:
         pass the batch-of-one check get in, so the recorder checks nothing on a hit."""
         ref = weakref.ref(self)
 
+        # An op that takes a group's parts of several shapes at once (padded_call, see
+        # fold.executor) keys its literal tensors by dtype alone: one signature for them all.
+        any_shape = getattr(op, "padded_call", None) is not None
+
         def new_sig(tensors: tuple[torch.Tensor, ...]) -> tuple[dict[Any, int], list[Any]]:
             f = _alive(ref, op)
             full = list(kinds)
             for p, t in zip(tpos, tensors):
-                full[p] = classify(op, p, t)[0]  # raises: not a batch-of-one tensor
+                k = classify(op, p, t)[0]  # raises: not a batch-of-one tensor
+                full[p] = (None, k[1]) if any_shape else k
             sid = f._signature(op, tuple(full))
             entry = (f._memos[sid], f._targs[sid])
             sigs[tuple(x for t in tensors for x in (t.shape, t.dtype))] = entry

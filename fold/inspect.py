@@ -19,6 +19,8 @@ def kind_str(k: Any) -> str:
     """An argument kind as the summary shows it: ``int``, ``node``, ``tensor(1, 3)``."""
     if is_tensor_kind(k):
         shape, dtype = k
+        if shape is None:  # literal tensors of several shapes (see fold._encoding.any_shape)
+            return f"tensor(any shape, {str(dtype).replace('torch.', '')})"
         return "tensor" + describe((1, *shape), dtype, always_dtype=True)
     return KIND_NAMES[k]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import LIST, NODE, SCALAR_KINDS, node_id
+from fold._encoding import LIST, NODE, SCALAR_KINDS, any_shape, node_id
 from fold.arrays import GraphArrays, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.executor import Executor, ModelBatched
@@ -170,7 +170,7 @@ def _one_call(
     if len(arrays.signatures) != 1 or arrays.nobatch or isinstance(obj, ModelBatched):
         return None
     op, kinds = arrays.signatures[0]
-    if NODE in kinds or LIST in kinds:
+    if NODE in kinds or LIST in kinds or any(map(any_shape, kinds)):
         return None
     wanted = []
     for kind, items in specs:

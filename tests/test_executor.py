@@ -770,3 +770,31 @@ def test_a_group_whose_rows_differ_in_shape_runs_in_parts_or_padded(padded: bool
         # The report shows the parts (one per length), which ran as one call.
         sizes = [size for _, name, size, _ in f.last_run if name == op_name(op)]
         assert sorted(sizes) == [1, 2, 2, 2]
+
+
+def test_literal_tensors_of_several_shapes_share_the_signature_of_an_op_with_padded_call():
+    """An op with ``padded_call`` keys its literal tensors by dtype alone: tensors of
+    several shapes make one signature (shown as any shape), a group of them runs in parts
+    of one shape each, in one padded call; a graph of that op alone takes neither the
+    one-call nor the chain shortcut (their columns are concatenated whole)."""
+    op = _PaddedSum()
+    lengths = [3, 1, 3, 4]
+    xs = [torch.randn(1, n, requires_grad=True) for n in lengths]
+    f = fold.Fold()
+    nodes = [f.add(op, x) for x in xs]
+    assert len(f.snapshot().signatures) == 1
+    assert "tensor(any shape, float32)" in f.summary()
+    (got,) = f.apply(None, [nodes])
+    want = torch.cat([x.sum(1) * 2 for x in xs])
+    torch.testing.assert_close(got, want)
+    assert len(op.calls) == 1 and sorted(op.calls[0]) == [1, 3, 4]
+    gs = torch.autograd.grad(got.square().sum(), xs)
+    ws = torch.autograd.grad(want.square().sum(), xs)
+    for a, b in zip(gs, ws):
+        torch.testing.assert_close(a, b)
+    # Without padded_call, the same tensors make one signature per shape.
+    g = fold.Fold()
+    plain = lambda x: x.sum(1) * 2  # noqa: E731
+    (out,) = g.apply(None, [[g.add(plain, x) for x in xs]])
+    assert len(g.snapshot().signatures) == 3
+    torch.testing.assert_close(out, want)

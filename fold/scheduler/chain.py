@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fold._encoding import LIST, NODE, low_bits, out_index, split_count
+from fold._encoding import LIST, NODE, any_shape, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
 __all__ = ["SignatureNodes", "chain_plan", "in_order", "whole_output"]
@@ -84,6 +84,8 @@ def chain_plan(a: RecordedView) -> Plan | None:
     heads: list[tuple[Input | None, ...]] = []
     for s, (_op, kinds) in enumerate(a.signatures):
         if LIST in kinds:  # list arguments are gathered, never a whole output
+            return None
+        if any(map(any_shape, kinds)):  # literals of several shapes: run in parts
             return None
         if NODE not in kinds:
             heads.append((None,) * len(kinds))
