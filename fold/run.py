@@ -170,7 +170,7 @@ def _one_call(
     if len(arrays.signatures) != 1 or arrays.nobatch or isinstance(obj, ModelBatched):
         return None
     op, kinds = arrays.signatures[0]
-    if NODE in kinds or LIST in kinds or any(map(any_shape, kinds)):
+    if NODE in kinds or LIST in kinds:
         return None
     wanted = []
     for kind, items in specs:
@@ -186,6 +186,9 @@ def _one_call(
     device = device_of(obj)
     n = arrays.n
     rows = arrays.rows(0)
+    for j, k in enumerate(kinds):  # literal tensors of several shapes: the executor's parts
+        if any_shape(k) and any(r[j].shape != rows[0][j].shape for r in rows):
+            return None
     values = [
         literal_value(k, literal_column(op, j, k, [r[j] for r in rows]), device)
         for j, k in enumerate(kinds)

@@ -85,8 +85,8 @@ def chain_plan(a: RecordedView) -> Plan | None:
     for s, (_op, kinds) in enumerate(a.signatures):
         if LIST in kinds:  # list arguments are gathered, never a whole output
             return None
-        if any(map(any_shape, kinds)):  # literals of several shapes: run in parts
-            return None
+        if any(map(any_shape, kinds)) and not _one_shape(a, s, kinds):
+            return None  # literal tensors of several shapes: the executor runs them in parts
         if NODE not in kinds:
             heads.append((None,) * len(kinds))
             continue
@@ -114,6 +114,18 @@ def chain_plan(a: RecordedView) -> Plan | None:
             _PLANS.clear()
         plan = _PLANS[key] = _make_plan(heads, counts)
     return plan
+
+
+def _one_shape(a: RecordedView, s: int, kinds: tuple[Any, ...]) -> bool:
+    """Whether every literal column of any shape (see ``fold._encoding.any_shape``) of
+    signature ``s`` holds tensors of one shape (a chain's group concatenates it whole)."""
+    rows = a.rows(s)
+    for j, k in enumerate(kinds):
+        if any_shape(k):
+            shape = rows[0][j].shape
+            if any(r[j].shape != shape for r in rows):
+                return False
+    return True
 
 
 def _make_plan(heads: list[tuple[Input | None, ...]], counts: list[int]) -> Plan:
