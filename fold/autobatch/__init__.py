@@ -47,7 +47,12 @@ How a call is recorded (the choices the contract leaves open):
   dim, a ``BatchModule``'s rows merged into its batch).  ``nn.LSTM``/``GRU``/``RNN`` on one
   unbatched sequence ``(L, D)`` is one op for every length: a group holding sequences of
   several lengths runs as ONE call on them padded and packed (``pack_padded_sequence``),
-  each example's outputs cut back to its length (``_Op.fold_op``, ``padded_call``).  A group of ``@batchable``
+  each example's outputs cut back to its length (``_Op.fold_op``, ``padded_call``).  Calls
+  of ``tables._PADDED`` (matmul, softmax and kin, elementwise ops, sums and means with a
+  dim) and row-wise modules (``Linear``, ``Embedding``, ...) on values of several shapes
+  (attention over memories of several lengths) are one op per call site too
+  (``recorder._group_padded``): a group of them runs as one call on the values padded to
+  the largest, each part's outputs cut back to its shape (``_Op._padded_parts``).  A group of ``@batchable``
   per-example calls runs as the calls the function makes: the function is recorded once per
   op and autobatch call on lazy values standing for a group (it can only see their shapes,
   so the recording holds for every group of the call; the next call records it again, so
