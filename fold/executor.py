@@ -626,26 +626,75 @@ class Executor:
         ``padded(per part its values)`` returns per part its outputs (an RNN's sequences
         padded and packed into one batch inside, the outputs cut back to each part's
         shapes), registered part by part as any group's."""
-        gathered = []
-        for p in parts:
-            got = self._gather(p, sid)
-            if type(got) is _Mixed:  # (parts are of one class per column: not expected)
-                for q in parts:
-                    self._run_group(step, q, sid)
-                return
-            gathered.append(got)
-        op = gathered[0][0]
-        n = sum(len(g[4]) for g in gathered)
+        op = self.arrays.signatures[sid][0]
+        gathered = None if self.nobatch else self._gather_parts(sid, parts)
+        if gathered is None:  # (nobatch sources, lists: each part gathered as a group)
+            gathered = []
+            for p in parts:
+                got = self._gather(p, sid)
+                if type(got) is _Mixed:  # (parts are of one class per column: not expected)
+                    for q in parts:
+                        self._run_group(step, q, sid)
+                    return
+                gathered.append((got[2], got[4]))
+        n = sum(len(members) for _, members in gathered)
         try:
-            outs = padded([g[2] for g in gathered])
+            outs = padded([values for values, _ in gathered])
         except Exception as err:
-            raise op_failed(op, step, n, gathered[0][2], err) from err
-        # The report shows each part as the group of its shape (each costs a group's gather
-        # and bookkeeping, though the op ran once).
-        for (_, _, values, _, members, _), out in zip(gathered, outs):
+            raise op_failed(op, step, n, gathered[0][0], err) from err
+        # The report shows each part as the group of its shape (each costs a group's
+        # bookkeeping, though the op ran once).
+        for (values, members), out in zip(gathered, outs):
             k = len(members)
             self.report.append((step, op_name(op), k, tuple([(t.shape, t.dtype) for t in values])))
             self._store(sid, check_outputs(op, step, k, out, False), members, False)
+
+    def _gather_parts(
+        self, sid: int, parts: list[np.ndarray]
+    ) -> list[tuple[list[Any], np.ndarray]] | None:
+        """Per part of a group, its argument values (and its members): a node column whose
+        rows are of one shape is gathered once for all parts and cut per part; a column of
+        several shapes is gathered part by part; literal columns are made per part.  None
+        where the group has a list argument (the caller gathers each part as a group)."""
+        a = self.arrays
+        _op, kinds = a.signatures[sid]
+        if LIST in kinds:
+            return None
+        cols, node_js, hmat, decoded = a.columns(sid)
+        pos = a.pos[np.concatenate(parts)]
+        ends = np.cumsum([len(p) for p in parts]).tolist()
+        spans = list(zip([0, *ends[:-1]], ends))
+        values: list[list[Any]] = [[None] * len(kinds) for _ in parts]
+        if node_js:
+            v = self.values
+            rows = v.rows(hmat[pos], decoded[:, pos])
+            for c, j in enumerate(node_js):
+                column = rows[:, c : c + 1]
+                idx: list[np.ndarray] = []
+                (recipe,) = v.recipes(column, idx, False)
+                if recipe is not None:  # one shape: one gather, a view per part
+                    whole = v.gather(recipe, v.index_tensors(idx))
+                    for vals, (s, e) in zip(values, spans):
+                        vals[j] = whole[s:e]
+                    continue
+                for vals, (s, e) in zip(values, spans):
+                    idx = []
+                    (recipe,) = v.recipes(column[s:e], idx, False)
+                    if recipe is None:  # (a part is of one shape: not expected)
+                        return None
+                    vals[j] = v.gather(recipe, v.index_tensors(idx))
+        for j, k in enumerate(kinds):
+            if k == NODE:
+                continue
+            if is_tensor_kind(k):
+                picked = [cols[j][i] for i in pos.tolist()]
+                for vals, (s, e) in zip(values, spans):
+                    vals[j] = self._literal(k, picked[s:e])
+            else:
+                numbers = cols[j][pos]
+                for vals, (s, e) in zip(values, spans):
+                    vals[j] = self._literal(k, numbers[s:e])
+        return list(zip(values, parts))
 
     # ------------------------------------------------------------------ results
     def output(self, kind: str, items: list[Any], i: int) -> torch.Tensor:
