@@ -33,6 +33,7 @@ from fold.ops import (
 from fold.scheduler import Plan, make_plan
 from fold.scheduler.auto import facts_of
 from fold.scheduler.chain import whole_output
+from fold.scheduler.plan import Input
 
 __all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
 
@@ -78,9 +79,16 @@ def apply(
     offload: str | None = None,
 ) -> list[torch.Tensor]:
     """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`.  Runs with the cyclic
-    garbage collector paused (see :func:`collector_paused`)."""
+    garbage collector paused (see :func:`collector_paused`), but for a graph of one op on
+    literal arguments, which makes few objects (see ``_one_call``)."""
+    specs = None
+    if max_rows is None and max_bytes is None and offload is None and len(fold._memos) == 1:
+        specs = classify_lists(lists)
+        outs = _one_call(fold, obj, specs)
+        if outs is not None:
+            return outs
     with collector_paused():
-        return _apply(fold, obj, lists, max_rows, max_bytes, offload)
+        return _apply(fold, obj, lists, max_rows, max_bytes, offload, specs)
 
 
 def _apply(
@@ -90,6 +98,7 @@ def _apply(
     max_rows: int | Mapping[Any, int] | None,
     max_bytes: int | None,
     offload: str | None,
+    specs: list[tuple[str, Any]] | None = None,
 ) -> list[torch.Tensor]:
     arrays = fold.snapshot()
     if max_rows is not None or max_bytes is not None or offload is not None:
@@ -99,11 +108,8 @@ def _apply(
         if offload == "cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return _apply(fold, obj, lists, max_rows, max_bytes, None)
-    specs = classify_lists(lists)
-    if max_rows is None and max_bytes is None:
-        outs = _one_call(fold, arrays, obj, specs)
-        if outs is not None:
-            return outs
+    if specs is None:
+        specs = classify_lists(lists)
     arrays.facts = facts_of(obj)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
@@ -159,36 +165,48 @@ def _run(
         fold.last_run = ex.report
 
 
-def _one_call(
-    fold: Any, arrays: GraphArrays, obj: Any, specs: list[tuple[str, Any]]
-) -> list[torch.Tensor] | None:
+def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.Tensor] | None:
     """A graph of one op on literal arguments alone (a per-sample loop: one ``forward`` per
     image) whose node lists are each a whole output of it: the op called once on the
-    literal columns, as the executor would call it, without a plan or a value store (what
-    hand-written code does: stack the samples, call the model).  None for any other graph.
-    """
-    if len(arrays.signatures) != 1 or arrays.nobatch or isinstance(obj, ModelBatched):
+    literal columns, as the executor would call it, without a snapshot, plan or value store
+    (what hand-written code does: stack the samples, call the model).  None for any other
+    graph.  Read from the Fold's own lists: a training step records and applies one such
+    graph, and each step's snapshot would cost more than the rest of this."""
+    if len(fold._memos) != 1 or fold.nobatch_ids or isinstance(obj, ModelBatched):
         return None
-    op, kinds = arrays.signatures[0]
+    op, kinds = fold.signatures[0]
     if NODE in kinds or LIST in kinds:
         return None
-    wanted = []
+    memo = fold._memos[0]
+    n = len(memo)
+    fold._check_intact(n)
+    node_type = fold._node_type
+    handles = None
+    wanted: list[Any] = []
+    arrays = None
     for kind, items in specs:
         if kind != NODES:
             wanted.append(None)
             continue
-        if set(map(type, items)) != {arrays.node_type}:
+        if set(map(type, items)) != {node_type}:
             return None  # the executor names the foreign nodes
-        src = whole_output(arrays, items)
+        if handles is None:
+            handles = list(memo.values())
+        if items == handles:  # every node, whole, in order
+            wanted.append(Input(0, 0, 0))
+            continue
+        arrays = fold.snapshot() if arrays is None else arrays
+        src = whole_output(arrays, items)  # output k of a split, in order
         if src is None:
             return None
         wanted.append(src)
-    device = device_of(obj)
-    n = arrays.n
-    rows = arrays.rows(0)
+    rows = fold._targs[0]
+    if rows is None:  # numbers alone: their rows are the memo's keys
+        rows = fold.snapshot().rows(0)
     for j, k in enumerate(kinds):  # literal tensors of several shapes: the executor's parts
         if any_shape(k) and any(r[j].shape != rows[0][j].shape for r in rows):
             return None
+    device = device_of(obj)
     values = [
         literal_value(k, literal_column(op, j, k, [r[j] for r in rows]), device)
         for j, k in enumerate(kinds)
@@ -207,7 +225,7 @@ def _one_call(
             result.append(literal_output(kind, items, i, device))
             continue
         if len(outs) != (src.nsplit or 1):
-            raise bad_split(arrays, node_id(int(items[0])), src.nsplit, len(outs))
+            raise bad_split(fold.snapshot(), node_id(int(items[0])), src.nsplit, len(outs))
         result.append(outs[src.out])
     return result
 
