@@ -475,7 +475,7 @@ class Fold:
 
         # An op that takes a group's parts of several shapes at once (padded_call, see
         # fold.executor) keys its literal tensors by dtype alone: one signature for them all.
-        any_shape = getattr(op, "padded_call", None) is not None
+        any_shape = type(op) is not str and getattr(op, "padded_call", None) is not None
 
         def new_sig(tensors: tuple[torch.Tensor, ...]) -> tuple[dict[Any, int], list[Any]]:
             f = _alive(ref, op)
