@@ -1372,6 +1372,24 @@ def test_cat_of_recorded_values_and_a_parameter_runs_directly(dim):
     assert modes and _VMAP not in modes
 
 
+def test_padded_groups_of_integer_and_bool_values_match_eager():
+    """Values of several lengths that are integers or bools: amax pads with the dtype's
+    least value (no -inf in an integer tensor), elementwise ops with zeros."""
+    lin = nn.Linear(2, 3)
+
+    def fn(x):
+        ids = (lin(x) * 10).long()  # (L, 3) integers of several lengths
+        big = ids > 0
+        return ids.amax(0), (ids * 2 + 1).sum(0), (big * big).sum(0), torch.softmax(lin(x), 0)
+
+    xs = [torch.randn(n, 2) for n in (3, 5, 2, 5, 4)]
+    got = fold.autobatch(fn, xs, stack=False)
+    for g, w in zip(got, [fn(x) for x in xs]):
+        for a, b in zip(g, w):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
+
+
 def test_additive_attention_over_memories_of_several_lengths_matches_eager():
     """Additive (Bahdanau) attention written per example: a Linear over the memory, a
     broadcast add, tanh, a projection, softmax, weights unsqueezed and multiplied into the

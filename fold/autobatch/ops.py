@@ -329,7 +329,7 @@ class _Op:
                     v = _pad(v, short, 0.0)
                     short = [0] * v.dim()
                     short[d] = cut
-                    v = _pad(v, short, float("-inf"))
+                    v = _pad(v, short, _lowest(v.dtype))
                 else:
                     v = _pad(v, short, 0.0)
                 padded.append(v)
@@ -356,7 +356,17 @@ class _Op:
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
 
 
-def _pad(v: torch.Tensor, short: list[int], value: float) -> torch.Tensor:
+def _lowest(dtype: torch.dtype) -> Any:
+    """The value no other of ``dtype`` is below: -inf, or an integer type's least (amax of
+    integers), False for bool."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("-inf")
+    if dtype is torch.bool:
+        return False
+    return torch.iinfo(dtype).min
+
+
+def _pad(v: torch.Tensor, short: list[int], value: Any) -> torch.Tensor:
     """``v`` padded at the end of each dim by ``short[d]`` (dim 0, the batch, never)."""
     if not any(short):
         return v
