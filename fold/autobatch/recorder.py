@@ -727,7 +727,7 @@ def _group_sequences(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     keeps its own per-example outputs (shapes) and Lazy values."""
     x = key[2]
     if type(x) is not _Meta:
-        return  # (a literal sequence: fold keys its signature by shape anyway)
+        return  # (no sequence of one example's own: left to a group per shape)
     group = (mode, key[0], key[1], (_SEQUENCE, x.shape[1:], x.dtype, x.device), *key[3:])
     first = _SEQUENCE_OPS.get(group)
     if first is None:
