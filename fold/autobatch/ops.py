@@ -148,18 +148,22 @@ class _Op:
         return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
-        try:
-            mode = self.recorded_in or _USUAL_MODE
-            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
-                out = self._run(values)  # the mode on now is the one recorded in
-            else:  # run in the mode the calls were recorded in
-                with _in_mode(mode):
-                    out = self._run(values)
-        except Exception as err:
-            raise _OpFailed(self, values) from err
+        out = self._recorded(self._run, values, values)
         if self.single:
             return out
         return tuple(pytree.tree_leaves(out))
+
+    def _recorded(self, run: Callable[[Any], Any], arg: Any, values: Any) -> Any:
+        """``run(arg)`` in the grad/autocast mode the calls were recorded in; what it raises
+        as an ``_OpFailed`` carrying ``values`` (a group's, or its first part's)."""
+        try:
+            mode = self.recorded_in or _USUAL_MODE
+            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
+                return run(arg)  # the mode on now is the one recorded in
+            with _in_mode(mode):
+                return run(arg)
+        except Exception as err:
+            raise _OpFailed(self, values) from err
 
     def _run(self, values: tuple[Any, ...]) -> Any:
         mode = self.mode
@@ -245,14 +249,7 @@ class _Op:
         stacked sequences (n, L, D), all of one length, and states) as ONE call: the
         sequences padded to the longest and packed (as hand-batched code runs an encoder),
         states in the same order; per part its outputs, cut back to its length."""
-        try:
-            mode = self.recorded_in or _USUAL_MODE
-            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
-                return self._packed(parts)
-            with _in_mode(mode):
-                return self._packed(parts)
-        except Exception as err:
-            raise _OpFailed(self, parts[0]) from err
+        return self._recorded(self._packed, parts, parts[0])
 
     def _packed(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
         filled = [_fill((self.args, self.kwargs), values)[0] for values in parts]
@@ -293,14 +290,7 @@ class _Op:
         shape (attention scores over memories of one length), as ONE call on the values
         padded to the largest shape (``tables._PADDED`` says with what); per part its
         outputs cut back to its shapes."""
-        try:
-            mode = self.recorded_in or _USUAL_MODE
-            if not mode[1] and mode[0] == torch.is_grad_enabled() and not _any_autocast():
-                return self._pad_run(parts)
-            with _in_mode(mode):
-                return self._pad_run(parts)
-        except Exception as err:
-            raise _OpFailed(self, parts[0]) from err
+        return self._recorded(self._pad_run, parts, parts[0])
 
     def _pad_run(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
         shapes = [tuple(tuple(v.shape[1:]) for v in values) for values in parts]
