@@ -1372,6 +1372,54 @@ def test_cat_of_recorded_values_and_a_parameter_runs_directly(dim):
     assert modes and _VMAP not in modes
 
 
+def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
+    """The same attention written with torch.mv, einsum, bmm, mm, dot and a transpose (ops
+    under vmap among them): over memories of several lengths each is one padded call;
+    values and gradients equal eager (float64)."""
+    from fold.autobatch import ops
+
+    torch.manual_seed(0)
+    enc, q = nn.Linear(2, 3).double(), nn.Linear(3, 3).double()
+
+    def fn(x):
+        mem = torch.tanh(enc(x))
+        w = F.softmax(torch.mv(mem, q(mem.mean(0))), dim=0)
+        c1 = torch.einsum("l,lh->h", w, mem)
+        c2 = torch.bmm(w.view(1, 1, -1), mem.unsqueeze(0)).squeeze(0).squeeze(0)
+        c3 = torch.mm(w.unsqueeze(0), mem).squeeze(0)
+        return c1, c2, c3, mem.t().sum(1), torch.dot(w, w)
+
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 5, 6, 4, 2, 6, 3)]
+    padded = []
+    real = ops._Op._pad_run
+
+    def counted(self, parts):
+        padded.append(self.name)
+        return real(self, parts)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(ops._Op, "_pad_run", counted):
+        got = fold.autobatch(fn, xs, stack=False)
+    assert {"torch.mv", "torch.einsum", "torch.bmm", "torch.mm", "torch.dot", "Tensor.t"} <= set(
+        padded
+    ), padded
+    want = [fn(x) for x in xs]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b)
+    params = [*enc.parameters(), *q.parameters()]
+    weights = [[torch.randn_like(t) for t in w] for w in want]
+
+    def loss(outs):
+        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
+
+    for a, b in zip(
+        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
+    ):
+        torch.testing.assert_close(a, b)
+
+
 def test_padded_groups_of_integer_and_bool_values_match_eager():
     """Values of several lengths that are integers or bools: amax pads with the dtype's
     least value (no -inf in an integer tensor), elementwise ops with zeros."""

@@ -750,8 +750,8 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     several lengths then makes one group per step, which runs as one call on the values
     padded (``_Op._padded_parts``), not one group per length.  The op of each shape keeps its
     own outputs and Lazy values; the group op learns each shape's outputs here."""
-    if op.mode is not _DIRECT or not op.single:
-        return
+    if op.mode not in (_DIRECT, _VMAP) or op.looped or not op.single:
+        return  # (a group under vmap runs on any sizes too)
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
         return

@@ -107,8 +107,9 @@ _PADDED.update(
     {
         f: "zeros"
         for f in _functions(
-            "add sub mul div true_divide neg exp tanh sigmoid relu sum unsqueeze __add__ "
-            "__radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __neg__",
+            "add sub mul div true_divide neg exp tanh sigmoid relu sum unsqueeze squeeze "
+            "transpose permute t mv mm bmm dot einsum linear __add__ __radd__ __sub__ __rsub__ "
+            "__mul__ __rmul__ __truediv__ __rtruediv__ __neg__",
             torch,
             torch.Tensor,
             F,
