@@ -57,7 +57,7 @@ static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
-    *s_shape, *s_unsqueeze, *s_tensor, *s_rows;
+    *s_shape, *s_unsqueeze, *s_tensor, *s_rows, *s_values, *s_session, *s_narrow;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -356,6 +356,74 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     return 1;
 }
 
+/* A lazy value of an earlier round of ``rec``'s autobatch call (a decoder's memory, read by
+   every later step): as the slow path's _part, its row of that round's output as a
+   batch-of-one literal, keyed as a tensor row of its meta's shape, dtype and device (the
+   slow path keys both by that meta).  1 where put in ``k``, 0 where the slow path takes it
+   (a value of another call, or of a round not run: the slow path says so), -1 on error. */
+static int
+earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
+{
+    PyObject *old = LAZY(a)->rec;
+    PyObject *values = PyObject_GetAttr(old, s_values);
+    if (values == NULL)
+        return -1;
+    if (!PyDict_CheckExact(values)) { /* None: its round has not run */
+        Py_DECREF(values);
+        return 0;
+    }
+    PyObject *mine = PyObject_GetAttr(old, s_session);
+    PyObject *ours = mine ? PyObject_GetAttr(rec, s_session) : NULL;
+    int same = ours != NULL && mine != Py_None && mine == ours;
+    Py_XDECREF(mine);
+    Py_XDECREF(ours);
+    if (ours == NULL || !same) {
+        Py_DECREF(values);
+        return ours == NULL ? -1 : 0;
+    }
+    PyObject *entry = PyDict_GetItemWithError(values, LAZY(a)->node); /* borrowed */
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
+        Py_DECREF(values);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *src = PyTuple_GET_ITEM(entry, 0), *row = PyTuple_GET_ITEM(entry, 1);
+    Py_INCREF(src);
+    Py_INCREF(row);
+    Py_DECREF(values);
+    *literal = PyObject_CallMethodObjArgs(src, s_narrow, g_small[0], row, g_small[1], NULL);
+    Py_DECREF(src);
+    Py_DECREF(row);
+    return *literal == NULL ? -1 : 1;
+}
+
+/* earlier_literal, keyed as a tensor row of the value's meta's shape, dtype and device. */
+static int
+earlier_row(Key *k, PyObject *rec, PyObject *a)
+{
+    if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
+        return 0;
+    PyObject *literal = NULL;
+    int ok = earlier_literal(rec, a, &literal);
+    if (ok <= 0)
+        return ok;
+    PyObject *meta = LAZY(a)->meta;
+    PyObject *shape = PyObject_GetAttr(meta, s_shape);
+    PyObject *dtype = shape ? PyObject_GetAttr(meta, s_dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(meta, s_device) : NULL;
+    if (device == NULL) {
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_DECREF(literal);
+        return -1;
+    }
+    key_item(k, g_tensor_type);
+    k->items[k->nk++] = shape; /* owned */
+    k->items[k->nk++] = dtype;
+    k->items[k->nk++] = device;
+    k->nodes[k->nn++] = literal;
+    return 1;
+}
+
 /* 1 where the call has a fast key (in k), 0 where not, -1 on error; k holds references in
    every case, for key_release. */
 static int
@@ -385,6 +453,12 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             key_item(k, LAZY(a)->meta);
             key_node(k, LAZY(a)->node);
         }
+        else if ((PyObject *)t == g_lazy_type && LAZY(a)->rec != NULL && LAZY(a)->meta != NULL &&
+                 LAZY(a)->node != NULL) {
+            int ok = earlier_row(k, rec, a);
+            if (ok <= 0)
+                return ok;
+        }
         else if (t == &PyLong_Type || t == &PyBool_Type ||
                  (t == &PyFloat_Type && PyFloat_AS_DOUBLE(a) != 0.0)) {
             key_item(k, (PyObject *)t);
@@ -398,16 +472,50 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             PyObject **el = PySequence_Fast_ITEMS(a);
             if (m >= 64 || k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
                 return 0;
-            for (Py_ssize_t j = 0; j < m; j++)
-                if (!is_lazy_of(el[j], rec))
+            int earlier = 0;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                if (is_lazy_of(el[j], rec))
+                    continue;
+                if ((PyObject *)Py_TYPE(el[j]) != g_lazy_type || LAZY(el[j])->rec == NULL ||
+                    LAZY(el[j])->meta == NULL || LAZY(el[j])->node == NULL)
                     return 0;
-            /* No Python runs from here to the loop's end: the list keeps its elements. */
+                earlier = 1; /* a value of an earlier round (a decoder's context) */
+            }
             key_item(k, (PyObject *)t);
             key_item(k, g_small[m]);
-            for (Py_ssize_t j = 0; j < m; j++) {
-                key_item(k, LAZY(el[j])->meta);
-                key_node(k, LAZY(el[j])->node);
+            if (!earlier) {
+                /* No Python runs from here to the loop's end: the list keeps its elements. */
+                for (Py_ssize_t j = 0; j < m; j++) {
+                    key_item(k, LAZY(el[j])->meta);
+                    key_node(k, LAZY(el[j])->node);
+                }
+                continue;
             }
+            /* Reading earlier rounds' rows runs Python: the elements, held apart. */
+            PyObject *items = PySequence_Tuple(a);
+            if (items == NULL)
+                return -1;
+            for (Py_ssize_t j = 0; j < m && j < PyTuple_GET_SIZE(items); j++) {
+                PyObject *x = PyTuple_GET_ITEM(items, j);
+                if (is_lazy_of(x, rec)) {
+                    key_item(k, LAZY(x)->meta);
+                    key_node(k, LAZY(x)->node);
+                    continue;
+                }
+                PyObject *literal = NULL;
+                int ok = earlier_literal(rec, x, &literal);
+                if (ok <= 0) {
+                    Py_DECREF(items);
+                    return ok;
+                }
+                key_item(k, LAZY(x)->meta); /* the slow path keys it by its meta too */
+                k->nodes[k->nn++] = literal;
+            }
+            if (PyTuple_GET_SIZE(items) != m) { /* (changed under us: the slow path) */
+                Py_DECREF(items);
+                return 0;
+            }
+            Py_DECREF(items);
         }
         else if ((PyObject *)t == g_known_type) {
             /* A known value (torch.tensor(word) inside autobatch) that travels as a number:
@@ -969,12 +1077,14 @@ PyInit__clazy(void)
     PyObject **strs[] = {&s_rec,      &s_paused,        &s_running, &s_fast,      &s_item,
                          &s_ndim,     &s_requires_grad, &s_dtype,   &s_device,    &s_call,
                          &s_number,   &s_meta,          &s_value,   &s_fast_nograd, &s_is_leaf,
-                         &s_shape,    &s_unsqueeze,     &s_tensor,  &s_rows};
+                         &s_shape,    &s_unsqueeze,     &s_tensor,  &s_rows,
+                         &s_values,   &s_session,       &s_narrow};
     const char *names[] = {"rec",     "paused",        "running", "_fast",        "item",
                            "ndim",    "requires_grad", "dtype",   "device",       "_call",
                            "number",  "meta",          "value",   "_fast_nograd", "is_leaf",
-                           "shape",   "unsqueeze",     "tensor",  "_rows"};
-    for (int i = 0; i < 19; i++)
+                           "shape",   "unsqueeze",     "tensor",  "_rows",
+                           "values",  "session",       "narrow"};
+    for (int i = 0; i < 22; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

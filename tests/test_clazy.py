@@ -546,3 +546,48 @@ def test_module_calls_on_eager_tensors_and_known_values_take_the_fast_path(
     want = torch.stack([lin(x) + lin(torch.tensor([1.0, 2.0, 3.0])) for x in xs])
     torch.testing.assert_close(got, want if grad else want.detach())
     assert keyed.count(lin) == 2
+
+
+def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypatch: Any) -> None:
+    """A decoder's memory and context come from earlier rounds; in later rounds a call on
+    them (alone: ``mem @ q``, in a list: ``torch.cat([x, ctx])``) takes the C fast path
+    after its first example, as the eager value's row (keyed by its shape): the slow path
+    keys as many calls for eight examples as for four.  Values and gradients equal eager."""
+    if C is None:
+        pytest.skip("fold._clazy is not built")
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    torch.manual_seed(0)
+    lin, cell = nn.Linear(3, 3), nn.GRUCell(6, 3)
+
+    def decode(x: torch.Tensor) -> torch.Tensor:
+        mem = torch.tanh(lin(x))  # (5, 3): one round's value, read by every later step
+        h, ctx, outs = mem[0], mem.mean(0), []
+        for _ in range(3):
+            h = cell(torch.cat([h, ctx]), h)
+            ctx = torch.softmax(mem @ h, 0) @ mem
+            outs.append(ctx)
+            if float(ctx.detach().sum()) > 1e9:  # a read: a round per step
+                break
+        return torch.stack(outs)
+
+    keyed: list[Any] = []
+    real = C.fast_key
+    monkeypatch.setattr(C, "fast_key", lambda *a: keyed.append(a[1]) or real(*a))
+    counts = []
+    for n in (4, 4, 8):  # (the first call makes the ops)
+        xs = [torch.randn(5, 3) for _ in range(n)]
+        keyed.clear()
+        got = fold.autobatch(decode, xs)
+        counts.append(len(keyed))
+        want = torch.stack([decode(x) for x in xs])
+        torch.testing.assert_close(got, want)
+        params = [*lin.parameters(), *cell.parameters()]
+        w = torch.randn_like(want)
+        for a, b in zip(
+            torch.autograd.grad((got * w).sum(), params),
+            torch.autograd.grad((want * w).sum(), params),
+        ):
+            torch.testing.assert_close(a, b)
+    assert counts[1] == counts[2], counts
