@@ -503,7 +503,10 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                     continue;
                 }
                 PyObject *literal = NULL;
-                int ok = earlier_literal(rec, x, &literal);
+                int ok = (PyObject *)Py_TYPE(x) == g_lazy_type && LAZY(x)->rec != NULL &&
+                                 LAZY(x)->meta != NULL && LAZY(x)->node != NULL
+                             ? earlier_literal(rec, x, &literal)
+                             : 0;
                 if (ok <= 0) {
                     Py_DECREF(items);
                     return ok;
