@@ -1733,6 +1733,52 @@ def test_greedy_decoding_until_eos_matches_eager_with_its_own_lengths(monkeypatc
         torch.testing.assert_close(a, b)
 
 
+class _AttentionDecoder(nn.Module):
+    """A GRU encoder over each source (its own length) and a dot-attention GRU decoder,
+    greedy until EOS: the shapes a seq2seq decoder makes (see benchmarks/control_flow.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 8)
+        self.enc = nn.GRU(8, 8)
+        self.dec = nn.GRUCell(16, 8)
+        self.out = nn.Linear(16, 6)
+        with torch.no_grad():  # EOS (0) after varied numbers of steps
+            self.out.bias[0] += 0.2
+
+    def greedy(self, src: torch.Tensor) -> torch.Tensor:
+        mem, h = self.enc(self.embed(src))
+        h, ctx, toks = h[0], mem.mean(0), []
+        tok = 1
+        for _ in range(8):
+            h = self.dec(torch.cat([self.embed(torch.tensor(tok)), ctx]), h)
+            ctx = torch.softmax(mem @ h, 0) @ mem
+            tok = int(self.out(torch.cat([h, ctx])).argmax())
+            toks.append(tok)
+            if tok == 0:
+                break
+        return torch.tensor(toks)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_attention_decoding_under_no_grad_and_inference_mode_matches_eager(mode, finish):
+    """Greedy decoding of sources of several lengths under torch.no_grad() and
+    torch.inference_mode(): the encoder packed, the attention padded, every round's reads
+    resumed; the tokens equal eager decoding (float64)."""
+    torch.manual_seed(0)
+    model = _AttentionDecoder().double()
+    g = torch.Generator().manual_seed(0)
+    srcs = [
+        torch.randint(1, 6, (int(n),), generator=g) for n in torch.randint(2, 9, (12,), generator=g)
+    ]
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        want = [model.greedy(s) for s in srcs]
+        got = fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)
+    assert len({len(w) for w in want}) > 4  # EOS-driven lengths
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
 def test_examples_without_reads_mix_with_ones_that_read_and_results_stack(finish):
     """Some examples read, some never do, one stops at its first step: stacked results
     (one shape) equal eager, and so does every example alone (batch invariance)."""
