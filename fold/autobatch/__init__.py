@@ -94,8 +94,9 @@ How a call is recorded (the choices the contract leaves open):
   kind, modules, lazy arguments' metas and constant arguments (ints, bools, nonzero floats,
   None; lists or tuples of lazy values), is found by one lookup in the recorder's ``_fast``
   table (a lazy value of an earlier round counts as its row there, alone or in a list: a
-  decoder's memory at every step): where ``fold/_clazy.c`` is built that lookup, the node's recording and the Lazy
-  outputs run in C, from the ``batchable`` call, a Lazy method or ``__torch_function__``
+  decoder's memory at every step): where ``fold/_clazy.c`` is built that lookup, the
+  node's recording and the Lazy outputs run in C, from the ``batchable`` call, a Lazy
+  method or ``__torch_function__``
   (``_C.fast``; ``_C.fast_key`` builds the key the slow path files each op under).  Every
   other call (keywords, another grad or autocast mode, a zero float, a new key) takes the
   Python slow path, ``_Recorder.record``, which alone builds op keys and raises errors.
