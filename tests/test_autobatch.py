@@ -71,6 +71,25 @@ def assert_same(fn, params, *iterables, loss=lambda out: out):
     return got
 
 
+def assert_same_lists(got, want, params):
+    """Per-example results (tuples of tensors of each example's own shapes, as
+    ``stack=False`` returns them) equal eager's ``want``: values, shapes and the gradients
+    of ``params`` under random weights."""
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b)
+    weights = [[torch.randn_like(t) for t in w] for w in want]
+
+    def loss(outs):
+        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
+
+    for a, b in zip(
+        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
+    ):
+        torch.testing.assert_close(a, b)
+
+
 # ---------------------------------------------------------------------------- TreeLSTM
 class Cells(nn.Module):
     """The TreeLSTM written for ONE example (no batch dim)."""
@@ -1221,23 +1240,13 @@ def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
     with torch.set_grad_enabled(grad):
         got = fold.autobatch(fn, xs, stack=False)
     assert packed.count(True) == 1 and packed.count(False) == 0
-    for (go, gh), (wo, wh) in zip(got, want):
-        assert go.shape == wo.shape
-        torch.testing.assert_close(go, wo)
-        torch.testing.assert_close(gh, wh)
     if not grad:
-        assert not any(o.requires_grad for pair in got for o in pair)
+        for g, w in zip(got, want, strict=True):
+            for a, b in zip(g, w, strict=True):
+                assert a.shape == b.shape and not a.requires_grad
+                torch.testing.assert_close(a, b)
         return
-    params = [*rnn.parameters(), *emb.parameters()]
-    weights = [(torch.randn_like(o), torch.randn_like(h)) for o, h in want]
-
-    def loss(outs):
-        return sum((a * o).sum() + (b * h).sum() for (a, b), (o, h) in zip(weights, outs))
-
-    for a, b in zip(
-        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_lists(got, want, [*rnn.parameters(), *emb.parameters()])
 
 
 @pytest.mark.parametrize("form", ["methods", "functions"])
@@ -1296,19 +1305,7 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
     # enc (on each example's own tensor: literals of several shapes share the group too),
     # tanh, mean, scores, softmax, context, log_softmax, mean(keepdim)
     assert len(calls) == 8, calls
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            assert a.shape == b.shape
-            torch.testing.assert_close(a, b)
-    weights = [[torch.randn_like(t) for t in w] for w in want]
-
-    def loss(outs):
-        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
-
-    for a, b in zip(
-        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_lists(got, want, params)
     with torch.no_grad():
         again = fold.autobatch(fn, xs, stack=False)
     for g, w in zip(again, want):
@@ -1404,20 +1401,7 @@ def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
     assert {"torch.mv", "torch.einsum", "torch.bmm", "torch.mm", "torch.dot", "Tensor.t"} <= set(
         padded
     ), padded
-    want = [fn(x) for x in xs]
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            torch.testing.assert_close(a, b)
-    params = [*enc.parameters(), *q.parameters()]
-    weights = [[torch.randn_like(t) for t in w] for w in want]
-
-    def loss(outs):
-        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
-
-    for a, b in zip(
-        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_lists(got, [fn(x) for x in xs], [*enc.parameters(), *q.parameters()])
 
 
 def test_padded_groups_of_integer_and_bool_values_match_eager():
@@ -1462,19 +1446,7 @@ def test_additive_attention_over_memories_of_several_lengths_matches_eager():
     params = [*enc.parameters(), *w_mem.parameters(), *w_q.parameters(), *v.parameters()]
     params += list(emb.parameters())
     got = fold.autobatch(fn, xs, ids, stack=False)
-    want = [fn(x, i) for x, i in zip(xs, ids)]
-    weights = [[torch.randn_like(t) for t in w] for w in want]
-
-    def loss(outs):
-        return sum((c * t).sum() for cs, ts in zip(weights, outs) for c, t in zip(cs, ts))
-
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            torch.testing.assert_close(a, b)
-    for a, b in zip(
-        torch.autograd.grad(loss(got), params), torch.autograd.grad(loss(want), params)
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_lists(got, [fn(x, i) for x, i in zip(xs, ids)], params)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
