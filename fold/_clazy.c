@@ -252,12 +252,13 @@ done:
 /* A call's fast key, built into ``k``: the items of the key, the nodes it passes to the op's
    recorder, and the 0-dim tensor (borrowed) whose .item() it passes where it takes one.
 
-   The key is (fn, kind, then per argument): a lazy value of rec: its meta; an int, a bool, or
-   a nonzero float: its type, then itself (types keep 1, True and 1.0 apart; zeros are left
-   to the slow path, which keys -0.0 apart from 0.0); None; a list or tuple of lazy values of
-   rec (not for a batched=True function, whose lists become Ragged): its type, its length,
-   their metas; a known value that travels as a number (torch.tensor(word)): Known, its
-   meta; any other known value: Known, its meta, False (its tensor's batch-of-one row passed
+   The key is (fn, kind, then per argument): a lazy value of rec, or of an earlier round of
+   rec's call (its row passed, see earlier_literal): its meta; an int, a bool, or a nonzero
+   float: its type, then itself (types keep 1, True and 1.0 apart; zeros are left to the
+   slow path, which keys -0.0 apart from 0.0); None; a list or tuple of such lazy values (not
+   for a batched=True function, whose lists become Ragged): its type, its length, their
+   metas; a known value that travels as a number (torch.tensor(word)): Known, its meta; any
+   other known value: Known, its meta, False (its tensor's batch-of-one row passed
    to the recorder); a plain tensor that is no leaf needing a gradient and no row of a
    tensor autobatch iterates over (an eager result: a row of an earlier round, a cat of
    them): torch.Tensor, its shape, dtype and device (its batch-of-one row passed); a module,
@@ -358,9 +359,8 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
 
 /* A lazy value of an earlier round of ``rec``'s autobatch call (a decoder's memory, read by
    every later step): as the slow path's _part, its row of that round's output as a
-   batch-of-one literal, keyed as a tensor row of its meta's shape, dtype and device (the
-   slow path keys both by that meta).  1 where put in ``k``, 0 where the slow path takes it
-   (a value of another call, or of a round not run: the slow path says so), -1 on error. */
+   batch-of-one literal, in ``*literal``.  1 where made, 0 where the slow path takes it (a
+   value of another call, or of a round not run: the slow path says so), -1 on error. */
 static int
 earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
 {
@@ -396,30 +396,19 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     return *literal == NULL ? -1 : 1;
 }
 
-/* earlier_literal, keyed as a tensor row of the value's meta's shape, dtype and device. */
+/* earlier_literal, keyed by the value's meta, as the slow path keys it (and as a lazy value
+   of the same meta of this round is: the recorder the entry holds tells a row from a node by
+   its type, as for the elements of a list below). */
 static int
 earlier_row(Key *k, PyObject *rec, PyObject *a)
 {
-    if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
+    if (k->nk >= MAX_ITEMS || k->nn >= MAX_NODES)
         return 0;
     PyObject *literal = NULL;
     int ok = earlier_literal(rec, a, &literal);
     if (ok <= 0)
         return ok;
-    PyObject *meta = LAZY(a)->meta;
-    PyObject *shape = PyObject_GetAttr(meta, s_shape);
-    PyObject *dtype = shape ? PyObject_GetAttr(meta, s_dtype) : NULL;
-    PyObject *device = dtype ? PyObject_GetAttr(meta, s_device) : NULL;
-    if (device == NULL) {
-        Py_XDECREF(shape);
-        Py_XDECREF(dtype);
-        Py_DECREF(literal);
-        return -1;
-    }
-    key_item(k, g_tensor_type);
-    k->items[k->nk++] = shape; /* owned */
-    k->items[k->nk++] = dtype;
-    k->items[k->nk++] = device;
+    key_item(k, LAZY(a)->meta);
     k->nodes[k->nn++] = literal;
     return 1;
 }
