@@ -461,8 +461,9 @@ _GROUP_CALLS: dict[Any, Any] = {
 
 def _padded_module(module: nn.Module) -> bool:
     """Whether calls of ``module`` on values of several shapes may share a group that runs
-    padded with zeros (see ``_PADDED``): modules that compute each row on its own."""
-    if isinstance(module, nn.Embedding):
+    padded with zeros (see ``_PADDED``): modules that compute each row on its own (these
+    classes exactly: a subclass may compute otherwise)."""
+    if type(module) is nn.Embedding:
         return module.max_norm is None  # (max_norm renormalises the rows it looks up)
     return type(module) in (nn.Linear, nn.LayerNorm, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
