@@ -57,7 +57,8 @@ static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
-    *s_shape, *s_unsqueeze, *s_tensor, *s_rows, *s_values, *s_session, *s_narrow;
+    *s_shape, *s_unsqueeze, *s_tensor, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
+    *s_current;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -879,6 +880,67 @@ kwargs_of(PyObject *const *values, PyObject *kwnames)
     return d;
 }
 
+/* Whether ``a`` is a plain argument of a method of an earlier round's value (the slow
+   path's _PLAIN: an int, float, bool, None, slice or Ellipsis, or a tuple of them). */
+static int
+plain_arg(PyObject *a, int nested)
+{
+    if (PyLong_CheckExact(a) || PyFloat_CheckExact(a) || PyBool_Check(a) || a == Py_None ||
+        PySlice_Check(a) || a == Py_Ellipsis)
+        return 1;
+    if (!nested && PyTuple_CheckExact(a)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a); i++)
+            if (!plain_arg(PyTuple_GET_ITEM(a, i), 1))
+                return 0;
+        return 1;
+    }
+    return 0;
+}
+
+/* A method of an earlier round's value whose other arguments are plain (``enc[i]``, a
+   parser's encoder rows at every step), called inside the autobatch call that made it
+   while a later round records or the examples finish eagerly: as the slow path's
+   _record_method, the method on the value's row at once.  _MISS (a new reference) where
+   that does not apply or the row was not read before (the slow path makes it), NULL on
+   error. */
+static PyObject *
+earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *old = LAZY(args[0])->rec;
+    if (n > MAX_FAST)
+        return miss();
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (!plain_arg(args[i], 0))
+            return miss();
+    PyObject *rows = PyObject_GetAttr(old, s_rows_of);
+    if (rows == NULL)
+        return NULL;
+    PyObject *row = PyDict_CheckExact(rows) ? PyDict_GetItemWithError(rows, LAZY(args[0])->node)
+                                            : NULL;
+    Py_XINCREF(row);
+    Py_DECREF(rows);
+    if (row == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    PyObject *session = PyObject_GetAttr(old, s_session);
+    PyObject *cur = session && session != Py_None ? PyObject_GetAttr(session, s_current) : NULL;
+    PyObject *local = cur ? PyObject_GetAttr(g_local, s_rec) : NULL;
+    int ok = local != NULL && cur != Py_None && cur == local && cur != old;
+    Py_XDECREF(session);
+    Py_XDECREF(cur);
+    Py_XDECREF(local);
+    if (!ok) {
+        Py_DECREF(row);
+        return PyErr_Occurred() ? NULL : miss();
+    }
+    PyObject *stack[MAX_FAST];
+    stack[0] = row;
+    for (Py_ssize_t i = 1; i < n; i++)
+        stack[i] = args[i];
+    PyObject *out = PyObject_Vectorcall(func, stack, n, NULL);
+    Py_DECREF(row);
+    return out;
+}
+
 static PyObject *
 method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -888,7 +950,11 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         return NULL;
     if (kwnames == NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
         LAZY(args[0])->rec != NULL) {
-        PyObject *out = fast_now(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
+        PyObject *out = earlier_method(self->func, args, n);
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
+        out = fast_now(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
         if (out != g_miss)
             return out;
         Py_DECREF(out);
@@ -1070,13 +1136,13 @@ PyInit__clazy(void)
                          &s_ndim,     &s_requires_grad, &s_dtype,   &s_device,    &s_call,
                          &s_number,   &s_meta,          &s_value,   &s_fast_nograd, &s_is_leaf,
                          &s_shape,    &s_unsqueeze,     &s_tensor,  &s_rows,
-                         &s_values,   &s_session,       &s_narrow};
+                         &s_values,   &s_session,       &s_narrow,  &s_rows_of,   &s_current};
     const char *names[] = {"rec",     "paused",        "running", "_fast",        "item",
                            "ndim",    "requires_grad", "dtype",   "device",       "_call",
                            "number",  "meta",          "value",   "_fast_nograd", "is_leaf",
                            "shape",   "unsqueeze",     "tensor",  "_rows",
-                           "values",  "session",       "narrow"};
-    for (int i = 0; i < 22; i++)
+                           "values",  "session",       "narrow",  "rows_of",      "current"};
+    for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)
