@@ -1912,6 +1912,43 @@ def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
     assert torch.Tensor in seen
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8, torch.bool])
+def test_reads_of_integer_values_give_what_eager_reads(dtype, finish):
+    """Reads of 0-dim integer and bool values (a token, an action, a stop flag), which come
+    from one list of their round's output: int, float, bool, .item(), an index and ``if``
+    give eager's numbers of eager's Python types, and what is recorded after them equals
+    eager, values and gradients."""
+    torch.manual_seed(2)
+    lin = nn.Linear(3, 4)
+    table = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5]
+
+    def fn(x, reads):
+        y = lin(x)
+        for step in range(3):
+            v = y[step] > 0 if dtype is torch.bool else (y[step].abs() * 3).to(dtype) % 8
+            got = [int(v), float(v), bool(v), v.item(), table[v]]
+            reads.append([(type(r), r) for r in got])
+            y = y * got[4] if v else y + got[1]
+        return y
+
+    xs = [torch.randn(3) for _ in range(5)]
+    want_reads: list = []
+    want = torch.stack([fn(x, want_reads) for x in xs])
+    got_reads: list = []
+    got = fold.autobatch(lambda x: fn(x, got_reads), xs)
+    torch.testing.assert_close(got, want)
+    # the examples pause at each read, so the reads interleave: compare them per example
+    assert sorted(map(repr, got_reads)) == sorted(map(repr, want_reads))
+    assert len({r[0][1] for r in want_reads}) > 1  # the reads differ between examples
+    weights = torch.randn_like(want)
+    params = list(lin.parameters())
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), params),
+        torch.autograd.grad((want * weights).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
 def test_reads_with_tuple_states_and_keyword_arguments_match_eager(finish):
     """An LSTM cell's (h, c) state passed as a tuple, a keyword argument of a torch
     function, a module called on an earlier round's value: batched rounds and the eager

@@ -233,6 +233,8 @@ class _Recorder:
         self.session = session
         self.values: dict[Any, tuple[torch.Tensor, int]] | None = None
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
+        # id(output) -> (output, output.tolist()): the numbers 0-dim integer reads take.
+        self.numbers: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         self.device: torch.device | None = None
         self._recorders: dict[_Op, Callable[..., Any]] = {}
         # Op key -> record-and-wrap, for calls of lazy arguments only (see _fast_source).

@@ -250,23 +250,38 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             f"example is recorded. Fix: {fix}"
         )
 
+    def _read_number(self, what: str, convert: Callable[[Any], Any]) -> Any:
+        """A read of a 0-dim integer or bool value (a decoder's token, a parser's action,
+        ``if done:``): as ``_read``, but the number comes from one ``tolist`` of its round's
+        output, made once for all examples (see ``_number_of``), not from a tensor per read."""
+        m = self.meta
+        if m.ndim == 0 and m.dtype in _INTEGRAL:
+            rec = self.rec
+            if rec.values is None and rec.session is not None:
+                rec.session.pause(self)
+            if rec.values is not None:
+                number = _number_of(rec, self.node)
+                if number is not _MISS:
+                    return convert(number)
+        return self._read(what, convert)
+
     def __bool__(self) -> bool:
-        return self._read("bool()", bool)
+        return self._read_number("bool()", bool)
 
     def __int__(self) -> int:
-        return self._read("int()", int)
+        return self._read_number("int()", int)
 
     def __float__(self) -> float:
-        return self._read("float()", float)
+        return self._read_number("float()", float)
 
     def __complex__(self) -> complex:
         return self._read("complex()", complex)
 
     def __index__(self) -> int:
-        return self._read("using it as an index (__index__)", lambda t: t.__index__())
+        return self._read_number("using it as an index (__index__)", _index)
 
     def item(self) -> Any:
-        return self._read(".item()", lambda t: t.item())
+        return self._read_number(".item()", _item)
 
     def tolist(self) -> Any:
         return self._read(".tolist()", lambda t: t.tolist())
@@ -304,6 +319,33 @@ def _value_of(x: Lazy) -> torch.Tensor | None:
         src, row = values[node]
         got = rec.rows_of[node] = src[row]
     return got
+
+
+def _index(t: Any) -> int:
+    return t.__index__()
+
+
+def _item(t: Any) -> Any:
+    return t if type(t) in (int, bool) else t.item()
+
+
+# The dtypes whose 0-dim values ``_read_number`` reads from a list: the Python numbers
+# ``tolist`` gives are what ``item`` gives, and int, bool, float and an index convert them as
+# they convert the tensor.
+_INTEGRAL = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
+
+
+def _number_of(rec: Any, node: Any) -> Any:
+    """The Python number of the 0-dim value ``node`` of a round that has run: its row of the
+    round's output, which is listed once (one ``tolist``, one device sync) for every read;
+    _MISS where that output is not one number per row."""
+    src, row = rec.values[node]
+    got = rec.numbers.get(id(src))
+    if got is None:
+        if src.ndim != 1:  # (a round's outputs are its rows stacked; never so, but be sure)
+            return _MISS
+        got = rec.numbers[id(src)] = (src, src.tolist())  # src kept: its id stays its own
+    return got[1][row]
 
 
 def _library_read() -> str:
