@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fold.autobatch.common import _LOCAL
+from fold.autobatch.common import _C, _LOCAL, _MISS
 from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _meta
 from fold.errors import FoldError
 
@@ -66,10 +66,21 @@ def _make_module_call(inner: Any, token: object) -> Any:
                 *[_eager_value(a, session) for a in args],
                 **{k: _eager_value(v, session) for k, v in kwargs.items()},
             )
+        if _fast is not None and not kwargs and 0 < len(args) <= _FAST_MAX:
+            # The C fast path at once (as rec.record would reach it): a call seen before.
+            out = _fast(rec, self, "module", args)
+            if out is not _MISS:
+                return out
         return rec.record(self, "module", args, kwargs)
 
     __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"
     return __call__
+
+
+# The C fast path of a recorded call (fold/_clazy.c: its table for the grad and autocast
+# mode on now, a miss in any other), and how many arguments it takes.
+_fast = None if _C is None else _C.fast
+_FAST_MAX = 0 if _C is None else _C.MAX_FAST
 
 
 # What the eager finish converts in a module call's arguments (see values._eager_value).
