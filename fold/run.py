@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import LIST, NODE, SCALAR_KINDS, any_shape, node_id
+from fold._encoding import LIST, NODE, SCALAR_KINDS, node_id
 from fold.arrays import GraphArrays, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.executor import Executor, ModelBatched
@@ -32,7 +32,7 @@ from fold.ops import (
 )
 from fold.scheduler import Plan, make_plan
 from fold.scheduler.auto import facts_of
-from fold.scheduler.chain import whole_output
+from fold.scheduler.chain import one_shape, whole_output
 from fold.scheduler.plan import Input
 
 __all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
@@ -203,9 +203,8 @@ def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.T
     rows = fold._targs[0]
     if rows is None:  # numbers alone: their rows are the memo's keys
         rows = fold.snapshot().rows(0)
-    for j, k in enumerate(kinds):  # literal tensors of several shapes: the executor's parts
-        if any_shape(k) and any(r[j].shape != rows[0][j].shape for r in rows):
-            return None
+    if not one_shape(rows, kinds):  # literal tensors of several shapes: the executor's parts
+        return None
     device = device_of(obj)
     values = [
         literal_value(k, literal_column(op, j, k, [r[j] for r in rows]), device)

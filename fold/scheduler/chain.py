@@ -21,7 +21,7 @@ import numpy as np
 from fold._encoding import LIST, NODE, any_shape, low_bits, out_index, split_count
 from fold.scheduler.plan import Group, Input, Plan, RecordedView, Step
 
-__all__ = ["SignatureNodes", "chain_plan", "in_order", "whole_output"]
+__all__ = ["SignatureNodes", "chain_plan", "in_order", "one_shape", "whole_output"]
 
 
 def _head(h: Any, first: dict[int, int]) -> Input | None:
@@ -85,7 +85,7 @@ def chain_plan(a: RecordedView) -> Plan | None:
     for s, (_op, kinds) in enumerate(a.signatures):
         if LIST in kinds:  # list arguments are gathered, never a whole output
             return None
-        if any(map(any_shape, kinds)) and not _one_shape(a, s, kinds):
+        if any(map(any_shape, kinds)) and not one_shape(a.rows(s), kinds):
             return None  # literal tensors of several shapes: the executor runs them in parts
         if NODE not in kinds:
             heads.append((None,) * len(kinds))
@@ -116,10 +116,10 @@ def chain_plan(a: RecordedView) -> Plan | None:
     return plan
 
 
-def _one_shape(a: RecordedView, s: int, kinds: tuple[Any, ...]) -> bool:
-    """Whether every literal column of any shape (see ``fold._encoding.any_shape``) of
-    signature ``s`` holds tensors of one shape (a chain's group concatenates it whole)."""
-    rows = a.rows(s)
+def one_shape(rows: Any, kinds: tuple[Any, ...]) -> bool:
+    """Whether every literal column of any shape (see ``fold._encoding.any_shape``) of a
+    signature's ``rows`` holds tensors of one shape (a chain's group, or a graph of one op,
+    concatenates it whole; the executor runs several shapes in parts)."""
     for j, k in enumerate(kinds):
         if any_shape(k):
             shape = rows[0][j].shape
