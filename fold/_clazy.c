@@ -397,18 +397,20 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     return *literal == NULL ? -1 : 1;
 }
 
-/* earlier_literal, keyed by the value's meta, as the slow path keys it (and as a lazy value
-   of the same meta of this round is: the recorder the entry holds tells a row from a node by
-   its type, as for the elements of a list below). */
+/* earlier_literal, keyed by the value's meta after a marker (_MISS): the slow path keys it
+   by its meta alone, as a lazy value of this round, and records both as one op; the marker
+   files the two apart here, so that each entry holds the Fold recorder made for its
+   arguments' types (a node, or a literal row), as for the elements of a list below. */
 static int
 earlier_row(Key *k, PyObject *rec, PyObject *a)
 {
-    if (k->nk >= MAX_ITEMS || k->nn >= MAX_NODES)
+    if (k->nk + 2 > MAX_ITEMS || k->nn >= MAX_NODES)
         return 0;
     PyObject *literal = NULL;
     int ok = earlier_literal(rec, a, &literal);
     if (ok <= 0)
         return ok;
+    key_item(k, g_miss);
     key_item(k, LAZY(a)->meta);
     k->nodes[k->nn++] = literal;
     return 1;
@@ -462,15 +464,17 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             PyObject **el = PySequence_Fast_ITEMS(a);
             if (m >= 64 || k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
                 return 0;
-            int earlier = 0;
+            Py_ssize_t earlier = 0;
             for (Py_ssize_t j = 0; j < m; j++) {
                 if (is_lazy_of(el[j], rec))
                     continue;
                 if ((PyObject *)Py_TYPE(el[j]) != g_lazy_type || LAZY(el[j])->rec == NULL ||
                     LAZY(el[j])->meta == NULL || LAZY(el[j])->node == NULL)
                     return 0;
-                earlier = 1; /* a value of an earlier round (a decoder's context) */
+                earlier++; /* a value of an earlier round (a decoder's context) */
             }
+            if (k->nk + 2 + m + earlier > MAX_ITEMS) /* a row's marker: an item more */
+                return 0;
             key_item(k, (PyObject *)t);
             key_item(k, g_small[m]);
             if (!earlier) {
@@ -501,7 +505,8 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                     Py_DECREF(items);
                     return ok;
                 }
-                key_item(k, LAZY(x)->meta); /* the slow path keys it by its meta too */
+                key_item(k, g_miss); /* a row, filed apart from a node (earlier_row) */
+                key_item(k, LAZY(x)->meta);
                 k->nodes[k->nn++] = literal;
             }
             if (PyTuple_GET_SIZE(items) != m) { /* (changed under us: the slow path) */

@@ -552,7 +552,24 @@ recorder_clear_method(Recorder *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* rebind(ids): take node ids from another counter (fold.graph.Fold._renew: the same Fold,
+   its graph emptied for the next one, as autobatch's rounds record, numbers its nodes from 0
+   again). */
+static PyObject *
+recorder_rebind(Recorder *self, PyObject *ids)
+{
+    if (!PyIter_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "Recorder.rebind: ids must be an iterator");
+        return NULL;
+    }
+    Py_INCREF(ids);
+    Py_XSETREF(self->ids, ids);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef recorder_methods[] = {
+    {"rebind", (PyCFunction)recorder_rebind, METH_O,
+     "rebind(ids): take node ids from another counter"},
     {"_clear", (PyCFunction)recorder_clear_method, METH_NOARGS,
      "clear the fields as the garbage collector's tp_clear does (tests only)"},
     {NULL},

@@ -282,6 +282,7 @@ class Fold:
         self._recorders: dict[tuple[Any, int | None], Callable[..., Any]] = {}
         self._flat_cache: tuple[int, list[Any], list[int], list[int]] | None = None
         self._snapshot: tuple[tuple[int, int], GraphArrays] | None = None
+        self._renewed = False  # see _renew
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -525,6 +526,28 @@ class Fold:
     def __len__(self) -> int:
         return sum(map(len, self._memos))
 
+    def _renew(self) -> None:
+        """Empty the graph for a new one, keeping the signatures and generated recorders
+        (autobatch's rounds, each recording the ops of the one before: a new Fold would make
+        every op's recorder again).  Node ids start from 0 again, so the caller must hold
+        none of the old graph's handles: one would name a node of the new graph."""
+        for memo in self._memos:
+            memo.clear()
+        for targs in self._targs:
+            if targs is not None:
+                targs.clear()
+        self.nobatch_ids.clear()
+        self.last_run = None
+        self._flat_cache = None
+        self._snapshot = None
+        self._renewed = True
+        ids = self._ids = itertools.count()
+        for fn in self._generated.values():
+            if _CRecorder is not None and type(fn) is _CRecorder:
+                fn.rebind(ids)
+                fn = fn.fallback
+            fn.__closure__[fn.__code__.co_freevars.index("ids")].cell_contents = ids
+
     # ------------------------------------------------------------------ views
     def snapshot(self) -> GraphArrays:
         """The graph as arrays (:class:`fold.arrays.GraphArrays`): what schedulers and the
@@ -535,10 +558,15 @@ class Fold:
         if cached is None or cached[0] != key:
             self._check_intact(key[0])
             sigs, memos, targs = self.signatures, self._memos, self._targs
-            if not all(memos):
+            if self._renewed or not all(memos):
                 # A call that raised after its signature was made (a list holding a node of
-                # another Fold, a handle beyond int64) leaves it empty: it has no group.
+                # another Fold, a handle beyond int64) leaves it empty: it has no group; so
+                # does a signature of an earlier graph of a renewed Fold (_renew), whose
+                # signatures keep the order that graph made them in: the rest go in the
+                # order of their first nodes (the chain plan takes each signature after
+                # those it reads).
                 keep = [i for i, m in enumerate(memos) if m]
+                keep.sort(key=lambda i: node_id(next(iter(memos[i].values()))))
                 sigs, memos, targs = ([x[i] for i in keep] for x in (sigs, memos, targs))
             arrays = GraphArrays(sigs, memos, targs, self.nobatch_ids, self._node_type, key[0])
             cached = self._snapshot = (key, arrays)

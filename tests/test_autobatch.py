@@ -1776,6 +1776,33 @@ def test_examples_without_reads_mix_with_ones_that_read_and_results_stack(finish
         torch.testing.assert_close(alone[1][0], got[1][i])
 
 
+def test_rounds_record_into_one_fold_and_an_op_takes_nodes_and_earlier_rows(finish, monkeypatch):
+    """Every round of a call records into one Fold, emptied between rounds (its recorders and
+    fast tables kept), and one module takes, in the same round, a value of this round (a
+    node) and one of an earlier round (a literal row): the C fast key files the two calls
+    apart. Values and gradients equal eager (float64), and so does each example alone."""
+    torch.manual_seed(5)
+    lin = nn.Linear(3, 3).double()
+
+    def fn(x, k):
+        h = torch.tanh(lin(x))
+        for _ in range(k):
+            a = lin(h)  # h: made in an earlier round after the first read (a row)
+            h = torch.tanh(lin(a) + a)  # a: of this round (a node), through the same module
+            if float(h.detach().sum()) > 50:  # a read: the example pauses, a round runs
+                break
+        return h
+
+    made = []
+    init = fold.Fold.__init__
+    monkeypatch.setattr(fold.Fold, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    xs, ks = [torch.randn(3, dtype=torch.float64) for _ in range(9)], [4, 1, 3, 0, 4, 2, 4, 3, 1]
+    got = assert_same(fn, list(lin.parameters()), xs, ks)
+    assert len(made) == 1  # one call: one Fold for all its rounds
+    for i in (0, 3, 5):
+        torch.testing.assert_close(fold.autobatch(fn, [xs[i]], [ks[i]])[0], got[i])
+
+
 def test_reads_under_no_grad_and_results_of_different_shapes_name_the_example(finish):
     torch.manual_seed(3)
     model = Decoder()

@@ -591,3 +591,51 @@ def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypa
         ):
             torch.testing.assert_close(a, b)
     assert counts[1] == counts[2], counts
+
+
+def test_an_earlier_rounds_row_and_a_node_of_one_meta_have_their_own_fast_keys(
+    monkeypatch: Any,
+) -> None:
+    """One module on a value of this round (a node) and on one of an earlier round (a literal
+    row) of the same shape: the fast key files the two apart, so each table entry holds the
+    Fold recorder made for its arguments' types (a node, or a tensor row), and the later
+    rounds of the call (one Fold, its fast tables kept) record both without the slow path.
+    Values equal eager."""
+    if C is None:
+        pytest.skip("fold._clazy is not built")
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(lin(x))
+        for _ in range(4):
+            a = lin(h)  # h of an earlier round: a row
+            h = torch.tanh(lin(a))  # a of this round: a node
+            if float(h.detach().sum()) > 1e9:
+                break
+        return h
+
+    keys: dict[str, set[Any]] = {"row": set(), "node": set()}
+    slow: list[Any] = []
+    real = C.fast_key
+
+    def spy(rec: Any, fn_: Any, kind: Any, args: Any) -> Any:
+        key = real(rec, fn_, kind, args)
+        of = getattr(args[0], "rec", None)  # None: the example's own tensor
+        if fn_ is lin and key is not None and of is not None:
+            keys["node" if of is rec else "row"].add(key)
+        slow.append(fn_)
+        return key
+
+    xs = [torch.randn(3) for _ in range(6)]
+    fold.autobatch(fn, xs)  # the ops made
+    monkeypatch.setattr(C, "fast_key", spy)
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
+    assert keys["row"] and keys["node"] and not keys["row"] & keys["node"]
+    # The slow path keys each kind of call (on the example's tensor, a row, a node) once per
+    # autobatch call, not once per round.
+    assert slow.count(lin) == 3, slow

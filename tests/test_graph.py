@@ -198,6 +198,50 @@ def test_a_wrong_split_is_caught_where_a_consumer_reads_it() -> None:
         f.apply(Ops(), [[x.split(2)[0]]])
 
 
+def test_a_renewed_fold_records_a_new_graph_as_a_new_fold_would() -> None:
+    """Fold._renew (autobatch's rounds) empties the graph and keeps its recorders: the next
+    graph numbers its nodes from 0, its signatures go in the order of their first nodes (the
+    chain plan reads them so, though the Fold registered them in the order of the graph
+    before), and apply gives what a new Fold gives."""
+
+    class Ops:
+        def two(self, x):
+            return x * 2.0
+
+        def mix(self, a, k):
+            return a + k
+
+        def feat(self, t):
+            return t.sum(1) * 3.0
+
+    def first(f):
+        a = f.add("mix", f.add("two", 1.5), 2)
+        return [a, f.add("feat", torch.ones(1, 4))]
+
+    def second(f):  # "feat" before "two" and "mix": signatures out of the Fold's order
+        x = f.add("feat", torch.full((1, 4), 2.0))
+        y = f.add("mix", f.add("two", 0.5), 1)
+        return [f.add("mix", x, 3), y, f.add("two", 4.0)]
+
+    f = fold.Fold()
+    outs = first(f)
+    f.apply(Ops(), [[o] for o in outs])
+    f._renew()
+    assert len(f) == 0
+    renewed = second(f)
+    fresh = fold.Fold()
+    again = second(fresh)
+    assert [h.id for h in renewed] == [h.id for h in again] == [3, 2, 4]  # ids from 0 again
+    for got, want in zip(
+        f.apply(Ops(), [[o] for o in renewed]), fresh.apply(Ops(), [[o] for o in again])
+    ):
+        torch.testing.assert_close(got, want)
+    arrays = f.snapshot()
+    node_id = fold._encoding.node_id
+    firsts = [min(map(node_id, arrays.handles(s))) for s in range(len(arrays.signatures))]
+    assert firsts == sorted(firsts)
+
+
 def test_node_classes_are_reused_only_when_nothing_refers_to_them() -> None:
     from fold import node as graph
 

@@ -173,12 +173,23 @@ class _Session:
             rec.values = _materialize(rec)
         finally:
             _LOCAL.rec = outer
-        rec.close()
         self.rounds += 1
-        groups = len(rec.fold.last_run or ())
-        if groups and len(rec.fold) < EAGER_GROUP * groups:
+        f = rec.fold
+        groups = len(f.last_run or ())
+        if groups and len(f) < EAGER_GROUP * groups:
             self.eager = True
-        nxt = _Recorder(session=self)
+        # The next round records into the same Fold, emptied with its recorders kept, and
+        # starts from this round's fast tables and op recorders: a step records the calls
+        # of the step before, and the entries hold the Fold's recorders (a value of this
+        # round is a literal row in the next, filed apart from a node by the C fast key).
+        fast, nograd, recorders = rec._fast, rec._fast_nograd, rec._recorders
+        rec._fast, rec._fast_nograd, rec._recorders = {}, {}, {}
+        rec.close()
+        f._renew()
+        rec.fold = None  # its graph is the next round's now; its values are its own
+        nxt = _Recorder(session=self, fold=f)
+        if not self.eager:  # (eager, every call must miss the tables and run at once)
+            nxt._fast, nxt._fast_nograd, nxt._recorders = fast, nograd, recorders
         nxt.device = rec.device
         self.current = nxt
 

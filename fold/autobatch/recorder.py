@@ -399,11 +399,11 @@ class _Recorder:
         k = len(args)
         if mode is not None:
             if fast_key is not None and mode == _NO_GRAD:  # (C only, see fast above)
-                self._fast_nograd[fast_key] = _entry(op, r)
+                self._fast_nograd[fast_key] = _entry(op, self._typed(op, r, fargs))
             return out
         if _C is not None:  # later calls of this op with the same fast key take the C path
             if fast_key is not None:
-                self._fast[fast_key] = _entry(op, r)
+                self._fast[fast_key] = _entry(op, self._typed(op, r, fargs))
         elif any(type(p) is tuple and p and p[0] is _BY_ID for p in parts):
             pass  # keyed by identity: no fast key of the generated recorders holds that
         elif (
@@ -437,6 +437,19 @@ class _Recorder:
         ):  # a known number, after a module perhaps (see _NUMBER_BRANCH)
             self._fast[(fn, kind, *args[:-1], Known, args[-1].meta)] = _entry(op, r)
         return out
+
+    def _typed(self, op: _Op, r: Callable[..., Any], fargs: list[Any]) -> Callable[..., Any]:
+        """The round Fold's recorder of ``op`` made for these arguments' types, for a fast
+        table entry: the C fast key files a value of an earlier round (a literal row) apart
+        from one of this round (a node), and each entry then records without the generated
+        recorder's detour through another pattern.  ``r`` (the op's first recorder) where
+        the Fold made none for these types."""
+        f = self.fold
+        if type(f) is not Fold:
+            return r
+        target = op.fold_op
+        outputs = None if op.single else len(op.outs)
+        return f._generated.get((target, tuple(map(type, fargs)), outputs), r)
 
     def _kw_part(
         self, kwargs: dict[str, Any], fargs: list[Any], shared: list[Any], kind: str
