@@ -78,7 +78,8 @@ How a call is recorded (the choices the contract leaves open):
 - **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
   value pause the example (each runs as a greenlet) until the round that computes it: when
   every unfinished example is paused, what was recorded since the last round runs as one
-  batched round, in a Fold of its own (earlier rounds' values enter as literal rows), and
+  batched round (earlier rounds' values enter as literal rows; the call's one Fold is
+  emptied for each round, its recorders and fast tables kept, see ``Fold._renew``), and
   each paused example resumes with its value (see ``driver._Session``).  A torch function
   whose lazy arguments all come from earlier rounds runs at once, as eager code (an index
   into an encoder's output); module and ``@batchable`` calls of such values are recorded,

@@ -133,7 +133,8 @@ class _Session:
     When every unfinished example is paused, the graph recorded since the last round runs
     as one batched round (``run_round``), and every paused example resumes with its value.
     So there are at most as many rounds as the most reads any one example makes.  Each round
-    records into a Fold of its own; values of earlier rounds enter later ones as literal rows
+    records a graph of its own (into the call's one Fold, emptied between rounds with its
+    recorders kept: ``run_round``); values of earlier rounds enter later ones as literal rows
     of their outputs, so no round runs an earlier round's nodes again and gradients flow back
     across rounds.
 
