@@ -1976,6 +1976,52 @@ def test_reads_of_integer_values_give_what_eager_reads(dtype, finish):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_float_reads_of_one_number_values_give_what_eager_reads(dtype, shape, finish):
+    """float(), bool() and .item() of a one-number floating value (a loss, a halting
+    probability; 0-dim or of shape (1,)), which come from one list of their round's output,
+    give eager's numbers of eager's Python types (zeros, a NaN and -0.0 among them); int()
+    and an index keep the tensor's own conversion (an index of a float is torch's error), and
+    so does a read of a value that requires grad (torch's warning, once, as in eager)."""
+    torch.manual_seed(4)
+    lin = nn.Linear(3, 3)
+    specials = [0.0, -0.0, float("nan"), 1.25]
+
+    def fn(x, k, reads):
+        y = lin(x)
+        with warnings.catch_warnings():  # torch warns once per process, eager or not
+            warnings.simplefilter("ignore")
+            reads.append([(float, repr(float(y[0])))])  # requires grad: the row's conversion
+        for step in range(3):
+            v = (y[step].abs() * 3 - 1).detach().to(dtype).reshape(shape)
+            if step == 0:  # a special number, per example
+                v = v * 0 + specials[k] if specials[k] == specials[k] else v * float("nan")
+            got = [float(v), bool(v), v.item()]
+            if got[0] == got[0]:  # int() of a NaN raises in both
+                got.append(int(v))
+            reads.append([(type(r), repr(r)) for r in got])
+            y = y * 0.5 + (0.0 if got[0] != got[0] else got[0]) if got[1] else y - 1
+        with pytest.raises(TypeError):
+            [0, 1, 2][v]
+        return y
+
+    xs, ks = [torch.randn(3) for _ in range(6)], [0, 1, 2, 3, 0, 3]
+    want_reads: list = []
+    want = torch.stack([fn(x, k, want_reads) for x, k in zip(xs, ks)])
+    got_reads: list = []
+    got = fold.autobatch(lambda x, k: fn(x, k, got_reads), xs, ks)
+    torch.testing.assert_close(got, want)
+    assert sorted(map(repr, got_reads)) == sorted(map(repr, want_reads))
+    weights = torch.randn_like(want)
+    params = list(lin.parameters())
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), params),
+        torch.autograd.grad((want * weights).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
 def test_reads_with_tuple_states_and_keyword_arguments_match_eager(finish):
     """An LSTM cell's (h, c) state passed as a tuple, a keyword argument of a torch
     function, a module called on an earlier round's value: batched rounds and the eager

@@ -250,12 +250,16 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             f"example is recorded. Fix: {fix}"
         )
 
-    def _read_number(self, what: str, convert: Callable[[Any], Any]) -> Any:
-        """A read of a 0-dim integer or bool value (a decoder's token, a parser's action,
-        ``if done:``): as ``_read``, but the number comes from one ``tolist`` of its round's
-        output, made once for all examples (see ``_number_of``), not from a tensor per read."""
+    def _read_number(self, what: str, convert: Callable[[Any], Any], floats: bool = False) -> Any:
+        """A read of a one-number integer or bool value (a decoder's token, a parser's action,
+        ``if done:``), or with ``floats`` of a floating one (``float(loss)``, a halting
+        probability): as ``_read``, but the number comes from one ``tolist`` of its round's
+        output, made once for all examples (see ``_number_of``), not from a tensor per read.
+        (``int`` and an index of a float keep the tensor's own conversion and its errors.)"""
         m = self.meta
-        if m.ndim == 0 and m.dtype in _INTEGRAL:
+        if (m.dtype in _INTEGRAL or (floats and m.dtype in _FLOATING)) and (
+            m.ndim == 0 or m.shape.numel() == 1
+        ):
             rec = self.rec
             if rec.values is None and rec.session is not None:
                 rec.session.pause(self)
@@ -266,13 +270,13 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         return self._read(what, convert)
 
     def __bool__(self) -> bool:
-        return self._read_number("bool()", bool)
+        return self._read_number("bool()", bool, True)
 
     def __int__(self) -> int:
         return self._read_number("int()", int)
 
     def __float__(self) -> float:
-        return self._read_number("float()", float)
+        return self._read_number("float()", float, True)
 
     def __complex__(self) -> complex:
         return self._read("complex()", complex)
@@ -281,7 +285,7 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         return self._read_number("using it as an index (__index__)", _index)
 
     def item(self) -> Any:
-        return self._read_number(".item()", _item)
+        return self._read_number(".item()", _item, True)
 
     def tolist(self) -> Any:
         return self._read(".tolist()", lambda t: t.tolist())
@@ -326,25 +330,33 @@ def _index(t: Any) -> int:
 
 
 def _item(t: Any) -> Any:
-    return t if type(t) in (int, bool) else t.item()
+    return t if type(t) in (int, bool, float) else t.item()
 
 
 # The dtypes whose 0-dim values ``_read_number`` reads from a list: the Python numbers
 # ``tolist`` gives are what ``item`` gives, and int, bool, float and an index convert them as
 # they convert the tensor.
 _INTEGRAL = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
+# Floating values' ``float``, ``bool`` and ``.item()`` from ``tolist`` too: it gives the
+# Python float ``item`` gives (the value widened to a double), which ``bool`` tests as the
+# tensor's ``bool`` does (NaN true, -0.0 false).
+_FLOATING = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
 
 
 def _number_of(rec: Any, node: Any) -> Any:
-    """The Python number of the 0-dim value ``node`` of a round that has run: its row of the
-    round's output, which is listed once (one ``tolist``, one device sync) for every read;
-    _MISS where that output is not one number per row."""
+    """The Python number of the one-number value ``node`` (0-dim, or of shape (1,), ...) of a
+    round that has run: its row of the round's output, which is listed once (one ``tolist``,
+    one device sync) for every read; _MISS where that output is not one number per row."""
     src, row = rec.values[node]
     got = rec.numbers.get(id(src))
     if got is None:
-        if src.ndim != 1:  # (a round's outputs are its rows stacked; never so, but be sure)
+        n = src.shape[0] if src.ndim else -1
+        if src.numel() != n:  # (a round's outputs are its rows stacked; never so, but be sure)
             return _MISS
-        got = rec.numbers[id(src)] = (src, src.tolist())  # src kept: its id stays its own
+        if src.requires_grad:  # the row's own conversion: it warns, as eager code's does
+            return _MISS
+        flat = src if src.ndim == 1 else src.reshape(n)  # one-number rows, (1,) or (1, 1)
+        got = rec.numbers[id(src)] = (src, flat.tolist())  # src kept: its id stays its own
     return got[1][row]
 
 
