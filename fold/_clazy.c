@@ -57,7 +57,7 @@ static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
-    *s_shape, *s_unsqueeze, *s_tensor, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
+    *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
 /* ------------------------------------------------------------------------- LazyBase */
@@ -259,7 +259,7 @@ done:
    slow path, which keys -0.0 apart from 0.0); None; a list or tuple of such lazy values (not
    for a batched=True function, whose lists become Ragged): its type, its length, their
    metas; a known value that travels as a number (torch.tensor(word)): Known, its meta; any
-   other known value: Known, its meta, False (its tensor's batch-of-one row passed
+   other known value: Known, its meta, False (its batch-of-one row, Known.row, passed
    to the recorder); a plain tensor that is no leaf needing a gradient and no row of a
    tensor autobatch iterates over (an eager result: a row of an earlier round, a cat of
    them): torch.Tensor, its shape, dtype and device (its batch-of-one row passed); a module,
@@ -537,12 +537,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 /* Any other known value: its tensor's batch-of-one row, as the slow path's
                    _part passes it (keyed apart from a number by the False after its meta). */
                 key_item(k, Py_False);
-                PyObject *t = PyObject_CallMethodNoArgs(a, s_tensor);
-                if (t == NULL)
-                    return -1;
-                v = PyObject_CallMethodOneArg(t, s_unsqueeze, g_small[0]);
-                Py_DECREF(t);
-                if (v == NULL)
+                if ((v = PyObject_CallMethodNoArgs(a, s_row)) == NULL)
                     return -1;
             }
             k->nodes[k->nn++] = v; /* owned */
@@ -1140,12 +1135,12 @@ PyInit__clazy(void)
     PyObject **strs[] = {&s_rec,      &s_paused,        &s_running, &s_fast,      &s_item,
                          &s_ndim,     &s_requires_grad, &s_dtype,   &s_device,    &s_call,
                          &s_number,   &s_meta,          &s_value,   &s_fast_nograd, &s_is_leaf,
-                         &s_shape,    &s_unsqueeze,     &s_tensor,  &s_rows,
+                         &s_shape,    &s_unsqueeze,     &s_row,     &s_rows,
                          &s_values,   &s_session,       &s_narrow,  &s_rows_of,   &s_current};
     const char *names[] = {"rec",     "paused",        "running", "_fast",        "item",
                            "ndim",    "requires_grad", "dtype",   "device",       "_call",
                            "number",  "meta",          "value",   "_fast_nograd", "is_leaf",
-                           "shape",   "unsqueeze",     "tensor",  "_rows",
+                           "shape",   "unsqueeze",     "row",     "_rows",
                            "values",  "session",       "narrow",  "rows_of",      "current"};
     for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)

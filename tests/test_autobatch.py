@@ -1559,6 +1559,80 @@ def test_known_values_keep_torch_tensor_dtype_and_device(data, kwargs):
     assert got[1].dtype == want.dtype and got[1].shape == (3, *want.shape)
 
 
+@pytest.mark.parametrize(
+    "data, kwargs",
+    [
+        ([0.0, float("-inf"), 1.5], {}),
+        ([1, 2, 3], {}),
+        ([True, False], {}),
+        ([True, 2], {}),
+        ([1, 2.5], {}),
+        ([], {}),
+        ((4, 5), {"dtype": torch.float64}),
+        ([1.0, -0.0], {"dtype": torch.float16}),
+        ([1, 2], {"dtype": torch.long, "device": "cpu"}),
+    ],
+)
+def test_known_flat_lists_have_torch_tensor_dtype_and_shape(data, kwargs):
+    """torch.tensor of a flat list of Python numbers inside fn holds the numbers (no tensor
+    per call) with the dtype and shape torch.tensor gives them; its tensor, and every use,
+    equal eager's."""
+    want = torch.tensor(data, **kwargs)
+    seen = []
+
+    def fn(x):
+        t = torch.tensor(data, **kwargs)
+        seen.append((type(t), t.dtype, t.shape))
+        return x * 0 + t.sum().to(x.dtype), t
+
+    got = fold.autobatch(fn, [torch.randn(2) for _ in range(3)], per_example=True)
+    assert seen[0] == (values.Known, want.dtype, want.shape)
+    torch.testing.assert_close(got[1], torch.stack([want] * 3), equal_nan=True)
+
+
+def test_known_masks_added_to_recorded_values_match_eager_across_rounds(finish):
+    """A mask made per step from Python numbers (a parser's legal actions), added to a
+    recorded value, in rounds: equal masks share one literal row, but 0.0 and -0.0, NaN and
+    a mask whose tensor was changed in place each give eager's values; gradients equal."""
+    torch.manual_seed(3)
+    lin = nn.Linear(3, 3)
+    masks = [
+        [0.0, float("-inf"), 0.0],
+        [0.0, 0.0, float("-inf")],
+        [-0.0, 0.0, 0.0],
+        [float("nan"), 0.0, 0.0],
+    ]
+
+    def fn(x, k):
+        h = lin(x)
+        total = h.sum() * 0
+        for step in range(4):
+            m = torch.tensor(masks[(k + step) % 4])
+            if step == 3:
+                m.add_(1.0)  # in place on its tensor: the recorded row must see it
+            scores = h + m
+            total = total + (scores.nan_to_num(nan=0.5, neginf=-5.0) * (step + 1)).sum()
+            if int(scores.argmax()) < 0:  # a read per step: a round per step
+                break
+            h = torch.tanh(lin(h)) * 1.5  # a module call: recorded in the round after it
+        return total
+
+    xs, ks = [torch.randn(3) for _ in range(9)], [0, 1, 2, 3, 0, 1, 2, 3, 1]
+    want = torch.stack([fn(x, k) for x, k in zip(xs, ks)])
+    got = fold.autobatch(fn, xs, ks)
+    torch.testing.assert_close(got, want)
+    params = list(lin.parameters())
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)
+    ):
+        torch.testing.assert_close(a, b)
+    # The shared rows keep 0.0 and -0.0 apart (the sums above cannot tell them apart)
+    one = values.Known((0.0, 0.0), values._meta((2,), torch.float32, torch.device("cpu")), False)
+    neg = values.Known((-0.0, 0.0), values._meta((2,), torch.float32, torch.device("cpu")), False)
+    assert one.row() is not neg.row() and torch.signbit(neg.row()[0, 0])
+    assert one.row() is values.Known((0.0, 0.0), one.meta, False).row()
+
+
 def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     """A module whose forward reads a value (or calls an op with no batching rule): its
     group runs one call per example, with eager's values and gradients, and says so once."""

@@ -36,7 +36,7 @@ from fold.autobatch.recorder import (
     _Recorder,
 )
 from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
-from fold.autobatch.values import _METAS, Lazy, _value_of
+from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.run import collector_paused, run_groups
 from fold.scheduler.auto import facts_of
@@ -50,6 +50,7 @@ def clear_cache() -> None:
     _SEQUENCE_OPS.clear()
     _PADDED_OPS.clear()
     _METAS.clear()
+    _ROWS.clear()
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
     _WITH_MODULES.clear()

@@ -193,6 +193,9 @@ def _recording_tensor(
             value = _PYTHON_OF[dtype](data) if number else data
             return Known(value, _meta((), dtype, device), number)
         if t in _SEQUENCES:
+            known = _known_numbers(data, dtype, device)
+            if known is not None:
+                return known
             tensor = _PATCHES.tensor or _TORCH_TENSOR
             if _holds_lazy(data):
                 return _tensor_of_lazy(tensor, data, dtype, device)
@@ -210,6 +213,44 @@ _PYTHON_OF: Any = _PythonOf()
 # (Python type, default dtype) -> (meta, travels as a number, its Python type) of a scalar
 # made with no dtype or device given, on the CPU (emptied with the metas by clear_cache).
 _PLAIN: dict[tuple[type, torch.dtype], Any] = {}
+
+
+# Ints at or beyond this magnitude do not fit torch.long: torch.tensor raises at once for them.
+_INT_RANGE = 1 << 63
+
+
+def _known_numbers(data: Any, dtype: torch.dtype | None, device: Any) -> Known | None:
+    """``torch.tensor(data)`` of a flat list or tuple of Python numbers (an action mask made
+    per step: ``torch.tensor([0.0 if ok else -inf for ok in legal])``) as a known value that
+    holds the numbers, not a tensor: its dtype and shape are the ones torch.tensor gives
+    (all bools: bool; a float among them: the default dtype; else long), its tensor made
+    only where one is needed (a recorded call takes its row, shared by equal lists: see
+    ``Known.row``).  None where torch.tensor must run now: nested data, other types, ints
+    beyond int64 (torch raises), a device other than the CPU, a torch-function mode, or a
+    dtype given that is neither floating nor the one inferred (a conversion that may
+    raise)."""
+    if device is not None and device != "cpu" and device != _CPU:
+        return None
+    floats = False
+    ints = False
+    for x in data:
+        tx = type(x)
+        if tx is float:
+            floats = True
+        elif tx is int:
+            if not -_INT_RANGE <= x < _INT_RANGE:
+                return None
+            ints = True
+        elif tx is not bool:
+            return None
+    if _modes_on():
+        return None
+    inferred = _default_dtype() if floats or not data else torch.long if ints else torch.bool
+    if dtype is None:
+        dtype = inferred
+    elif dtype is not inferred and not (dtype.is_floating_point and not dtype.is_complex):
+        return None
+    return Known(tuple(data), _meta((len(data),), dtype, _CPU), False)
 
 
 def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:

@@ -506,7 +506,7 @@ class _Recorder:
         if t is Known:  # torch.tensor(word): a number, or its batch-of-one tensor
             if self.device is None:
                 self.device = a.meta.device
-            fargs.append(a.value if a.number else a.tensor().unsqueeze(0))
+            fargs.append(a.value if a.number else a.row())
             return a.meta
         if isinstance(a, torch.Tensor):
             row = self._rows.get(id(a))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -515,7 +516,9 @@ class Known:
     def __init__(
         self, value: Any, meta: _Meta, number: bool, made: torch.Tensor | None = None
     ) -> None:
-        self.value = value  # a scalar's Python value (``made`` for data of other shapes)
+        # A scalar's Python value; a flat list's numbers as a tuple (torch.tensor([0.0,
+        # -inf]): see patches._known_numbers); ``made`` for data of other shapes.
+        self.value = value
         self.meta = meta
         self.number = number  # travels as a Python number (see _as_number)
         self._made = made
@@ -527,6 +530,27 @@ class Known:
             m = self.meta
             t = self._made = _TENSOR(self.value, dtype=m.dtype, device=m.device)
         return t
+
+    def row(self) -> torch.Tensor:
+        """Its batch-of-one tensor, as a literal argument of a recorded call.  A flat list of
+        numbers (an action mask made per step) takes a row made once per distinct value and
+        meta, shared by every known value equal to it bit for bit: a literal row is only
+        read (copied into its column, see ``fold.ops.literal_value``), so sharing it is
+        safe, and a parser's masks make a tensor per distinct mask, not per step."""
+        v = self.value
+        if type(v) is not tuple or self._made is not None:  # (its tensor may have changed)
+            return self.tensor().unsqueeze(0)
+        m = self.meta
+        bits = _bits(v, m.dtype)
+        if bits is None:
+            return self.tensor().unsqueeze(0)
+        key = (m, bits)
+        r = _ROWS.get(key)
+        if r is None:
+            if len(_ROWS) >= _ROWS_MAX:
+                _ROWS.clear()
+            r = _ROWS[key] = _TENSOR(v, dtype=m.dtype, device=m.device).unsqueeze(0)
+        return r
 
     @classmethod
     def __torch_function__(
@@ -592,6 +616,24 @@ class Known:
 
 
 _TENSOR = torch.tensor  # torch's own, as fold found it at import
+
+
+# (meta, the numbers' bits) -> the batch-of-one row of a known flat list (see Known.row);
+# bounded, emptied by clear_cache.  Keys hold the numbers' bits, so 0.0 and -0.0 (equal as
+# numbers) and NaNs of any payload each keep their own row.
+_ROWS: dict[tuple[Any, bytes], torch.Tensor] = {}
+_ROWS_MAX = 4096
+
+
+def _bits(value: tuple[Any, ...], dtype: torch.dtype) -> bytes | None:
+    """The numbers of a known flat list as bytes: doubles where the dtype is floating and
+    every number a float, int64 where it is not and none is; None for a mix (a key that
+    told equal rows apart exactly would cost more than the row)."""
+    floating = dtype.is_floating_point
+    for x in value:
+        if (type(x) is float) is not floating:
+            return None
+    return array("d" if floating else "q", value).tobytes()
 
 
 def _known_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
