@@ -22,6 +22,7 @@ from fold.scheduler import (
     depth_schedule,
     lockstep_schedule,
 )
+from fold.scheduler.signature import signature_schedule
 from fold.treebank import random_tree
 
 
@@ -166,6 +167,83 @@ def test_schedulers_plan_a_graph_built_by_hand_without_a_fold() -> None:
     # Group keys given by hand (as nobatch nodes make them) split what signatures would join.
     keyed = ArrayGraph(sig, depth, src, dst, group_keys=[0, ("own", 1), 1, 1, 1, 1, 2, 2])
     assert _groups(depth_schedule(keyed))[0] == [(0, [0]), (("own", 1), [1])]
+
+
+def test_one_group_per_signature_where_no_signature_reads_itself() -> None:
+    """Leaves (signature 0), a pad made from leaf 0 (signature 2), a cat of a leaf or the pad
+    (signature 1, at depths 1 and 2), a head on each cat (signature 3): depth runs the cats
+    and the heads twice; one group per signature runs each once, after what it reads; a
+    graph whose signature reads itself gets no such plan."""
+    #        node:  0  1  2  3  4  5  6
+    sig = np.array([0, 0, 2, 1, 1, 3, 3])
+    depth = np.array([0, 0, 1, 1, 2, 2, 3])
+    src = np.array([0, 1, 2, 3, 4])
+    dst = np.array([2, 3, 4, 5, 6])
+    g = ArrayGraph(sig, depth, src, dst)
+    assert depth_schedule(g).num_groups == 6
+    assert _groups(signature_schedule(g)) == [
+        [(0, [0, 1])],
+        [(2, [2])],
+        [(1, [3, 4])],
+        [(3, [5, 6])],
+    ]
+    assert _groups(auto_schedule(g)) == _groups(signature_schedule(g))
+    loop = ArrayGraph(sig=[0, 1, 1], depth=[0, 1, 2], src=[0, 1], dst=[1, 2])
+    assert signature_schedule(loop) is None  # a chain of steps: signature 1 reads itself
+    through = ArrayGraph(sig=[0, 1, 2, 1], depth=[0, 1, 2, 3], src=[0, 1, 2], dst=[1, 2, 3])
+    assert signature_schedule(through) is None  # 1 reads 2, which reads 1
+
+
+class _Branches(nn.Module):
+    """Ops of the graph above, on real values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.lin = nn.Linear(8, 3)
+
+    def leaf(self, w: torch.Tensor) -> torch.Tensor:
+        return self.embed(w)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 - 1
+
+    def pair(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b], 1)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_one_group_per_signature_gives_unfolds_values_and_gradients() -> None:
+    """Examples that pair a leaf with a pad made one op earlier, or with another leaf, put
+    ``pair`` and ``head`` at two depths: auto runs each signature once, with Unfold's values
+    and gradients."""
+    torch.manual_seed(1)
+    model = _Branches().double()
+    rng = random.Random(2)
+    words = [[rng.randrange(10) for _ in range(2)] for _ in range(7)]
+
+    def record(f):
+        outs = []
+        for k, (a, b) in enumerate(words):
+            x = f.add("leaf", a)
+            y = f.add("leaf", b)
+            outs.append(f.add("head", f.add("pair", x, f.add("pad", y) if k % 2 else y)))
+        return outs
+
+    results = []
+    for f in (fold.Fold(), fold.Unfold(model)):
+        outs = record(f)
+        model.zero_grad()
+        (h,) = f.apply(model, [outs])
+        (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
+        results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
+        if isinstance(f, fold.Fold):
+            assert len(f.last_run) == 4  # leaf, pad, pair, head: one group each
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
 
 
 def test_chain_plan_only_for_chains_of_whole_outputs() -> None:

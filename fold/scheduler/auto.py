@@ -34,12 +34,14 @@ The rule:
 2. if that plan has one group per signature, no schedule can have fewer, and depth reads
    every column from its source in order where one exists: take it (trees with list
    arguments, message passing, MNIST);
-3. else plan the agenda and lockstep too (``fold.scheduler.lockstep``: the examples'
-   programs advancing one step of each op's chain at a time, as hand-written batching of a
-   shift-reduce parser does), estimate all three, and take the cheapest; on a tie, depth,
-   then the agenda.
+3. else plan one group per signature where no signature reads itself
+   (``fold.scheduler.signature``: an autobatch round, whose ops sit at several depths where
+   examples take different branches), the agenda, and lockstep (``fold.scheduler.lockstep``:
+   the examples' programs advancing one step of each op's chain at a time, as hand-written
+   batching of a shift-reduce parser does); estimate them all, and take the cheapest; on a
+   tie, depth, then one group per signature, then the agenda.
 
-Step 3 costs the other two plans and three estimates (2-16 ms for 1k-8k nodes), so its
+Step 3 costs the other plans and their estimates (2-16 ms for 1k-8k nodes), so its
 outcome is remembered per model: graphs of the same signatures (ops and argument kinds)
 applied to the same object take the remembered schedule, and step 3 runs again every
 ``RECHECK``-th such graph, in case the graphs changed character.  A choice made while some
@@ -62,6 +64,7 @@ from fold.scheduler.agenda import agenda_schedule
 from fold.scheduler.depth import depth_schedule
 from fold.scheduler.lockstep import lockstep_schedule
 from fold.scheduler.plan import GraphView, Plan
+from fold.scheduler.signature import signature_schedule
 
 __all__ = [
     "COSTS",
@@ -223,14 +226,18 @@ def auto_schedule(a: GraphView) -> Plan:
     chosen = facts.chosen if facts is not None else _CHOSEN
     known = chosen.get(key) if key is not None else None
     if known is not None and known[1] < RECHECK:
-        known[1] += 1
-        return known[0](a)
+        plan = known[0](a)
+        if plan is not None:  # (None: the signatures read themselves now)
+            known[1] += 1
+            return plan
     plan = depth_schedule(a)
     if group_count(plan) <= len(a.count):  # one group per signature: nothing left to merge
         return plan
     best, (best_cost, sized) = depth_schedule, plan_cost(a, plan, facts)
-    for schedule in (agenda_schedule, lockstep_schedule):
+    for schedule in (signature_schedule, agenda_schedule, lockstep_schedule):
         other = schedule(a)
+        if other is None:
+            continue
         cost, _ = plan_cost(a, other, facts)
         if cost < best_cost:
             best, best_cost, plan = schedule, cost, other
