@@ -46,8 +46,8 @@ from fold.ops import (
 )
 from fold.ragged import ModelRagged, Ragged, element_shapes
 from fold.scheduler.auto import facts_of
-from fold.scheduler.chain import whole_output
-from fold.scheduler.plan import Input, Plan
+from fold.scheduler.chain import SignatureNodes, whole_output
+from fold.scheduler.plan import Input, Pieces, Plan
 from fold.values import How, Recipe, Values
 
 __all__ = ["Executor", "ModelBatched"]
@@ -115,6 +115,10 @@ class Arg(enum.Enum):
     TENSORS = 3  # literal tensors, concatenated
     NUMBERS = 4  # literal numbers, as a 1-D tensor
     RAGGED = 5  # a list argument: its elements gathered by one Recipe, and the lengths
+
+
+class _NotWhole(Exception):
+    """A whole plan's column whose pieces differ in shape or dtype (see ``Executor.run``)."""
 
 
 class _Mixed:
@@ -217,14 +221,28 @@ class Executor:
     def run(self, plan: Plan) -> None:
         if plan.whole:  # nodes are read only if an output needs rows, after every group
             for s, step in enumerate(plan.steps):
-                for group in step.groups:
-                    self._run_inputs(s, group.nodes, group.key, group.inputs)
+                for g, group in enumerate(step.groups):
+                    try:
+                        self._run_inputs(s, group.nodes, group.key, group.inputs)
+                    except _NotWhole:
+                        # Pieces of a column differ in shape: the rest on the general
+                        # gathers, which run such a group in parts.
+                        self._index_rows()
+                        later = enumerate(plan.steps[s + 1 :], s + 1)
+                        self._run_steps([(s, step.groups[g:])] + [(k, x.groups) for k, x in later])
+                        return
             return
-        self._rows_left = sum(len(g.nodes) for step in plan.steps for g in step.groups)
-        for s, step in enumerate(plan.steps):
-            for group in step.groups:
+        self._run_steps(list(enumerate([step.groups for step in plan.steps])))
+
+    def _run_steps(self, steps: list[tuple[int, list[Any]]]) -> None:
+        """Groups on the general gathers, step by step (``(step index, groups)`` pairs)."""
+        self._rows_left = sum(len(g.nodes) for _, groups in steps for g in groups)
+        for s, groups in steps:
+            for group in groups:
                 nodes = group.nodes
-                if type(nodes) is not np.ndarray:
+                if type(nodes) is SignatureNodes:
+                    nodes = nodes.ids(self.arrays)
+                elif type(nodes) is not np.ndarray:
                     nodes = np.asarray(nodes, dtype=np.int64)
                 key = group.key  # the signature id, unless nobatch arguments extend it
                 self._run_group(s, nodes, key if type(key) is int else None)
@@ -251,16 +269,20 @@ class Executor:
         self, sid: int, outs: tuple[torch.Tensor, ...], members: np.ndarray, alone: bool
     ) -> None:
         """A group's outputs registered as the values of ``members``."""
+        self._measure(sid, outs, len(members))
+        self.values.add_sources(outs, alone, members)
+        if self.groups is not None:
+            self.groups.append((sid, outs, members))
+
+    def _measure(self, sid: int, outs: tuple[torch.Tensor, ...], n: int) -> None:
+        """The bytes of a node's row of each output, once per signature, for auto's
+        estimates (see ``fold.scheduler.auto.Facts``)."""
         if sid not in self._sized:
             self._sized.add(sid)
-            n = len(members)
             self._facts.measured(
                 self.arrays.signatures[sid],
                 tuple([o.numel() * o.element_size() // (n * self.models) for o in outs]),
             )
-        self.values.add_sources(outs, alone, members)
-        if self.groups is not None:
-            self.groups.append((sid, outs, members))
 
     def _gather(self, members: np.ndarray, sid: int | None) -> Any:
         """A group's argument values: ``(op, sid, values, plans, members, alone)``, its
@@ -474,18 +496,43 @@ class Executor:
             values.append(self._literal(k, column))
             plans.append((Arg.TENSORS if is_tensor_kind(k) else Arg.NUMBERS, None))
         outs = self._call(step, op, values, plans, n, False)
+        self._measure(sid, outs, n)
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
         if self.groups is not None:
             self.groups.append((sid, outs, members.ids(a)))
 
-    def _input(self, src: Input) -> torch.Tensor:
-        """The output that an Input names, checked against the split its handles make."""
+    def _input(self, src: Input | Pieces) -> torch.Tensor:
+        """The output that an Input names (or its rows), checked against the split its
+        handles make; the rows of Pieces, one ``index_select`` per part, their ``cat`` and
+        its reorder (``_NotWhole`` where the parts differ in shape or dtype)."""
+        if type(src) is Pieces:
+            parts = [self._input(p) for p in src.parts]
+            first = parts[0]
+            if any(p.shape[1:] != first.shape[1:] or p.dtype != first.dtype for p in parts):
+                raise _NotWhole
+            return torch.cat(parts, 0).index_select(0, self._index(src.order))
         outs = self._by_sig[src.sid]
         if len(outs) != (src.nsplit or 1):
             nid = node_id(self.arrays.first_handle(src.sid))
             raise bad_split(self.arrays, nid, src.nsplit, len(outs))
-        return outs[src.out]
+        out = outs[src.out]
+        rows = src.rows
+        if rows is None:
+            return out
+        if type(rows) is slice:  # a contiguous run of rows: a view
+            m = self.models
+            return out[rows.start * m : rows.stop * m]
+        return out.index_select(0, self._index(rows))
+
+    def _index(self, rows: np.ndarray) -> torch.Tensor:
+        """Rows of node values (N rows each with N models) as an index tensor on the
+        device."""
+        m = self.models
+        if m > 1:
+            rows = (rows[:, None] * m + np.arange(m)).ravel()
+        t = torch.from_numpy(rows)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def _call(
         self, step: int, op: Any, values: list[torch.Tensor], plans: list[Any], n: int, alone: bool
@@ -708,7 +755,7 @@ class Executor:
             )
         if self._by_sig:  # a whole plan: a list that is a whole output is that output
             src = whole_output(self.arrays, items)
-            if src is not None:
+            if src is not None and src.sid in self._by_sig:
                 return self._model_major(self._input(src))
             self._index_rows()
         v = self.values

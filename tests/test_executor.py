@@ -13,6 +13,7 @@ from torch import nn
 import fold
 from fold.errors import op_name
 from fold.models import MLP, TreeLSTM, record_tree
+from fold.scheduler import chain_plan
 from fold.treebank import Tree, random_tree
 
 
@@ -610,6 +611,7 @@ def test_per_sample_chains_match_eager(order: str, monkeypatch: pytest.MonkeyPat
     f = fold.Fold()
     logits, losses = _record_chain(f, xs, pick)
     assert f.plan().whole == (order == "in order")
+    assert (chain_plan(f.snapshot()) is not None) == (order == "in order")
     if order == "in order":
         monkeypatch.setattr(fold.executor, "Values", _no_rows)
     got_logits, got_loss, ys = f.apply(model, [logits, losses, [i % 5 for i in pick]])

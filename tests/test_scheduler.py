@@ -232,18 +232,60 @@ def test_one_group_per_signature_gives_unfolds_values_and_gradients() -> None:
             outs.append(f.add("head", f.add("pair", x, f.add("pad", y) if k % 2 else y)))
         return outs
 
+    f = _same_as_unfold(model, record)
+    assert len(f.last_run) == 4  # leaf, pad, pair, head: one group each
+
+
+def _same_as_unfold(model: nn.Module, record) -> fold.Fold:
+    """``record`` applied by a Fold and by Unfold: values and gradients equal; the Fold."""
     results = []
-    for f in (fold.Fold(), fold.Unfold(model)):
-        outs = record(f)
+    folded = fold.Fold()
+    for f in (folded, fold.Unfold(model)):
         model.zero_grad()
-        (h,) = f.apply(model, [outs])
+        (h,) = f.apply(model, [record(f)])
         (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
         results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
-        if isinstance(f, fold.Fold):
-            assert len(f.last_run) == 4  # leaf, pad, pair, head: one group each
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+    return folded
+
+
+class _Widths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+
+    def leaf(self, w: torch.Tensor) -> torch.Tensor:
+        return self.embed(w)
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x * 2], 1)
+
+    def norm(self, v: torch.Tensor) -> torch.Tensor:
+        return v.pow(2).sum(1)
+
+
+def test_one_group_per_signature_falls_back_where_a_column_mixes_shapes() -> None:
+    """A column reading rows of two shapes (a leaf's 4, a widened leaf's 8) cannot be one
+    cat: that group, and the rest, run on the general gathers, in parts by shape, with
+    Unfold's values and gradients."""
+    torch.manual_seed(4)
+    model = _Widths().double()
+    words = [3, 1, 4, 1, 5, 9, 2]
+
+    def record(f):
+        outs = []
+        for k, w in enumerate(words):
+            x = f.add("leaf", w)
+            outs.append(f.add("norm", f.add("widen", x) if k % 2 else x))
+        return outs
+
+    f = _same_as_unfold(model, record)
+    assert signature_schedule(f.snapshot()).whole
+    # (step, size) per group: leaf, widen, then norm at the third level in parts by shape,
+    # as the general gathers run it (depth would run norm's parts at two steps)
+    assert [(r[0], r[2]) for r in f.last_run] == [(0, 6), (1, 2), (2, 4), (2, 2)]
 
 
 def test_chain_plan_only_for_chains_of_whole_outputs() -> None:

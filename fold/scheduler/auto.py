@@ -61,6 +61,7 @@ import numpy as np
 
 from fold._encoding import LIST, NODE, OUT_MASK, list_handles, list_lengths, node_id
 from fold.scheduler.agenda import agenda_schedule
+from fold.scheduler.chain import SignatureNodes
 from fold.scheduler.depth import depth_schedule
 from fold.scheduler.lockstep import lockstep_schedule
 from fold.scheduler.plan import GraphView, Plan
@@ -142,7 +143,11 @@ def plan_cost(a: GraphView, plan: Plan, facts: Facts | None = None) -> tuple[flo
     signature's row size was known.  A graph without recorded columns (an ``ArrayGraph``)
     is estimated by its groups alone."""
     group_s, copy_s, repeat_s = COSTS.get(facts.device if facts else "cpu", COSTS["cpu"])
-    groups = [g.nodes for step in plan.steps for g in step.groups]
+    groups = [
+        g.nodes.ids(a) if type(g.nodes) is SignatureNodes else g.nodes
+        for step in plan.steps
+        for g in step.groups
+    ]
     cost = len(groups) * group_s
     signatures = getattr(a, "signatures", None)
     if signatures is None or not groups or a.n == 0:

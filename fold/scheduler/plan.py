@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-__all__ = ["ArrayGraph", "GraphView", "Group", "Input", "Plan", "RecordedView", "Step"]
+__all__ = ["ArrayGraph", "GraphView", "Group", "Input", "Pieces", "Plan", "RecordedView", "Step"]
 
 
 class GraphView(Protocol):
@@ -84,13 +84,25 @@ class ArrayGraph:
 
 
 class Input(NamedTuple):
-    """A node argument column that is one whole output of an earlier group, row for row:
+    """A node argument column that is one output of an earlier group of a whole plan:
     output ``out`` of the group of signature ``sid``, from handles of ``split(nsplit)``
-    (0: used whole)."""
+    (0: used whole); row for row, or where ``rows`` is given, those rows of it: an int64
+    array, one entry per member (one ``index_select``), or a slice of a contiguous run (a
+    view)."""
 
     sid: int
     out: int
     nsplit: int
+    rows: Any = None
+
+
+class Pieces(NamedTuple):
+    """A node argument column of a whole plan read from several earlier outputs: the
+    ``parts`` (each an :class:`Input` with its rows) concatenated, then row ``order[i]`` of
+    that for member ``i``."""
+
+    parts: tuple[Input, ...]
+    order: Any
 
 
 @dataclass(slots=True, eq=False)
@@ -107,7 +119,7 @@ class Group:
 
     key: Any
     nodes: Any  # Sequence[int] | numpy.ndarray
-    inputs: tuple[Input | None, ...] | None = None
+    inputs: tuple[Input | Pieces | None, ...] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -122,8 +134,9 @@ class Plan:
     """An execution order: steps run in order, groups of a step in any order.
 
     ``whole``: every group holds all the nodes of its signature and has its ``inputs`` (a
-    chain of whole outputs, see ``fold.scheduler.chain``); the executor then keeps each
-    group's outputs by signature and indexes rows only if an output list asks for it.
+    chain of whole outputs, see ``fold.scheduler.chain``, or one group per signature, see
+    ``fold.scheduler.signature``); the executor then keeps each group's outputs by
+    signature and indexes rows only if an output list asks for it.
     """
 
     steps: list[Step]
