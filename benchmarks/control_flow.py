@@ -317,20 +317,31 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--eager-reps", type=int, default=1)
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=["decode", "parser", "rounds"],
+        default=["decode", "parser", "rounds"],
+        help="the workloads to run (all by default)",
+    )
     args = ap.parse_args()
     setup(args)
     out = {"args": vars(args)}
-    out["decode"] = decode_rows(args)
-    print(
-        f"greedy decoding of {args.sources} sources, hidden {args.hidden}, {args.threads} thread(s)"
-    )
-    print(table(out["decode"], ["method", "median_ms", "vs_hand", "reps"]))
-    out["parser"] = parser_rows(args)
-    print(f"\narc-standard parsing of {args.sentences} sentences with predicted transitions")
-    print(table(out["parser"], ["method", "median_ms", "vs_hand", "reps"]))
-    out["rounds"] = round_rows(args)
-    print("\nper-round cost: a step of one module call and one read")
-    print(table(out["rounds"], list(out["rounds"][0])))
+    if "decode" in args.only:
+        out["decode"] = decode_rows(args)
+        print(
+            f"greedy decoding of {args.sources} sources, hidden {args.hidden}, "
+            f"{args.threads} thread(s)"
+        )
+        print(table(out["decode"], ["method", "median_ms", "vs_hand", "reps"]))
+    if "parser" in args.only:
+        out["parser"] = parser_rows(args)
+        print(f"\narc-standard parsing of {args.sentences} sentences with predicted transitions")
+        print(table(out["parser"], ["method", "median_ms", "vs_hand", "reps"]))
+    if "rounds" in args.only:
+        out["rounds"] = round_rows(args)
+        print("\nper-round cost: a step of one module call and one read")
+        print(table(out["rounds"], list(out["rounds"][0])))
     print(f"wrote {write_json('control_flow', out)}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from math import copysign as _copysign
 from typing import Any
 
 import torch
@@ -233,10 +234,13 @@ def _known_numbers(data: Any, dtype: torch.dtype | None, device: Any) -> Known |
         return None
     floats = False
     ints = False
+    plain = True  # no NaN, no -0.0 (see Known.row)
     for x in data:
         tx = type(x)
         if tx is float:
             floats = True
+            if x != x or (x == 0.0 and _copysign(1.0, x) < 0):
+                plain = False
         elif tx is int:
             if not -_INT_RANGE <= x < _INT_RANGE:
                 return None
@@ -250,7 +254,7 @@ def _known_numbers(data: Any, dtype: torch.dtype | None, device: Any) -> Known |
         dtype = inferred
     elif dtype is not inferred and not (dtype.is_floating_point and not dtype.is_complex):
         return None
-    return Known(tuple(data), _meta((len(data),), dtype, _CPU), False)
+    return Known(tuple(data), _meta((len(data),), dtype, _CPU), False, plain=plain)
 
 
 def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:

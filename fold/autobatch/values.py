@@ -507,14 +507,19 @@ class Known:
     of it, made once, as eager code would.  ``isinstance(known, torch.Tensor)`` holds (its
     ``__class__``); ``type(known)`` is ``Known``."""
 
-    __slots__ = ("value", "meta", "number", "_made")
+    __slots__ = ("value", "meta", "number", "_made", "_plain")
 
     # isinstance(known, torch.Tensor) holds, as for the tensor it stands for: libraries check
     # their arguments so (torch.distributions' validation).  type() still tells it apart.
     __class__ = property(lambda self: torch.Tensor)  # type: ignore[assignment]
 
     def __init__(
-        self, value: Any, meta: _Meta, number: bool, made: torch.Tensor | None = None
+        self,
+        value: Any,
+        meta: _Meta,
+        number: bool,
+        made: torch.Tensor | None = None,
+        plain: bool = False,
     ) -> None:
         # A scalar's Python value; a flat list's numbers as a tuple (torch.tensor([0.0,
         # -inf]): see patches._known_numbers); ``made`` for data of other shapes.
@@ -522,6 +527,9 @@ class Known:
         self.meta = meta
         self.number = number  # travels as a Python number (see _as_number)
         self._made = made
+        # A tuple of numbers with no NaN and no -0.0: numbers equal as Python numbers make
+        # equal tensor values, so the tuple itself keys its row (see row).
+        self._plain = plain
 
     def tensor(self) -> torch.Tensor:
         """The tensor ``torch.tensor`` makes of the value (made on first use, then kept)."""
@@ -541,10 +549,13 @@ class Known:
         if type(v) is not tuple or self._made is not None:  # (its tensor may have changed)
             return self.tensor().unsqueeze(0)
         m = self.meta
-        bits = _bits(v, m.dtype)
-        if bits is None:
-            return self.tensor().unsqueeze(0)
-        key = (m, bits)
+        if self._plain:
+            key: Any = (m, v)
+        else:
+            bits = _bits(v, m.dtype)
+            if bits is None:
+                return self.tensor().unsqueeze(0)
+            key = (m, bits)
         r = _ROWS.get(key)
         if r is None:
             if len(_ROWS) >= _ROWS_MAX:
@@ -618,10 +629,11 @@ class Known:
 _TENSOR = torch.tensor  # torch's own, as fold found it at import
 
 
-# (meta, the numbers' bits) -> the batch-of-one row of a known flat list (see Known.row);
-# bounded, emptied by clear_cache.  Keys hold the numbers' bits, so 0.0 and -0.0 (equal as
-# numbers) and NaNs of any payload each keep their own row.
-_ROWS: dict[tuple[Any, bytes], torch.Tensor] = {}
+# (meta, the numbers, or their bits) -> the batch-of-one row of a known flat list (see
+# Known.row); bounded, emptied by clear_cache.  Lists holding a NaN or -0.0 are keyed by
+# their numbers' bits, so 0.0 and -0.0 (equal as numbers) and NaNs of any payload each keep
+# their own row.
+_ROWS: dict[tuple[Any, Any], torch.Tensor] = {}
 _ROWS_MAX = 4096
 
 
