@@ -1047,6 +1047,205 @@ static PyTypeObject MethodType = {
     .tp_members = method_members,
 };
 
+/* ------------------------------------------------------------------------- ModuleCall */
+
+/* ModuleCall(inner, token, patches, eager_call): what autobatch installs as
+   nn.Module.__call__ for the length of a call (fold/autobatch/patches.py, whose Python
+   wrapper it mirrors, branch for branch).  A module call passes through to ``inner`` where
+   no autobatch call records on this thread, its recorder is paused, or another wrapper
+   took this one's place (``patches.token`` is not ``token``); where the call's examples
+   finish as eager code, it passes through too unless an argument needs converting (a lazy
+   or known value, a list or tuple, keywords: ``eager_call`` converts them); else the call
+   is recorded: the C fast path first, then ``rec.record(module, "module", args, kwargs)``. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *inner;
+    PyObject *token;
+    PyObject *patches;
+    PyObject *eager_call;
+} ModuleCall;
+
+static PyObject *s_token, *s_eager, *s_record, *s_module_kind;
+
+static int
+converted(PyObject *a)
+{
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    return t == g_lazy_type || t == g_known_type || PyList_CheckExact(a) || PyTuple_CheckExact(a);
+}
+
+static PyObject *
+module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ModuleCall *self = (ModuleCall *)op;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n < 1 || !configured())
+        goto pass;
+    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
+    if (rec == NULL)
+        return NULL;
+    if (rec == Py_None) {
+        Py_DECREF(rec);
+        goto pass;
+    }
+    PyObject *v = PyObject_GetAttr(rec, s_paused);
+    int paused = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    PyObject *tok = paused == 0 ? PyObject_GetAttr(self->patches, s_token) : NULL;
+    if (paused != 0 || tok == NULL || tok != self->token) {
+        Py_DECREF(rec);
+        if (paused < 0 || (paused == 0 && tok == NULL))
+            return NULL;
+        Py_XDECREF(tok);
+        goto pass;
+    }
+    Py_DECREF(tok);
+    PyObject *session = PyObject_GetAttr(rec, s_session);
+    if (session == NULL) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    int eager = 0;
+    if (session != Py_None) {
+        v = PyObject_GetAttr(session, s_eager);
+        eager = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+    }
+    Py_DECREF(session);
+    if (eager < 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    if (eager) { /* the examples finish as eager code */
+        Py_DECREF(rec);
+        int plain = kwnames == NULL;
+        for (Py_ssize_t i = 1; plain && i < n; i++)
+            plain = !converted(args[i]);
+        if (plain)
+            goto pass;
+        return PyObject_Vectorcall(self->eager_call, args, nargsf, kwnames);
+    }
+    if (kwnames == NULL && n - 1 > 0 && n - 1 <= MAX_FAST) {
+        PyObject *out = fast_now(rec, args[0], s_module_kind, args + 1, n - 1);
+        if (out != g_miss) {
+            Py_DECREF(rec);
+            return out;
+        }
+        Py_DECREF(out);
+    }
+    PyObject *targs = PyTuple_New(n - 1);
+    PyObject *kw = targs ? kwargs_of(args + n, kwnames) : NULL;
+    PyObject *out = NULL;
+    if (kw != NULL) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(targs, i - 1, args[i]);
+        }
+        PyObject *rargs[5] = {rec, args[0], s_module_kind, targs, kw};
+        out = PyObject_VectorcallMethod(s_record, rargs, 5, NULL);
+    }
+    Py_XDECREF(targs);
+    Py_XDECREF(kw);
+    Py_DECREF(rec);
+    return out;
+pass:
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
+}
+
+static PyObject *
+module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *inner, *token, *patches, *eager_call;
+    if (!PyArg_ParseTuple(args, "OOOO", &inner, &token, &patches, &eager_call))
+        return NULL;
+    ModuleCall *self = (ModuleCall *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(inner);
+    Py_INCREF(token);
+    Py_INCREF(patches);
+    Py_INCREF(eager_call);
+    self->inner = inner;
+    self->token = token;
+    self->patches = patches;
+    self->eager_call = eager_call;
+    self->vectorcall = module_call_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+module_call_traverse(ModuleCall *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->inner);
+    Py_VISIT(self->token);
+    Py_VISIT(self->patches);
+    Py_VISIT(self->eager_call);
+    return 0;
+}
+
+static int
+module_call_clear(ModuleCall *self)
+{
+    Py_CLEAR(self->inner);
+    Py_CLEAR(self->token);
+    Py_CLEAR(self->patches);
+    Py_CLEAR(self->eager_call);
+    return 0;
+}
+
+static void
+module_call_dealloc(ModuleCall *self)
+{
+    PyObject_GC_UnTrack(self);
+    module_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+module_call_name(ModuleCall *self, void *closure)
+{
+    return PyUnicode_FromString("__call__");
+}
+
+static PyObject *
+module_call_qualname(ModuleCall *self, void *closure)
+{
+    return PyUnicode_FromString("Module.__call__ (recording under fold.autobatch)");
+}
+
+static PyGetSetDef module_call_getset[] = {
+    {"__name__", (getter)module_call_name, NULL, NULL, NULL},
+    {"__qualname__", (getter)module_call_qualname, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef module_call_members[] = {
+    {"inner", T_OBJECT, offsetof(ModuleCall, inner), READONLY, "the __call__ it wraps"},
+    {NULL},
+};
+
+static PyTypeObject ModuleCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.ModuleCall",
+    .tp_doc = PyDoc_STR("ModuleCall(inner, token, patches, eager_call): nn.Module.__call__ "
+                        "while fold.autobatch records."),
+    .tp_basicsize = sizeof(ModuleCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = module_call_new,
+    .tp_dealloc = (destructor)module_call_dealloc,
+    .tp_traverse = (traverseproc)module_call_traverse,
+    .tp_clear = (inquiry)module_call_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(ModuleCall, vectorcall),
+    .tp_descr_get = bind,
+    .tp_getset = module_call_getset,
+    .tp_members = module_call_members,
+};
+
 /* ------------------------------------------------------------------------- torch_function */
 
 /* torch_function(cls, func, types, args=(), kwargs=None): Lazy.__torch_function__. */
@@ -1145,6 +1344,11 @@ PyInit__clazy(void)
     for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
+    PyObject **more[] = {&s_token, &s_eager, &s_record, &s_module_kind};
+    const char *more_names[] = {"token", "eager", "record", "module"};
+    for (int i = 0; i < 4; i++)
+        if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
+            return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)
             return NULL;
@@ -1154,7 +1358,8 @@ PyInit__clazy(void)
     if (PyModule_AddIntConstant(m, "MAX_FAST", MAX_FAST) < 0 ||
         add_type(m, "LazyBase", &LazyBaseType) < 0 ||
         add_type(m, "BatchableBase", &BatchableBaseType) < 0 ||
-        add_type(m, "Method", &MethodType) < 0) {
+        add_type(m, "Method", &MethodType) < 0 ||
+        add_type(m, "ModuleCall", &ModuleCallType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -50,6 +50,9 @@ _MODULE_CALL = nn.Module.__call__
 def _make_module_call(inner: Any, token: object) -> Any:
     # The wrapper knows itself by ``token`` (installed with it): a reference to itself would
     # make a reference cycle, left for the collector at the end of every call.
+    if _C is not None:  # the same, in C (fold/_clazy.c, ModuleCall): every module call
+        return _C.ModuleCall(inner, token, _PATCHES, functools.partial(_eager_call, inner))
+
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
         rec = _LOCAL.rec
         if rec is None or rec.paused or _PATCHES.token is not token:
@@ -62,11 +65,7 @@ def _make_module_call(inner: Any, token: object) -> Any:
             else:
                 if not kwargs:  # (tensors and numbers: nothing to convert)
                     return inner(self, *args)
-            return inner(
-                self,
-                *[_eager_value(a, session) for a in args],
-                **{k: _eager_value(v, session) for k, v in kwargs.items()},
-            )
+            return _eager_call(inner, self, *args, **kwargs)
         if _fast is not None and not kwargs and 0 < len(args) <= _FAST_MAX:
             # The C fast path at once (as rec.record would reach it): a call seen before.
             out = _fast(rec, self, "module", args)
@@ -76,6 +75,17 @@ def _make_module_call(inner: Any, token: object) -> Any:
 
     __call__.__qualname__ = "Module.__call__ (recording under fold.autobatch)"
     return __call__
+
+
+def _eager_call(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module call while the examples finish as eager code, its lazy and known arguments
+    (in lists and tuples too) converted to their rows and tensors."""
+    session = _LOCAL.rec.session
+    return inner(
+        module,
+        *[_eager_value(a, session) for a in args],
+        **{k: _eager_value(v, session) for k, v in kwargs.items()},
+    )
 
 
 # The C fast path of a recorded call (fold/_clazy.c: its table for the grad and autocast

@@ -44,45 +44,17 @@ from fold.scheduler.plan import GraphView, Group, Input, Pieces, Plan, Step
 __all__ = ["signature_levels", "signature_schedule"]
 
 
-def _reads(a: GraphView) -> tuple[list[int], list[int]]:
-    """(read, reader) signature pairs, distinct: from the recorded columns where the view
-    has them (no per-node edge list), else from its edges."""
-    nsig = len(a.count)
-    sig = a.sig
-    columns = getattr(a, "columns", None)
-    if columns is None:
-        src, dst = a.edges()
-        pairs = distinct(sig[src] * nsig + sig[dst]) if len(src) else src
-    else:
-        found = []
-        for sid, (_op, kinds) in enumerate(a.signatures):
-            if NODE not in kinds and LIST not in kinds:
-                continue
-            cols, node_js, _hmat, decoded = columns(sid)
-            ids = [decoded[0].ravel()] if node_js else []
-            for j, k in enumerate(kinds):
-                if k == LIST:
-                    ids.append(node_id(list_handles(cols[j])))
-            read = np.concatenate(ids) if len(ids) > 1 else ids[0]
-            if len(read):
-                found.append(distinct(sig[read]) * nsig + sid)
-        pairs = np.concatenate(found) if found else np.zeros(0, np.int64)
-    return (pairs // nsig).tolist(), (pairs % nsig).tolist()
-
-
-def signature_levels(a: GraphView) -> np.ndarray | None:
-    """Per signature, its level in the graph of signatures (0 where it reads no node, else
-    1 + the highest level of the signatures it reads); None where some signature reads
-    itself, directly or through others.  A few array operations per signature, then a walk
-    over the signatures (not the nodes)."""
-    nsig = len(a.count)
+def _levels(nsig: int, pairs: np.ndarray) -> np.ndarray | None:
+    """Per signature, its level in the graph of signatures given by ``pairs`` (read * nsig
+    + reader, distinct): 0 where it reads no node, else 1 + the highest level of the
+    signatures it reads; None where some signature reads itself, directly or through
+    others.  A walk over the signatures (not the nodes)."""
     levels = np.zeros(nsig, np.int64)
-    reads, readers = _reads(a)
-    if not reads:
+    if not len(pairs):
         return levels
     waiting = [0] * nsig  # per signature, the signatures it reads that have no level yet
     after: list[list[int]] = [[] for _ in range(nsig)]
-    for s, d in zip(reads, readers):
+    for s, d in zip((pairs // nsig).tolist(), (pairs % nsig).tolist()):
         if s == d:
             return None
         waiting[d] += 1
@@ -101,54 +73,87 @@ def signature_levels(a: GraphView) -> np.ndarray | None:
     return levels if done == nsig else None
 
 
+def signature_levels(a: GraphView) -> np.ndarray | None:
+    """Per signature, its level in the graph of signatures (see ``_levels``), from the
+    graph's edges."""
+    nsig = len(a.count)
+    src, dst = a.edges()
+    sig = a.sig
+    return _levels(nsig, distinct(sig[src] * nsig + sig[dst]) if len(src) else src)
+
+
 def signature_schedule(a: GraphView) -> Plan | None:
     """Every signature's nodes as one group, the groups in order of the signatures' levels
     (see above): a whole plan where the recorded columns allow one; None where a signature
     reads itself, or where nobatch nodes give nodes group keys of their own."""
     if a.n == 0 or a.keys() is not None:
         return None
-    levels = signature_levels(a)
+    nsig = len(a.count)
+    if not hasattr(a, "columns"):
+        levels = signature_levels(a)
+        return None if levels is None else plan_by_level(levels[a.sig], a.sig, nsig)
+    # Recorded columns: what each signature reads, from its handles (no edge list), and
+    # per node column its sources, each signature's columns at once.
+    sig, pos = a.sig, a.pos
+    found: list[np.ndarray] = []
+    reads: list[Any] = []
+    whole = True
+    for sid, (_op, kinds) in enumerate(a.signatures):
+        lists = [j for j, k in enumerate(kinds) if k == LIST]
+        if NODE not in kinds and not lists:
+            reads.append(None)
+            continue
+        cols, node_js, hmat, decoded = a.columns(sid)
+        src = sig[decoded[0]] if node_js else None
+        parts = [src.ravel()] if src is not None else []
+        for j in lists:
+            parts.append(sig[node_id(list_handles(cols[j]))])
+        read = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if len(read):
+            found.append(distinct(read) * nsig + sid)
+        reads.append((node_js, hmat, src, pos[decoded[0]]) if src is not None else None)
+        whole = whole and not lists
+    levels = _levels(nsig, np.concatenate(found) if found else np.zeros(0, np.int64))
     if levels is None:
         return None
-    whole = _whole_plan(a, levels) if hasattr(a, "columns") else None
-    return whole if whole is not None else plan_by_level(levels[a.sig], a.sig, len(a.count))
+    plan = _whole_plan(a, levels, reads) if whole else None
+    return plan if plan is not None else plan_by_level(levels[sig], sig, nsig)
 
 
-def _whole_plan(a: Any, levels: np.ndarray) -> Plan | None:
+def _whole_plan(a: Any, levels: np.ndarray, reads: list[Any]) -> Plan | None:
     """The plan with each node column's rows named (see above), or None where a column
     needs the general gathers."""
     by_level: dict[int, list[Group]] = {}
     for sid, (_op, kinds) in enumerate(a.signatures):
-        if LIST in kinds:
-            return None
         if any(map(any_shape, kinds)) and not one_shape(a.rows(sid), kinds):
             return None  # literal tensors of several shapes: the executor runs them in parts
         inputs: list[Input | Pieces | None] = [None] * len(kinds)
-        if NODE in kinds:
-            _cols, node_js, hmat, _decoded = a.columns(sid)
+        if reads[sid] is not None:
+            node_js, hmat, src, rows = reads[sid]
+            low = hmat & LOW_MASK
+            key = src * (LOW_MASK + 1) + low  # (signature, output of which split)
+            single = (key == key[0]).all(axis=0).tolist()
+            steps = (np.diff(rows, axis=0) == 1).all(axis=0).tolist()
             for c, j in enumerate(node_js):
-                inputs[j] = _column(a, hmat[:, c])
+                if not single[c]:
+                    inputs[j] = _pieces(src[:, c], rows[:, c], low[:, c], key[:, c])
+                    continue
+                s, bits, first = int(src[0, c]), int(low[0, c]), int(rows[0, c])
+                if steps[c]:  # a contiguous run: the output whole, or a view of it
+                    n = len(rows)
+                    run = None if n == a.count[s] else slice(first, first + n)
+                    inputs[j] = Input(s, out_index(bits), split_count(bits), run)
+                else:
+                    column = np.ascontiguousarray(rows[:, c])
+                    inputs[j] = Input(s, out_index(bits), split_count(bits), column)
         group = Group(sid, SignatureNodes(sid, a.count[sid]), tuple(inputs))
         by_level.setdefault(int(levels[sid]), []).append(group)
     return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
 
 
-def _column(a: Any, handles: np.ndarray) -> Input | Pieces:
-    """What a node column of handles reads: one output (whole and in order, or some of its
-    rows), or pieces of several."""
-    ids = node_id(handles)
-    src = a.sig[ids]
-    rows = a.pos[ids]
-    low = handles & LOW_MASK
-    key = src * (LOW_MASK + 1) + low  # (signature, output of which split) per member
-    if (key == key[0]).all():
-        sid, bits = int(src[0]), int(low[0])
-        n, first = len(rows), int(rows[0])
-        if int(rows[-1]) - first == n - 1 and bool((np.diff(rows) == 1).all()):
-            # a contiguous run: the output whole, or a view of it (no copy)
-            run = None if n == a.count[sid] else slice(first, first + n)
-            return Input(sid, out_index(bits), split_count(bits), run)
-        return Input(sid, out_index(bits), split_count(bits), rows)
+def _pieces(src: np.ndarray, rows: np.ndarray, low: np.ndarray, key: np.ndarray) -> Pieces:
+    """A node column that reads several outputs: per output the rows it reads, and where
+    each member's row lies in their concatenation."""
     order = np.argsort(key, kind="stable")
     sk = key[order]
     cuts = (np.flatnonzero(sk[1:] != sk[:-1]) + 1).tolist()
