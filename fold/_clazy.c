@@ -60,6 +60,8 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
+static PyObject *s_token, *s_eager, *s_record, *s_module_kind;
+
 /* ------------------------------------------------------------------------- LazyBase */
 
 typedef struct {
@@ -941,6 +943,123 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
     return out;
 }
 
+/* The session of the autobatch call recording on this thread where its examples finish as
+   eager code (a new reference); NULL where none does (with an error set on error). */
+static PyObject *
+eager_session(void)
+{
+    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
+    if (rec == NULL || rec == Py_None) {
+        Py_XDECREF(rec);
+        return NULL;
+    }
+    PyObject *session = PyObject_GetAttr(rec, s_session);
+    Py_DECREF(rec);
+    if (session == NULL || session == Py_None) {
+        Py_XDECREF(session);
+        return NULL;
+    }
+    PyObject *v = PyObject_GetAttr(session, s_eager);
+    int eager = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    if (eager != 1) {
+        Py_DECREF(session);
+        return NULL;
+    }
+    return session;
+}
+
+/* The row of a lazy value of an earlier round of ``session``'s call (a new reference), as
+   values._value_of makes it and keeps it (its recorder's rows_of); _MISS where it is of
+   another call or its round has not run (the slow path says so), NULL on error. */
+static PyObject *
+session_row(PyObject *a, PyObject *session)
+{
+    PyObject *old = LAZY(a)->rec, *node = LAZY(a)->node;
+    if (old == NULL || node == NULL || LAZY(a)->meta == NULL)
+        return miss();
+    PyObject *mine = PyObject_GetAttr(old, s_session);
+    if (mine == NULL)
+        return NULL;
+    int same = mine == session;
+    Py_DECREF(mine);
+    if (!same)
+        return miss();
+    PyObject *rows = PyObject_GetAttr(old, s_rows_of);
+    if (rows == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(rows)) {
+        Py_DECREF(rows);
+        return miss();
+    }
+    PyObject *row = PyDict_GetItemWithError(rows, node);
+    if (row != NULL || PyErr_Occurred()) {
+        Py_XINCREF(row);
+        Py_DECREF(rows);
+        return row;
+    }
+    PyObject *values = PyObject_GetAttr(old, s_values);
+    PyObject *entry = values && PyDict_CheckExact(values) ? PyDict_GetItemWithError(values, node)
+                                                          : NULL;
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
+        Py_XDECREF(values);
+        Py_DECREF(rows);
+        return PyErr_Occurred() ? NULL : miss();
+    }
+    Py_INCREF(entry);
+    Py_DECREF(values);
+    row = PyObject_GetItem(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+    Py_DECREF(entry);
+    if (row != NULL && PyDict_SetItem(rows, node, row) < 0)
+        Py_CLEAR(row);
+    Py_DECREF(rows);
+    return row;
+}
+
+/* ``func`` on ``args`` as eager code where the examples of the call recording on this
+   thread finish so (driver._Session): lazy values of the call as their rows, tensors and
+   plain values as they are (values._eager_value, for the arguments it takes at once); _MISS
+   where the examples do not, or an argument needs the slow path (a known value, a list).
+   Every call of the eager finish that reaches a lazy value comes here (a decoder's memory
+   at each step: ``mem @ q``, ``weights @ mem``) instead of the Python recorder's. */
+static PyObject *
+eager_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
+{
+    if (n > MAX_FAST)
+        return miss();
+    PyObject *session = eager_session();
+    if (session == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    PyObject *stack[MAX_FAST];
+    Py_ssize_t made = 0;
+    PyObject *out = NULL;
+    for (; made < n; made++) {
+        PyObject *a = args[made];
+        if ((PyObject *)Py_TYPE(a) == g_lazy_type) {
+            PyObject *row = session_row(a, session);
+            if (row == NULL || row == g_miss) {
+                out = row;
+                goto done;
+            }
+            stack[made] = row;
+        }
+        else if (plain_arg(a, 0) || PyObject_TypeCheck(a, (PyTypeObject *)g_tensor_type)) {
+            Py_INCREF(a);
+            stack[made] = a;
+        }
+        else {
+            out = miss();
+            goto done;
+        }
+    }
+    out = PyObject_Vectorcall(func, stack, n, NULL);
+done:
+    for (Py_ssize_t i = 0; i < made; i++)
+        Py_DECREF(stack[i]);
+    Py_DECREF(session);
+    return out;
+}
+
 static PyObject *
 method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -955,6 +1074,10 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
             return out;
         Py_DECREF(out);
         out = fast_now(LAZY(args[0])->rec, self->func, g_torch_kind, args, n);
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
+        out = eager_now(self->func, args, n);
         if (out != g_miss)
             return out;
         Py_DECREF(out);
@@ -1065,8 +1188,6 @@ typedef struct {
     PyObject *patches;
     PyObject *eager_call;
 } ModuleCall;
-
-static PyObject *s_token, *s_eager, *s_record, *s_module_kind;
 
 static int
 converted(PyObject *a)
@@ -1260,6 +1381,10 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
          (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
         PyObject *out = fast_now(NULL, args[1], g_torch_kind, &PyTuple_GET_ITEM(args[3], 0),
                                  PyTuple_GET_SIZE(args[3]));
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
+        out = eager_now(args[1], &PyTuple_GET_ITEM(args[3], 0), PyTuple_GET_SIZE(args[3]));
         if (out != g_miss)
             return out;
         Py_DECREF(out);
