@@ -603,6 +603,67 @@ static PyTypeObject RecorderType = {
     .tp_methods = recorder_methods,
 };
 
+/* ------------------------------------------------------------------------- Counter */
+
+/* Counter(): node ids 0, 1, 2, ... as itertools.count() gives them (its repr too, which
+   fold.graph.Fold._check_intact reads), and reset(), which starts them from 0 again: a
+   renewed Fold (autobatch's rounds) resets its one counter, where every recorder of the
+   Fold would otherwise be rebound to a new one. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t next;
+} Counter;
+
+static PyObject *
+counter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Counter() takes no arguments");
+        return NULL;
+    }
+    Counter *self = (Counter *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->next = 0;
+    return (PyObject *)self;
+}
+
+static PyObject *
+counter_iternext(Counter *self)
+{
+    return PyLong_FromSsize_t(self->next++);
+}
+
+static PyObject *
+counter_reset(Counter *self, PyObject *unused)
+{
+    self->next = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+counter_repr(Counter *self)
+{
+    return PyUnicode_FromFormat("count(%zd)", self->next);
+}
+
+static PyMethodDef counter_methods[] = {
+    {"reset", (PyCFunction)counter_reset, METH_NOARGS, "reset(): the next id is 0 again"},
+    {NULL},
+};
+
+static PyTypeObject CounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._crecord.Counter",
+    .tp_doc = PyDoc_STR("Counter(): node ids from 0, as itertools.count(), with reset()."),
+    .tp_basicsize = sizeof(Counter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = counter_new,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)counter_iternext,
+    .tp_repr = (reprfunc)counter_repr,
+    .tp_methods = counter_methods,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "fold._crecord",
@@ -613,7 +674,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__crecord(void)
 {
-    if (PyType_Ready(&RecorderType) < 0)
+    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&CounterType) < 0)
         return NULL;
     str_shape = PyUnicode_InternFromString("shape");
     str_dtype = PyUnicode_InternFromString("dtype");
@@ -625,6 +686,12 @@ PyInit__crecord(void)
     Py_INCREF(&RecorderType);
     if (PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
         Py_DECREF(&RecorderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CounterType);
+    if (PyModule_AddObject(m, "Counter", (PyObject *)&CounterType) < 0) {
+        Py_DECREF(&CounterType);
         Py_DECREF(m);
         return NULL;
     }

@@ -63,11 +63,14 @@ _MISSING = object()
 # without it.  Its kind of a literal tensor argument (TENSOR here is a string):
 _C_TENSOR = 5
 try:
+    from fold._crecord import Counter as _Counter
     from fold._crecord import Recorder as _CRecorder
 except ImportError:  # not compiled: the generated Python recorders alone
-    _CRecorder = None
+    _CRecorder = _Counter = None
 if os.environ.get("FOLD_RECORDER") == "python":
-    _CRecorder = None
+    _CRecorder = _Counter = None
+# Node ids: itertools.count(), or the C Counter, which a renewed Fold resets in place.
+_ids_counter: Any = itertools.count if _Counter is None else _Counter
 
 
 def _recorder_source(kinds: list[Any], exact: list[bool], outputs: int | None) -> str:
@@ -270,7 +273,7 @@ class Fold:
         self._memos: list[dict[Any, int]] = []
         self._targs: list[list[tuple[Any, ...]] | None] = []
         self._sig_ids: dict[tuple[Any, tuple[Any, ...]], int] = {}
-        self._ids = itertools.count()  # node ids, a topological order
+        self._ids = _ids_counter()  # node ids, a topological order
         self.nobatch_ids: set[int] = set()
         # Per group of the last apply: (step, op name, size, (shape, dtype) of each argument).
         self.last_run: list[tuple[int, str, int, tuple[Any, ...]]] | None = None
@@ -531,16 +534,19 @@ class Fold:
         (autobatch's rounds, each recording the ops of the one before: a new Fold would make
         every op's recorder again).  Node ids start from 0 again, so the caller must hold
         none of the old graph's handles: one would name a node of the new graph."""
-        for memo in self._memos:
-            memo.clear()
-        for targs in self._targs:
-            if targs is not None:
-                targs.clear()
+        for memo, targs in zip(self._memos, self._targs):
+            if memo:  # (a round records a few of the signatures all rounds made)
+                memo.clear()
+                if targs is not None:
+                    targs.clear()
         self.nobatch_ids.clear()
         self.last_run = None
         self._flat_cache = None
         self._snapshot = None
         self._renewed = True
+        if type(self._ids) is not itertools.count:  # the C Counter every recorder holds
+            self._ids.reset()
+            return
         ids = self._ids = itertools.count()
         for fn in self._generated.values():
             if _CRecorder is not None and type(fn) is _CRecorder:

@@ -40,6 +40,24 @@ def test_c_recorder_is_built() -> None:
     assert all(type(r) is C for r in f._by_op.values())
 
 
+def test_counter_numbers_as_itertools_count_and_resets() -> None:
+    """The C Counter a Fold's recorders share gives itertools.count()'s ids and repr (which
+    Fold._check_intact reads); reset() starts them from 0 again, for a renewed Fold."""
+    if graph._Counter is None:
+        pytest.skip("the C recorders are off: node ids come from itertools.count()")
+    import itertools
+
+    c, want = graph._Counter(), itertools.count()
+    assert [next(c) for _ in range(5)] == [next(want) for _ in range(5)]
+    assert repr(c) == repr(want) == "count(5)"
+    c.reset()
+    assert next(c) == 0 and repr(c) == "count(1)"
+    f = fold.Fold()
+    a = f.add("leaf", 1)
+    f._renew()
+    assert type(f._ids) is graph._Counter and f.add("leaf", 2).id == a.id == 0
+
+
 numbers = st.one_of(
     st.integers(-3, 3),
     st.sampled_from([2**63, -(2**70), 0.0, -0.0, math.nan, math.inf, 1.5, -2.25, True, False]),
