@@ -499,8 +499,8 @@ class Executor:
         self._measure(sid, outs, n)
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
-        if self.groups is not None:
-            self.groups.append((sid, outs, members.ids(a)))
+        if self.groups is not None:  # (all the signature's nodes, in order)
+            self.groups.append((sid, outs, members))
 
     def _input(self, src: Input | Pieces) -> torch.Tensor:
         """The output that an Input names (or its rows), checked against the split its

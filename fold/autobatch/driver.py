@@ -40,6 +40,7 @@ from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.run import collector_paused, run_groups
 from fold.scheduler.auto import facts_of
+from fold.scheduler.chain import SignatureNodes
 
 
 def clear_cache() -> None:
@@ -227,21 +228,27 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
             raise _explained(err) from cause.__cause__
         raise
     arrays = f.snapshot()
-    handle = np.zeros(arrays.n, np.int64)  # node id -> its whole handle
-    for sid in range(len(arrays.signatures)):
-        h = handles_array(arrays.handles(sid))
-        handle[node_id(h)] = h
+    handle = None  # node id -> its whole handle, where a group names its rows by node id
     out: dict[Any, tuple[torch.Tensor, int]] = {}
     for sid, outs, members in groups:
         op = arrays.signatures[sid][0]
-        hs = handle[members]
+        if type(members) is SignatureNodes:  # every node of the signature, in order
+            hs = arrays.handles(sid)
+        else:
+            if handle is None:
+                handle = np.zeros(arrays.n, np.int64)
+                for s in range(len(arrays.signatures)):
+                    h = handles_array(arrays.handles(s))
+                    handle[node_id(h)] = h
+            hs = handle[members].tolist()
         rows = range(len(hs))
         if type(op) is _Op and not op.single:  # its outputs are read through split handles
             code = split_code(len(outs))
             for j, t in enumerate(outs):
-                out.update(zip((hs | (code | j)).tolist(), zip(repeat(t), rows)))
+                c = code | j
+                out.update(zip([h | c for h in hs], zip(repeat(t), rows)))
         else:
-            out.update(zip(hs.tolist(), zip(repeat(outs[0]), rows)))
+            out.update(zip(hs, zip(repeat(outs[0]), rows)))
     return out
 
 
