@@ -650,11 +650,24 @@ class Executor:
         """A group whose gathered arguments differ in shape or dtype, split into parts of one
         shape and dtype each: one call per part, or one call for all of them where the op
         takes padded parts (``padded_call``, see ``_run_padded``)."""
-        classes = np.stack([Values.class_of(rows) for rows in got.mixed] + got.labels)
-        _, part = np.unique(classes, axis=1, return_inverse=True)
+        # One key per member, its columns' classes and labels in lexicographic order (as
+        # np.unique(axis=1) would order them, at a 1-D unique's cost); the parts in key
+        # order, each its members in order.
+        columns = [Values.class_of(rows) for rows in got.mixed] + got.labels
+        key, bound = columns[0], int(columns[0].max()) + 1
+        for labels in columns[1:]:
+            size = int(labels.max()) + 1
+            bound *= size
+            key = key * size + labels
+        if bound < 1 << 62:
+            _, part = np.unique(key, return_inverse=True)
+        else:  # (too many columns for one int64 key)
+            _, part = np.unique(np.stack(columns), axis=1, return_inverse=True)
         part = part.reshape(-1)
+        order = np.argsort(part, kind="stable")
+        cuts = np.cumsum(np.bincount(part))[:-1].tolist()
         members, sid = got.members, got.sid
-        parts = [members[part == p] for p in range(int(part.max()) + 1)]
+        parts = np.split(members[order], cuts)
         padded = getattr(got.op, "padded_call", None)
         if (
             padded is None
@@ -724,12 +737,24 @@ class Executor:
                     for vals, (s, e) in zip(values, spans):
                         vals[j] = whole[s:e]
                     continue
+                # Part by part; a part whose rows are a run of one source (the parts of an
+                # earlier group of several shapes, read in order: a memory's attention
+                # after its encoder) is that source, or a view of it, with no recipe made.
+                flat = column[:, 0]
+                steps = (np.diff(flat) == 1).tolist()
+                starts = flat.tolist()
                 for vals, (s, e) in zip(values, spans):
-                    idx = []
-                    (recipe,) = v.recipes(column[s:e], idx, False)
-                    if recipe is None:  # (a part is of one shape: not expected)
-                        return None
-                    vals[j] = v.gather(recipe, v.index_tensors(idx))
+                    run = None
+                    if all(steps[s : e - 1]):
+                        run = v.run(starts[s], e - s)
+                    if run is None:
+                        idx = []
+                        (run,) = v.recipes(column[s:e], idx, False)
+                        if run is None:  # (a part is of one shape: not expected)
+                            return None
+                        vals[j] = v.gather(run, v.index_tensors(idx))
+                    else:
+                        vals[j] = v.gather(run, [])
         for j, k in enumerate(kinds):
             if k == NODE:
                 continue

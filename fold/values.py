@@ -199,6 +199,18 @@ class Values:
         i = bisect.bisect_right(starts, row) - 1
         return Recipe(How.SOURCE, self.class_srcs[c][i], row - starts[i], 1, -1)
 
+    def run(self, first: int, length: int) -> Recipe | None:
+        """The recipe of ``length`` consecutive virtual rows from ``first``, where they all
+        lie in one source (a narrow of it, or the source whole); else None."""
+        c = first >> _CLASS_SHIFT
+        starts = self.class_starts[c]
+        i = bisect.bisect_right(starts, first) - 1
+        src = self.class_srcs[c][i]
+        start = first - starts[i]
+        if start + length > self.sources[src].shape[0] // self.models:
+            return None
+        return Recipe(How.SOURCE, src, start, length, -1)
+
     def rows(self, handles: Any, decoded: Any = None) -> np.ndarray:
         """The virtual row of every handle (an int64 array of handles).
 

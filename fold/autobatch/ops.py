@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import (
@@ -259,7 +259,7 @@ class _Op:
         if not lengths or min(lengths) == 0:  # (pack refuses empty sequences)
             return [tuple(pytree.tree_leaves(self._rnn(values))) for values in parts]
         longest = max(lengths)
-        x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
+        x = pad_sequence([r for x in xs for r in x.unbind(0)], batch_first=True)
         packed = pack_padded_sequence(
             x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
         )
@@ -310,11 +310,20 @@ class _Op:
         how, dim = self.padding  # type: ignore[misc]
         merged = []
         for j, (column, big) in enumerate(zip(columns, bigs)):
+            softmax = how == "softmax" and j == 0 and dim is not None
+            d = dim % (column[0].dim() - 1) + 1 if softmax else -1  # the op's dim, past the batch
+            varying = [k for k in range(1, len(big)) if any(v.shape[k] != big[k] for v in column)]
+            if varying == [1]:
+                # Only the first dim of a value differs (a memory's length): its rows padded
+                # by one pad_sequence, not a pad per part.
+                fill = _lowest(column[0].dtype) if d == 1 else 0.0
+                rows = [r for v in column for r in v.unbind(0)]
+                merged.append(pad_sequence(rows, batch_first=True, padding_value=fill))
+                continue
             padded = []
             for v in column:
                 short = [b - n for b, n in zip(big, v.shape)]
-                if how == "softmax" and j == 0 and dim is not None:
-                    d = dim % (v.dim() - 1) + 1  # the op's dim, past the batch dim
+                if softmax:
                     cut, short[d] = short[d], 0
                     v = _pad(v, short, 0.0)
                     short = [0] * v.dim()
@@ -325,15 +334,17 @@ class _Op:
                 padded.append(v)
             merged.append(torch.cat(padded))
         out = self._run(tuple(merged))
+        if how == "mean":  # a mean over the padded length: rescaled to each part's own
+            d = dim % (parts[0][0].dim() - 1) + 1  # type: ignore[operator]
+            scale = [merged[0].shape[d] / v[0].shape[d] for v in parts for _ in range(len(v[0]))]
+            out = out * torch.tensor(scale, dtype=out.dtype, device=out.device).view(
+                -1, *[1] * (out.dim() - 1)
+            )
         results = []
         start = 0
         for values, (shape,) in zip(parts, outs):
             k = values[0].shape[0]
-            part = out[(slice(start, start + k), *[slice(0, n) for n in shape])]
-            if how == "mean":  # a mean over the padded length: rescaled to the part's own
-                d = dim % (values[0].dim() - 1) + 1  # type: ignore[operator]
-                part = part * (merged[0].shape[d] / values[0].shape[d])
-            results.append((part,))
+            results.append((out[(slice(start, start + k), *[slice(0, n) for n in shape])],))
             start += k
         return results
 
