@@ -208,6 +208,25 @@ number_tensor(PyObject *t)
     return needs < 0 ? -1 : !needs;
 }
 
+/* 1 where tensor ``t`` is a leaf that requires grad (a parameter: the slow path shares it,
+   part of the op), 0 where not, -1 on error. */
+static int
+leaf_with_grad(PyObject *t)
+{
+    PyObject *v = PyObject_GetAttr(t, s_requires_grad);
+    if (v == NULL)
+        return -1;
+    int grad = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (grad <= 0)
+        return grad;
+    if ((v = PyObject_GetAttr(t, s_is_leaf)) == NULL)
+        return -1;
+    int leaf = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return leaf;
+}
+
 /* 1 where ``m`` (a module) hashes and compares by identity, as nn.Module does: the slow
    path keys such modules by themselves, any other by identity. */
 static inline int
@@ -466,20 +485,26 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             PyObject **el = PySequence_Fast_ITEMS(a);
             if (m >= 64 || k->nk + 2 + m > MAX_ITEMS || k->nn + m > MAX_NODES)
                 return 0;
-            Py_ssize_t earlier = 0;
+            Py_ssize_t earlier = 0, params = 0;
             for (Py_ssize_t j = 0; j < m; j++) {
                 if (is_lazy_of(el[j], rec))
                     continue;
-                if ((PyObject *)Py_TYPE(el[j]) != g_lazy_type || LAZY(el[j])->rec == NULL ||
-                    LAZY(el[j])->meta == NULL || LAZY(el[j])->node == NULL)
+                if ((PyObject *)Py_TYPE(el[j]) == g_lazy_type) {
+                    if (LAZY(el[j])->rec == NULL || LAZY(el[j])->meta == NULL ||
+                        LAZY(el[j])->node == NULL)
+                        return 0;
+                    earlier++; /* a value of an earlier round (a decoder's context) */
+                    continue;
+                }
+                if (!PyObject_TypeCheck(el[j], (PyTypeObject *)g_tensor_type))
                     return 0;
-                earlier++; /* a value of an earlier round (a decoder's context) */
+                params++; /* a parameter (checked below): torch.cat([self.root, states]) */
             }
-            if (k->nk + 2 + m + earlier > MAX_ITEMS) /* a row's marker: an item more */
+            if (k->nk + 2 + m + earlier + params > MAX_ITEMS) /* a marker: an item more */
                 return 0;
             key_item(k, (PyObject *)t);
             key_item(k, g_small[m]);
-            if (!earlier) {
+            if (!earlier && !params) {
                 /* No Python runs from here to the loop's end: the list keeps its elements. */
                 for (Py_ssize_t j = 0; j < m; j++) {
                     key_item(k, LAZY(el[j])->meta);
@@ -496,6 +521,21 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 if (is_lazy_of(x, rec)) {
                     key_item(k, LAZY(x)->meta);
                     key_node(k, LAZY(x)->node);
+                    continue;
+                }
+                if ((PyObject *)Py_TYPE(x) != g_lazy_type) {
+                    /* A leaf tensor that requires grad, shared by every call (the slow
+                       path's _part: part of the op by identity, no node): the tensor
+                       itself, after a marker. Any other tensor takes the slow path. */
+                    int shared = PyObject_TypeCheck(x, (PyTypeObject *)g_tensor_type)
+                                     ? leaf_with_grad(x)
+                                     : 0;
+                    if (shared <= 0) {
+                        Py_DECREF(items);
+                        return shared;
+                    }
+                    key_item(k, g_tensor_type);
+                    key_item(k, x);
                     continue;
                 }
                 PyObject *literal = NULL;

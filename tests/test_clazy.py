@@ -548,6 +548,40 @@ def test_module_calls_on_eager_tensors_and_known_values_take_the_fast_path(
     assert keyed.count(lin) == 2
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_lists_holding_a_parameter_take_the_fast_path(grad: bool, monkeypatch: Any) -> None:
+    """torch.cat([self.root, states]) (a parser's encoder: a parameter row before each
+    sentence's states) takes the C fast path after its first example: the slow path keys
+    one call per shape, however many examples; the parameter is shared by the op, its
+    gradient and the values equal eager's.  A list holding a tensor that needs no gradient
+    keeps the slow path (it is a literal row of each call)."""
+    torch.manual_seed(1)
+    lin = nn.Linear(3, 4)
+    root = nn.Parameter(torch.randn(1, 4))
+    keyed: list[Any] = []
+    real = C.fast_key
+    monkeypatch.setattr(C, "fast_key", lambda *a: keyed.append(a[1]) or real(*a))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        enc = torch.cat([root, lin(x)])  # (1 + len(x), 4)
+        return enc.sum(0) + torch.cat([lin(x[:1]), torch.ones(1, 4)]).sum(0)
+
+    xs = [torch.randn(2 + i % 2, 3) for i in range(8)]  # two shapes
+    with torch.set_grad_enabled(grad):
+        got = fold.autobatch(fn, xs, per_example=True)
+        want = torch.stack([fn(x) for x in xs])
+    torch.testing.assert_close(got, want)
+    assert keyed.count(torch.cat) == 2 + 8  # one per shape; the ones-row list every call
+    if grad:
+        params = [root, *lin.parameters()]
+        w = torch.randn_like(want)
+        for a, b in zip(
+            torch.autograd.grad((got * w).sum(), params),
+            torch.autograd.grad((want * w).sum(), params),
+        ):
+            torch.testing.assert_close(a, b)
+
+
 def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypatch: Any) -> None:
     """A decoder's memory and context come from earlier rounds; in later rounds a call on
     them (alone: ``mem @ q``, in a list: ``torch.cat([x, ctx])``) takes the C fast path
