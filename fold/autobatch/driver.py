@@ -35,7 +35,14 @@ from fold.autobatch.recorder import (
     _SEQUENCE_OPS,
     _Recorder,
 )
-from fold.autobatch.traced import _UNTRACEABLE, _WITH_MODULES, _call_programs, _flatten, _traced
+from fold.autobatch.traced import (
+    _LEAF_SPEC,
+    _UNTRACEABLE,
+    _WITH_MODULES,
+    _call_programs,
+    _flatten,
+    _traced,
+)
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.run import collector_paused, run_groups
@@ -122,7 +129,10 @@ def _unstacked(rec: _Recorder, results: list[list[Any]], specs: list[Any]) -> li
         rec.values = _materialize(rec)
     out = []
     for leaves, spec in zip(results, specs):
-        out.append(pytree.tree_unflatten([_row_or_lazy(v, None) for v in leaves], spec))
+        if spec is _LEAF_SPEC:  # one tensor (a decoded sequence, a parse's heads)
+            out.append(_row_or_lazy(leaves[0], None))
+        else:
+            out.append(pytree.tree_unflatten([_row_or_lazy(v, None) for v in leaves], spec))
     return out
 
 

@@ -405,9 +405,26 @@ def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, A
             m0, m1 = metas
             return lambda nodes, rec: (Lazy(nodes[0], m0, rec), Lazy(nodes[1], m1, rec))
         return lambda nodes, rec: tuple([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
+    build = _tuple_builder(pytree.tree_unflatten(list(range(len(metas))), treedef))
+    if build is not None:  # nested tuples (an LSTM's (out, (h, c))): built directly
+        return lambda nodes, rec: build([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
     return lambda nodes, rec: pytree.tree_unflatten(
         [Lazy(h, m, rec) for h, m in zip(nodes, metas)], treedef
     )
+
+
+def _tuple_builder(template: Any) -> Callable[[list[Any]], Any] | None:
+    """A function that puts a list of leaves into ``template``'s structure, where that is
+    plain tuples nested (leaf ``i`` at the int ``i``): what ``pytree.tree_unflatten`` gives,
+    without its walk of the spec per call.  None for any other structure."""
+    if type(template) is int:
+        return lambda leaves: leaves[template]
+    if type(template) is not tuple:
+        return None
+    parts = [_tuple_builder(t) for t in template]
+    if any(p is None for p in parts):
+        return None
+    return lambda leaves: tuple([p(leaves) for p in parts])
 
 
 class _OpFailed(Exception):
