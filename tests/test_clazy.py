@@ -555,6 +555,8 @@ def test_lists_holding_a_parameter_take_the_fast_path(grad: bool, monkeypatch: A
     one call per shape, however many examples; the parameter is shared by the op, its
     gradient and the values equal eager's.  A list holding a tensor that needs no gradient
     keeps the slow path (it is a literal row of each call)."""
+    if C is None:
+        pytest.skip("fold._clazy is not built")
     torch.manual_seed(1)
     lin = nn.Linear(3, 4)
     root = nn.Parameter(torch.randn(1, 4))
