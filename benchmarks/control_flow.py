@@ -2,6 +2,7 @@
 
     python benchmarks/control_flow.py                # 64 sources, hidden 128, 1 thread
     python benchmarks/control_flow.py --reps 7 --save
+    python benchmarks/control_flow.py --only decode-long     # one workload (see --only)
 
 A GRU encoder and an attention decoder (hidden 128, vocab 8, EOS one of them) decode 64
 sources of 5-30 tokens greedily, at most 40 steps, each until it emits EOS:
@@ -13,6 +14,11 @@ sources of 5-30 tokens greedily, at most 40 steps, each until it emits EOS:
   every example decoded in one batch, step after step, under a mask, until all have emitted
   EOS (finished examples still cost compute);
 - eager: the per-example code run example by example.
+
+The untrained model's EOS bias makes most decodes stop after two steps and a quarter run to
+the limit (lengths 2-40, median 2); ``decode-long`` leaves the bias out and stops each
+example at EOS or after as many steps as its source has tokens (5-30, median 20), the
+lengths of a model trained to copy or reverse its source.
 
 And the arc-standard parser of examples/autobatch_parser.py parsing 64 sentences of the
 bundled treebank with its own transitions: autobatch against a hand-batched stack machine
@@ -52,7 +58,7 @@ class Seq2Seq(nn.Module):
     """A GRU encoder and a dot-attention GRU decoder, written for one example (greedy) and
     for a padded batch (hand)."""
 
-    def __init__(self, vocab: int = 8, hidden: int = 128) -> None:
+    def __init__(self, vocab: int = 8, hidden: int = 128, eos_bias: float = 0.3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.enc = nn.GRU(hidden, hidden)
@@ -60,14 +66,14 @@ class Seq2Seq(nn.Module):
         self.attn = nn.Linear(hidden, hidden)
         self.out = nn.Linear(2 * hidden, vocab)
         with torch.no_grad():  # an untrained model: EOS after varied numbers of steps
-            self.out.bias[EOS] += 0.3
+            self.out.bias[EOS] += eos_bias
 
-    def greedy(self, src: torch.Tensor) -> torch.Tensor:
-        """ONE source (L,) -> its decoded tokens, up to and with EOS."""
+    def greedy(self, src: torch.Tensor, limit: int = MAX_STEPS) -> torch.Tensor:
+        """ONE source (L,) -> its decoded tokens, up to and with EOS (at most ``limit``)."""
         mem, h = self.enc(self.embed(src))  # (L, H), (1, H)
         h, ctx = h[0], mem.mean(0)
         tok, toks = BOS, []
-        for _ in range(MAX_STEPS):
+        for _ in range(limit):
             h = self.dec(torch.cat([self.embed(torch.tensor(tok)), ctx]), h)
             weights = torch.softmax(mem @ self.attn(h), 0)  # (L,)
             ctx = weights @ mem
@@ -77,9 +83,9 @@ class Seq2Seq(nn.Module):
                 break
         return torch.tensor(toks)
 
-    def hand(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def hand(self, srcs: list[torch.Tensor], limits: list[int] | None = None) -> list[torch.Tensor]:
         """Every source at once: packed encoder, then a masked batch decoder run until every
-        example has emitted EOS."""
+        example has emitted EOS (or reached its limit)."""
         lengths = torch.tensor([len(s) for s in srcs])
         padded = pad_sequence(srcs)  # (Lmax, B)
         packed = pack_padded_sequence(self.embed(padded), lengths, enforce_sorted=False)
@@ -90,19 +96,23 @@ class Seq2Seq(nn.Module):
         ctx = mem.sum(1) / lengths[:, None].to(mem.dtype)
         tok = torch.full((len(srcs),), BOS)
         done = torch.zeros(len(srcs), dtype=torch.bool)
+        limit = torch.tensor(limits if limits is not None else [MAX_STEPS] * len(srcs))
         steps = []
-        for _ in range(MAX_STEPS):
+        for step in range(int(limit.max())):
             h = self.dec(torch.cat([self.embed(tok), ctx], 1), h)
             scores = (mem @ self.attn(h)[:, :, None]).squeeze(2).masked_fill(~mask, float("-inf"))
             ctx = (torch.softmax(scores, 1)[:, :, None] * mem).sum(1)
             tok = self.out(torch.cat([h, ctx], 1)).argmax(1)
             steps.append(tok)
-            done = done | (tok == EOS)
+            done = done | (tok == EOS) | (limit <= step + 1)
             if bool(done.all()):
                 break
         out = torch.stack(steps, 1)  # (B, steps)
         ends = [(row == EOS).nonzero() for row in out]
-        return [row[: int(e[0]) + 1] if len(e) else row for row, e in zip(out, ends)]
+        return [
+            row[: min(int(e[0]) + 1, n) if len(e) else n]
+            for row, e, n in zip(out, ends, limit.tolist())
+        ]
 
 
 def sources(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -130,29 +140,41 @@ def _against(times: dict[str, list[float]], base: str) -> list[dict]:
     ]
 
 
-def decode_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+def decode_rows(args, long: bool = False) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Greedy decoding, autobatch against hand batching.  The untrained model's EOS bias
+    makes most decodes stop after two steps and a quarter run to the 40-step limit; with
+    ``long``, the bias is left out and each example stops at EOS or after as many steps as
+    its source has tokens (5-30): the lengths a model trained to copy or reverse its source
+    decodes."""
     srcs = sources(args.sources, 8)
+    limits = [len(s) for s in srcs] if long else [MAX_STEPS] * len(srcs)
+    bias = 0.0 if long else 0.3
     # The same decisions from all three, in float64 (where a near tie cannot flip).
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    model = Seq2Seq(hidden=args.hidden)
+    model = Seq2Seq(hidden=args.hidden, eos_bias=bias)
     with torch.no_grad():
-        eager = [model.greedy(s) for s in srcs]
-        auto = fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)
-        hand = model.hand(srcs)
+        eager = [model.greedy(s, n) for s, n in zip(srcs, limits)]
+        auto = fold.autobatch(lambda s, n: model.greedy(s, n), srcs, limits, stack=False)
+        hand = model.hand(srcs, limits)
     for e, a, h in zip(eager, auto, hand):
         assert e.tolist() == a.tolist() == h.tolist(), (e, a, h)
     lengths = [len(e) for e in eager]
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    model = Seq2Seq(hidden=args.hidden)
+    model = Seq2Seq(hidden=args.hidden, eos_bias=bias)
+
+    def auto_run() -> None:
+        fold.autobatch(lambda s, n: model.greedy(s, n), srcs, limits, stack=False)
 
     contenders = {
-        "autobatch": _no_grad(lambda: fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)),
-        "hand, masked": _no_grad(lambda: model.hand(srcs)),
+        "autobatch": _no_grad(auto_run),
+        "hand, masked": _no_grad(lambda: model.hand(srcs, limits)),
     }
     if args.eager_reps:
-        contenders["eager per example"] = _no_grad(lambda: [model.greedy(s) for s in srcs])
+        contenders["eager per example"] = _no_grad(
+            lambda: [model.greedy(s, n) for s, n in zip(srcs, limits)]
+        )
     rows = _against(interleaved(contenders, args.reps), "hand, masked")
     print(
         f"decoded lengths: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, "
@@ -320,8 +342,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["decode", "parser", "rounds"],
-        default=["decode", "parser", "rounds"],
+        choices=["decode", "decode-long", "parser", "rounds"],
+        default=["decode", "decode-long", "parser", "rounds"],
         help="the workloads to run (all by default)",
     )
     args = ap.parse_args()
@@ -334,6 +356,10 @@ def main() -> None:
             f"{args.threads} thread(s)"
         )
         print(table(out["decode"], ["method", "median_ms", "vs_hand", "reps"]))
+    if "decode-long" in args.only:
+        out["decode_long"] = decode_rows(args, long=True)
+        print("\nthe same, each decode stopping at EOS or after as many steps as its source")
+        print(table(out["decode_long"], ["method", "median_ms", "vs_hand", "reps"]))
     if "parser" in args.only:
         out["parser"] = parser_rows(args)
         print(f"\narc-standard parsing of {args.sentences} sentences with predicted transitions")
