@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import (
@@ -259,7 +259,7 @@ class _Op:
         if not lengths or min(lengths) == 0:  # (pack refuses empty sequences)
             return [tuple(pytree.tree_leaves(self._rnn(values))) for values in parts]
         longest = max(lengths)
-        x = pad_sequence([r for x in xs for r in x.unbind(0)], batch_first=True)
+        x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
         packed = pack_padded_sequence(
             x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
         )
@@ -312,14 +312,6 @@ class _Op:
         for j, (column, big) in enumerate(zip(columns, bigs)):
             softmax = how == "softmax" and j == 0 and dim is not None
             d = dim % (column[0].dim() - 1) + 1 if softmax else -1  # the op's dim, past the batch
-            varying = [k for k in range(1, len(big)) if any(v.shape[k] != big[k] for v in column)]
-            if varying == [1]:
-                # Only the first dim of a value differs (a memory's length): its rows padded
-                # by one pad_sequence, not a pad per part.
-                fill = _lowest(column[0].dtype) if d == 1 else 0.0
-                rows = [r for v in column for r in v.unbind(0)]
-                merged.append(pad_sequence(rows, batch_first=True, padding_value=fill))
-                continue
             padded = []
             for v in column:
                 short = [b - n for b, n in zip(big, v.shape)]
