@@ -1370,6 +1370,40 @@ def test_cat_of_recorded_values_and_a_parameter_runs_directly(dim):
     assert modes and _VMAP not in modes
 
 
+def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch):
+    """Attention after an encoder over memories of several lengths: each padded call after
+    the first takes its column as the padded tensor the call before left (its padding set
+    to zeros, or to -inf along softmax's dim), not a pad per part; values and gradients
+    equal eager (float64).  The examples' own tensors (the encoder's input), which no
+    padded call made, are padded part by part."""
+    from fold.autobatch import ops
+
+    torch.manual_seed(3)
+    enc, q = nn.Linear(2, 3).double(), nn.Linear(3, 3).double()
+    taken = []
+    real = ops._tiled_base
+    monkeypatch.setattr(ops, "_tiled_base", lambda c, b: taken.append(real(c, b)) or taken[-1])
+
+    def fn(x):
+        mem = torch.tanh(enc(x))  # (L, 3): a padded Linear, its parts views of one tensor
+        scores = mem @ q(mem.mean(0))
+        w = torch.softmax(scores * 3.0, 0)  # -inf past each memory's length
+        return w @ mem + scores.exp().sum() * 0.1
+
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 5, 6, 4, 2, 6, 3)]
+    want = torch.stack([fn(x) for x in xs])
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, want)
+    params = [*enc.parameters(), *q.parameters()]
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+    assert sum(t is not None for t in taken) >= 4  # mean, scores, softmax, context
+    assert any(type(t) is ops._Padded for t in taken) and None in taken
+
+
 def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
     """The same attention written with torch.mv, einsum, bmm, mm, dot and a transpose (ops
     under vmap among them): over memories of several lengths each is one padded call;

@@ -312,6 +312,12 @@ class _Op:
         for j, (column, big) in enumerate(zip(columns, bigs)):
             softmax = how == "softmax" and j == 0 and dim is not None
             d = dim % (column[0].dim() - 1) + 1 if softmax else -1  # the op's dim, past the batch
+            base = _tiled_base(column, big)
+            if base is not None:  # the parts of an earlier padded call, in its order
+                if type(base) is _Padded:  # -inf past the values along softmax's dim
+                    base = base.fill(_lowest(base.base.dtype) if base.dim == d else 0)
+                merged.append(base)
+                continue
             padded = []
             for v in column:
                 short = [b - n for b, n in zip(big, v.shape)]
@@ -347,6 +353,59 @@ class _Op:
         merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
         out = self.per_example(*merged)
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
+
+
+def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
+    """The padded tensor of a column of parts, where the parts are views that tile one
+    tensor row after row, as an earlier padded call left its outputs (``_pad_run``, a packed
+    RNN's): that tensor, its padding filled as padding this column would fill it (one
+    ``masked_fill`` where one dim of the values differs, none where none does), instead of
+    a pad per part and their cat.  None for any other column (or where several dims
+    differ)."""
+    b = column[0]._base
+    if b is None or b.dim() != len(big) or list(b.shape[1:]) != big[1:]:
+        return None
+    stride, start, rows = b.stride(), b.storage_offset(), 0
+    for v in column:
+        if (
+            v._base is not b
+            or v.stride() != stride
+            or v.storage_offset() != start + rows * stride[0]
+        ):
+            return None
+        rows += v.shape[0]
+    varying = [k for k in range(1, len(big)) if any(v.shape[k] != big[k] for v in column)]
+    if len(varying) > 1:
+        return None
+    base = b if rows == b.shape[0] else b.narrow(0, 0, rows)
+    if not varying:
+        return base
+    return _masked(base, column, varying[0], big)
+
+
+def _masked(base: torch.Tensor, column: list[torch.Tensor], k: int, big: list[int]) -> Any:
+    """``base`` and, per row, which of its positions in dim ``k`` hold values (the rest are
+    the earlier call's padding, to be filled as this column's padding is)."""
+    extent = torch.tensor(
+        [v.shape[k] for v in column for _ in range(v.shape[0])], device=base.device
+    )
+    keep = torch.arange(big[k], device=base.device) < extent[:, None]  # (rows, big[k])
+    shape = [base.shape[0]] + [1] * (base.dim() - 1)
+    shape[k] = big[k]
+    return _Padded(base, keep.view(shape), k)
+
+
+class _Padded:
+    """A padded column taken from an earlier padded call: the tensor, where its values are
+    and the dim they differ in; ``fill(value)`` sets the rest."""
+
+    __slots__ = ("base", "keep", "dim")
+
+    def __init__(self, base: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
+        self.base, self.keep, self.dim = base, keep, dim
+
+    def fill(self, value: Any) -> torch.Tensor:
+        return self.base.masked_fill(~self.keep, value)
 
 
 def _lowest(dtype: torch.dtype) -> Any:
