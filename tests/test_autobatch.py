@@ -1404,6 +1404,35 @@ def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch)
     assert any(type(t) is ops._Padded for t in taken) and None in taken
 
 
+def test_a_packed_rnn_reads_an_embeddings_padded_output_in_place(monkeypatch):
+    """An LSTM over each sentence's embedded words (sentences of several lengths): the packed
+    call takes the embedding's padded output as it is, not a pad per length; values and
+    gradients equal eager (float64)."""
+    from fold.autobatch import ops
+
+    torch.manual_seed(4)
+    emb, lstm = nn.Embedding(20, 3).double(), nn.LSTM(3, 4, bidirectional=True).double()
+    taken = []
+    real = ops._tiled_base
+    monkeypatch.setattr(ops, "_tiled_base", lambda c, b: taken.append(real(c, b)) or taken[-1])
+
+    def fn(ids):
+        states, (h, _) = lstm(emb(ids))
+        return states.sum(0) + h.flatten()
+
+    sentences = [torch.randint(0, 20, (n,)) for n in (3, 5, 2, 5, 4, 1, 3)]
+    want = torch.stack([fn(w) for w in sentences])
+    got = fold.autobatch(fn, sentences)
+    torch.testing.assert_close(got, want)
+    params = [*emb.parameters(), *lstm.parameters()]
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+    assert any(type(t) is ops._Padded for t in taken)
+
+
 def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
     """The same attention written with torch.mv, einsum, bmm, mm, dot and a transpose (ops
     under vmap among them): over memories of several lengths each is one padded call;

@@ -259,7 +259,13 @@ class _Op:
         if not lengths or min(lengths) == 0:  # (pack refuses empty sequences)
             return [tuple(pytree.tree_leaves(self._rnn(values))) for values in parts]
         longest = max(lengths)
-        x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
+        # The parts of an earlier padded call (an embedding of the sequences) as that call
+        # left them; what lies past a sequence's length is never read (packed).
+        x = _tiled_base(xs, [sum(sizes), longest, *xs[0].shape[2:]])
+        if type(x) is _Padded:
+            x = x.base
+        elif x is None:
+            x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
         packed = pack_padded_sequence(
             x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
         )
