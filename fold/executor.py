@@ -117,6 +117,18 @@ class Arg(enum.Enum):
     RAGGED = 5  # a list argument: its elements gathered by one Recipe, and the lengths
 
 
+def _shapes_split(v: Values, rows: np.ndarray) -> list[int]:
+    """The columns of ``rows`` (virtual rows, members x columns) whose values are of
+    several shapes (rows of classes whose shapes differ)."""
+    classes = Values.class_of(rows)
+    split = []
+    for c in np.flatnonzero((classes != classes[0]).any(axis=0)).tolist():
+        shapes = {v.class_meta[k][0] for k in np.unique(classes[:, c]).tolist()}
+        if len(shapes) > 1:
+            split.append(c)
+    return split
+
+
 class _NotWhole(Exception):
     """A whole plan's column whose pieces differ in shape or dtype (see ``Executor.run``)."""
 
@@ -333,6 +345,13 @@ class Executor:
                     decoded = decoded[:, :, keep]
             if gathered:
                 rows = v.rows(handles, decoded)
+                if n > 1 and getattr(op, "padded_call", None) is not None:
+                    # An op that takes parts of several shapes: a column whose rows are of
+                    # several shapes goes to the parts at once, without planning gathers.
+                    split = _shapes_split(v, rows)
+                    if split:
+                        labels = self._shape_labels(kinds, cols, whole_sig, pos)
+                        return _Mixed(op, sid, members, [rows[:, c] for c in split], alone, labels)
                 arrange = sid not in self._plain
                 order = _read_order(rows) if arrange else None
                 if order is not None:
