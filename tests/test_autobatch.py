@@ -1433,6 +1433,43 @@ def test_a_packed_rnn_reads_an_embeddings_padded_output_in_place(monkeypatch):
     assert any(type(t) is ops._Padded for t in taken)
 
 
+def test_encoder_rows_of_several_lengths_run_padded(monkeypatch):
+    """A parser's encoder: torch.cat of a shared root row and each sentence's states, then
+    rows of it by non-negative ints, over sentences of several lengths: the cat and each
+    index run as one padded call (not a group per length); a cat whose varying value is not
+    last (the root after the states), and a negative index, keep a group per length.
+    Values and gradients equal eager (float64)."""
+    from fold.autobatch import ops
+
+    torch.manual_seed(5)
+    lin = nn.Linear(2, 3).double()
+    root = nn.Parameter(torch.randn(1, 3, dtype=torch.float64))
+    padded = []
+    real = ops._Op._padded_parts
+    monkeypatch.setattr(
+        ops._Op, "_padded_parts", lambda self, parts: padded.append(self.name) or real(self, parts)
+    )
+
+    def fn(x):
+        states = torch.tanh(lin(x))  # (L, 3)
+        enc = torch.cat([root, states])  # (L + 1, 3): padded at its end
+        after = torch.cat([states, root])  # the root after the padding: a group per length
+        return enc[0] * 2 + enc[1] + enc[2] * enc[1] + after[-1] + enc[-1]
+
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (2, 4, 3, 4, 5, 2)]
+    want = torch.stack([fn(x) for x in xs])
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, want)
+    params = [root, *lin.parameters()]
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+    names = [n.split(" (")[0] for n in padded]
+    assert names.count("torch.cat") == 1 and names.count("Tensor.__getitem__") == 3, names
+
+
 def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
     """The same attention written with torch.mv, einsum, bmm, mm, dot and a transpose (ops
     under vmap among them): over memories of several lengths each is one padded call;

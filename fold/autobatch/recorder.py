@@ -772,7 +772,11 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
         return
     how = _PADDED[op.fn] if op.kind == "torch" else "zeros"
     dim = None
-    if how != "zeros":
+    if how in ("cat", "index"):
+        if not (_cat_pads_last(op) if how == "cat" else _index_from_start(op)):
+            return  # (padding would land inside a value, or be read)
+        how = "zeros"
+    elif how != "zeros":
         pos, name, _ = _DIM_OPS[op.fn]
         dim = op.kwargs.get(name, op.args[pos] if len(op.args) > pos else None)
         rest = [a for i, a in enumerate(op.args) if i != pos and type(a) is not _Slot]
@@ -789,6 +793,13 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     for p in key:
         if type(p) is _Meta:
             parts.append((_SIZES, *_sizeless(p)))
+        elif type(p) is tuple and len(p) == 2 and p[0] in (list, tuple) and type(p[1]) is tuple:
+            # a list argument (torch.cat's): its values' metas without their sizes
+            if any(type(x) is tuple and any(type(y) is _Meta for y in x) for x in p[1]):
+                return  # (metas nested deeper)
+            parts.append(
+                (p[0], tuple([(_SIZES, *_sizeless(x)) if type(x) is _Meta else x for x in p[1]]))
+            )
         elif type(p) is tuple and any(type(x) is _Meta for x in p):
             return  # (metas inside a list or tuple)
         else:
@@ -806,6 +817,35 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
 
 
 _SIZES = "a value of any sizes"
+
+
+def _cat_pads_last(op: _Op) -> bool:
+    """Whether ``op`` is torch.cat of shared tensors and, last, one per-example value (along
+    an int dim): padding that value at its end pads the output at its end."""
+    args, kwargs = op.args, op.kwargs
+    if not args or type(args[0]) not in (list, tuple) or set(kwargs) - {"dim"} or len(args) > 2:
+        return False
+    items = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    return (
+        type(dim) is int
+        and bool(items)
+        and type(items[-1]) is _Slot
+        and all(isinstance(t, torch.Tensor) for t in items[:-1])
+    )
+
+
+def _index_from_start(op: _Op) -> bool:
+    """Whether ``op`` is ``x[i]`` of a per-example value by one int i >= 0: it reads row i,
+    never the padding past a shorter value's end."""
+    args = op.args
+    return (
+        len(args) == 2
+        and not op.kwargs
+        and type(args[0]) is _Slot
+        and type(args[1]) is int
+        and args[1] >= 0
+    )
 
 
 def _sizeless(m: _Meta) -> tuple[Any, ...]:

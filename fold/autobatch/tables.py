@@ -120,6 +120,12 @@ _PADDED.update(
     {f: "softmax" for f in _functions("softmax log_softmax amax", torch, torch.Tensor, F)}
 )
 _PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
+# torch.cat whose list ends with the one per-example value, after shared tensors (a parser's
+# root row before a sentence's states): zeros pad the value's end, which is the output's
+# end ("cat", see recorder._group_padded); and an index of a value by one non-negative int
+# (a row of an encoder's output), which reads no padding ("index").
+_PADDED[torch.cat] = "cat"
+_PADDED[_GETITEM] = "index"
 
 
 _POLYMORPHIC_MODULES: tuple[type, ...] = (
