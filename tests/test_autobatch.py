@@ -2424,3 +2424,83 @@ def test_random_programs_over_values_of_several_lengths_ran_padded_calls(monkeyp
     fold.autobatch(lambda x: menu.run([(2, 0, 0), (4, 0, 0)], x, False), xs)
     ran = {n.split(" (")[0] for n in names}
     assert {"torch.softmax", "Tensor.__matmul__"} <= ran, ran
+
+
+# ------------------------------------------------------------ reads with Ragged memories and N models
+class _RaggedAttention(nn.Module):
+    """A decoder whose memories are a list of per-token values (its own count per example),
+    read through a ``batched=True`` attention that receives them as a ``fold.Ragged``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 5)
+        self.key = nn.Linear(5, 5)
+        self.cell = nn.GRUCell(10, 5)
+        self.out = nn.Linear(5, 6)
+
+    @fold.batchable(batched=True)
+    def attend(self, mems: fold.Ragged, h: torch.Tensor) -> torch.Tensor:
+        """(n lists of (5,) memories, (n, 5) queries) -> (n, 5): dot attention per list."""
+        scores = (mems.values * h[mems.segment_ids]).sum(-1)
+        return mems.with_values(mems.softmax(scores)[:, None] * mems.values).sum()
+
+    def decode(self, src: torch.Tensor) -> torch.Tensor:
+        mems = [torch.tanh(self.key(self.embed(t))) for t in src]  # a list of lazy values
+        h, logits = self.out.weight.new_zeros(5), []
+        for _ in range(6):
+            ctx = self.attend(mems, h)
+            h = self.cell(torch.cat([ctx, h]), h)
+            step = self.out(h)
+            logits.append(step)
+            if int(step.argmax()) == int(src[len(logits) % len(src)]):  # a read: it stops
+                break
+        return torch.stack(logits)
+
+
+def test_decoding_with_ragged_memories_matches_eager(finish):
+    """Greedy decoding whose attention takes each example's memories as a fold.Ragged (a
+    batched=True function over lists of lazy values), with reads deciding when each example
+    stops: logits (stack=False, each its own length) and gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    model = _RaggedAttention().double()
+    g = torch.Generator().manual_seed(2)
+    srcs = [
+        torch.randint(1, 6, (int(n),), generator=g) for n in torch.randint(1, 6, (9,), generator=g)
+    ]
+    want = [model.decode(s) for s in srcs]
+    assert len({len(w) for w in want}) > 1  # EOS-driven lengths
+    got = fold.autobatch(lambda s: model.decode(s), srcs, stack=False)
+    assert_same_lists([(g,) for g in got], [(w,) for w in want], list(model.parameters()))
+
+
+def test_n_models_decoding_through_a_batch_module_matches_eager(finish):
+    """N models of one architecture decoding at once (a BatchModule: one call runs the three
+    models on an example's (3, 1, 4) state), each example stopping when a read of its
+    models' outputs says so: values and gradients equal eager per example; backprop of one
+    model's outputs leaves the other models' gradients exactly zero."""
+    from fold.batched_ops import BatchModule
+
+    torch.manual_seed(1)
+    bm = BatchModule(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), batch=3).double()
+    xs = [torch.randn(3, 1, 4, dtype=torch.float64) for _ in range(6)]
+
+    def decode(x):
+        h, steps = x, []
+        for _ in range(5):
+            h = bm(h)
+            steps.append(h)
+            if float(h.detach()[:, 0, 0].sum()) < 0:  # one decision for the three models
+                break
+        return torch.stack(steps)  # (steps, 3, 1, 4)
+
+    want = [decode(x) for x in xs]
+    assert len({len(w) for w in want}) > 1
+    got = fold.autobatch(decode, xs, stack=False)
+    params = list(bm.parameters())
+    # Model 1's outputs alone: the gradients of models 0 and 2 are exactly zero.
+    one = torch.autograd.grad(sum(g[:, 1].sum() for g in got), params, retain_graph=True)
+    want_one = torch.autograd.grad(sum(w[:, 1].sum() for w in want), params, retain_graph=True)
+    for a, b in zip(one, want_one):
+        torch.testing.assert_close(a, b)
+        assert (a[0] == 0).all() and (a[2] == 0).all() and (a[1] != 0).any()
+    assert_same_lists([(g,) for g in got], [(w,) for w in want], params)

@@ -567,13 +567,21 @@ class _Recorder:
                 f"batched function is {items[bad].meta}, element 0 {first}; the elements of a "
                 "list argument are concatenated, so they must agree in shape and dtype."
             )
+        nodes = []
         for x in items:
             if x.rec is not self:
-                raise FoldError(
-                    f"autobatch: example {self.example}: a list holds a lazy value from another "
-                    "autobatch call. Fix: pass values of this call."
-                )
-        fargs.append([x.node for x in items])
+                old = x.rec
+                if old.values is None or old.session is None or old.session is not self.session:
+                    raise FoldError(
+                        f"autobatch: example {self.example}: a list holds a lazy value from "
+                        "another autobatch call. Fix: pass values of this call."
+                    )
+                # A value of an earlier round (a decoder's memories, made before its first
+                # read): a list holds nodes, so its row enters this round as a node, the
+                # clone of the row (autograd flows back through it into that round's output).
+                x = self._record(torch.clone, "torch", (x,), {})
+            nodes.append(x.node)
+        fargs.append(nodes)
         return (_RAGGED, items[0].meta if items else None)
 
     # -------------------------------------------------------------- new ops
