@@ -351,10 +351,22 @@ def _example(fn: Callable[..., Any], example: tuple[Any, ...], i: int) -> Callab
         except (TypeError, ValueError) as err:
             explained = _misuse(err, i)
             if explained is err:
+                _name_example(err, i)
                 raise
             raise explained from err
+        except Exception as err:
+            _name_example(err, i)
+            raise
 
     return run
+
+
+def _name_example(err: BaseException, i: int) -> None:
+    """An exception of the user's code propagates from autobatch as it was raised, with a
+    note naming the example that raised it (Python 3.11's ``add_note``: shown under the
+    traceback), unless its message names the example already (fold's own errors)."""
+    if f"example {i}" not in str(err) and hasattr(err, "add_note"):
+        err.add_note(f"autobatch: raised while running example {i}")
 
 
 def _resume(session: _Session, g: Any) -> int | None:
