@@ -2506,3 +2506,31 @@ def test_n_models_decoding_through_a_batch_module_matches_eager(finish):
         torch.testing.assert_close(a, b)
         assert (a[0] == 0).all() and (a[2] == 0).all() and (a[1] != 0).any()
     assert_same_lists([(g,) for g in got], [(w,) for w in want], params)
+
+
+@pytest.mark.parametrize("cls", [nn.GRUCell, nn.RNNCell, nn.LSTMCell])
+def test_cells_called_with_keywords_run_as_one_batched_call(cls):
+    """``cell(x, hx=h)`` and ``cell(input=x, hx=...)`` (and ``hx=None``) run as the cell's
+    own batched call, as ``cell(x, h)`` does, not under vmap (where a cell has no batching
+    rule and torch warns of a per-example fallback): values and gradients equal eager."""
+    from fold.autobatch import clear_cache
+
+    clear_cache()
+    torch.manual_seed(0)
+    cell = cls(3, 3)
+    xs, hs = [torch.randn(3) for _ in range(4)], [torch.randn(3) for _ in range(4)]
+    params = list(cell.parameters())
+    if cls is nn.LSTMCell:
+        assert_same(lambda x, h: cell(x, hx=(h, h * 2))[0], params, xs, hs)
+        assert_same(lambda x, h: cell(input=x, hx=(h, h))[1], params, xs, hs)
+    else:
+        assert_same(lambda x, h: cell(x, hx=h), params, xs, hs)
+        assert_same(lambda x, h: cell(input=x, hx=h), params, xs, hs)
+    assert_same(
+        lambda x, h: cell(x, hx=None)[0] * h if cls is nn.LSTMCell else cell(x, hx=None) * h,
+        params,
+        xs,
+        hs,
+    )
+    modes = {op.mode for op in _OPS.values() if op.fn is cell}
+    assert modes == {"direct"}, modes
