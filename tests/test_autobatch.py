@@ -2508,29 +2508,30 @@ def test_n_models_decoding_through_a_batch_module_matches_eager(finish):
     assert_same_lists([(g,) for g in got], [(w,) for w in want], params)
 
 
-@pytest.mark.parametrize("cls", [nn.GRUCell, nn.RNNCell, nn.LSTMCell])
-def test_cells_called_with_keywords_run_as_one_batched_call(cls):
-    """``cell(x, hx=h)`` and ``cell(input=x, hx=...)`` (and ``hx=None``) run as the cell's
-    own batched call, as ``cell(x, h)`` does, not under vmap (where a cell has no batching
-    rule and torch warns of a per-example fallback): values and gradients equal eager."""
+@pytest.mark.parametrize("cls", [nn.GRUCell, nn.RNNCell, nn.LSTMCell, nn.GRU, nn.RNN, nn.LSTM])
+def test_recurrent_modules_called_with_keywords_run_batched(cls):
+    """``cell(x, hx=h)``, ``cell(input=x, hx=...)``, ``hx=None``, and the same for an RNN over
+    sequences of several lengths, run as the positional calls do (a cell's own batched call;
+    one packed call for the RNN), not under vmap, where cells and RNNs have no batching
+    rule (torch warns of a per-example fallback): values and gradients equal eager."""
     from fold.autobatch import clear_cache
 
     clear_cache()
     torch.manual_seed(0)
-    cell = cls(3, 3)
-    xs, hs = [torch.randn(3) for _ in range(4)], [torch.randn(3) for _ in range(4)]
-    params = list(cell.parameters())
-    if cls is nn.LSTMCell:
-        assert_same(lambda x, h: cell(x, hx=(h, h * 2))[0], params, xs, hs)
-        assert_same(lambda x, h: cell(input=x, hx=(h, h))[1], params, xs, hs)
-    else:
-        assert_same(lambda x, h: cell(x, hx=h), params, xs, hs)
-        assert_same(lambda x, h: cell(input=x, hx=h), params, xs, hs)
-    assert_same(
-        lambda x, h: cell(x, hx=None)[0] * h if cls is nn.LSTMCell else cell(x, hx=None) * h,
-        params,
-        xs,
-        hs,
-    )
-    modes = {op.mode for op in _OPS.values() if op.fn is cell}
-    assert modes == {"direct"}, modes
+    mod = cls(3, 3)
+    rnn = issubclass(cls, nn.RNNBase)
+    xs = [torch.randn(n, 3) if rnn else torch.randn(3) for n in (2, 4, 4, 5)]
+    hs = [torch.randn(1, 3) if rnn else torch.randn(3) for _ in range(4)]
+    lstm = cls in (nn.LSTM, nn.LSTMCell)
+
+    def first(out):  # a cell's h (an LSTM cell's (h, c)), an RNN's outputs summed over time
+        out = out[0] if lstm or rnn else out
+        return out.sum(0) if rnn else out
+
+    params = list(mod.parameters())
+    state = (lambda h: (h, h * 2)) if lstm else (lambda h: h)
+    assert_same(lambda x, h: first(mod(x, hx=state(h))), params, xs, hs)
+    assert_same(lambda x, h: first(mod(input=x, hx=state(h))), params, xs, hs)
+    assert_same(lambda x, h: first(mod(x, hx=None)) * h.sum(), params, xs, hs)
+    modes = {op.mode for op in _OPS.values() if op.fn is mod}
+    assert "vmap" not in modes and modes, modes

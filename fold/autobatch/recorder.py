@@ -593,6 +593,8 @@ class _Recorder:
         if len(key) > 2 + nargs:
             _, names, parts = key[-1]
             kwargs = {n: self._template(p, counter, shared_iter) for n, p in zip(names, parts)}
+        if kind == "module" and kwargs and isinstance(fn, _SEQUENCE_MODULES):
+            args, kwargs = _positional(args, kwargs)
         where = _source_line()
         op = _Op(fn, kind, args, kwargs, where, _fn_name(fn, kind))
         self._infer(op)
@@ -874,3 +876,21 @@ _fast_path = _py_fast if _C is None else _C.fast
 
 
 _FAST_MAX = len(_FAST) if _C is None else _C.MAX_FAST
+
+
+# Modules whose forward is (input, hx=None): a call with keywords runs as the positional one.
+_SEQUENCE_MODULES = (nn.RNNBase, nn.RNNCellBase)
+
+
+def _positional(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """``rnn(x, hx=h)``, ``cell(input=x, hx=h)``: the call template as ``(x, h)`` (the same
+    slots, so the recorded values keep their order), for the batched modes that read the
+    input and state by position (a packed RNN, a cell's own batched call); as given where
+    other keywords remain."""
+    rest = dict(kwargs)
+    new = list(args)
+    if not new and "input" in rest:
+        new.append(rest.pop("input"))
+    if len(new) == 1 and "hx" in rest:
+        new.append(rest.pop("hx"))
+    return (new, rest) if not rest else (args, kwargs)

@@ -243,14 +243,11 @@ def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> 
     slots = _slots((args, kwargs))
     if isinstance(module, ModelBatched):
         return _MODELS
-    if isinstance(module, _CELLS) and set(kwargs) <= {"input", "hx"} and not _tensors(args):
-        # ``cell(x, h)``, ``cell(x, hx=h)``, ``lstm_cell(x, (h, c))``: batched inputs and
-        # states (n, D) are what the cell takes, keywords as they were given.
-        if not _tensors(kwargs) and all(s.meta.ndim == 1 for s in slots):
-            return _DIRECT
     if kwargs or _tensors(args):
         return _VMAP
     if _polymorphic_module(module) and len(args) == 1 and type(args[0]) is _Slot:
+        return _DIRECT
+    if isinstance(module, _CELLS) and all(s.meta.ndim == 1 for s in slots):
         return _DIRECT
     if isinstance(module, nn.RNNBase) and _unbatched_sequence(args):
         return _RNN
