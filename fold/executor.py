@@ -42,6 +42,7 @@ from fold.ops import (
     literal_output,
     literal_value,
     op_failed,
+    padded_literals,
     resolve_op,
 )
 from fold.ragged import ModelRagged, Ragged, element_shapes
@@ -779,8 +780,14 @@ class Executor:
                 continue
             if is_tensor_kind(k):
                 picked = [cols[j][i] for i in pos.tolist()]
+                # Sequences of several lengths (each example's token ids): padded together
+                # once, a view per part (which the padded call reads as that one tensor).
+                whole = padded_literals(picked, self.device) if self.models == 1 else None
                 for vals, (s, e) in zip(values, spans):
-                    vals[j] = self._literal(k, picked[s:e])
+                    if whole is None:
+                        vals[j] = self._literal(k, picked[s:e])
+                    else:
+                        vals[j] = whole[s:e, : picked[s].shape[1]]
             else:
                 numbers = cols[j][pos]
                 for vals, (s, e) in zip(values, spans):

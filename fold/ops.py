@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from fold._encoding import FLOAT
 from fold.arrays import GraphArrays, numbers_tensor
@@ -174,3 +175,39 @@ def _describe_output(out: Any) -> str:
         inner = ", ".join(type(x).__name__ for x in out)
         return f"a {type(out).__name__} of ({inner})"
     return f"a {type(out).__name__}"
+
+
+# A tensor whose rows hold zeros past each row's length in one dim (a padded batch of values
+# of several lengths: a packed RNN's outputs, literal sequences padded together) can carry
+# that fact, as (dim, per-row lengths), for the padded calls that read it (``fold.autobatch``:
+# no padding to fill where zeros are what it would fill).  An attribute of the tensor: it
+# lives as long as the tensor.
+_ZERO_PAST = "_fold_zero_past"
+
+
+def mark_zero_past(t: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
+    """Mark ``t`` (see ``_ZERO_PAST``): row i holds zeros past ``lengths[i]`` in ``dim``."""
+    setattr(t, _ZERO_PAST, (dim, lengths))
+    return t
+
+
+def zero_past(t: torch.Tensor) -> tuple[int, list[int]] | None:
+    """``(dim, lengths)`` where ``t`` is marked by ``mark_zero_past``, else None."""
+    return getattr(t, _ZERO_PAST, None)
+
+
+def padded_literals(column: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Batch-of-one tensors (1, L_i, ...) that differ in dim 1 alone (each example's own
+    sequence: a source's token ids) as ONE zero-padded tensor (n, max L_i, ...), marked with
+    their lengths (``mark_zero_past``); None for any other column."""
+    first = column[0]
+    if first.dim() < 2 or len(column) < 2:
+        return None
+    rest, dtype = first.shape[2:], first.dtype
+    for t in column:
+        if t.shape[0] != 1 or t.shape[2:] != rest or t.dtype != dtype:
+            return None
+    out = pad_sequence([t[0] for t in column], batch_first=True)
+    if out.device != device:
+        out = out.to(device, non_blocking=True)
+    return mark_zero_past(out, 1, [t.shape[1] for t in column])

@@ -2535,3 +2535,38 @@ def test_recurrent_modules_called_with_keywords_run_batched(cls):
     assert_same(lambda x, h: first(mod(x, hx=None)) * h.sum(), params, xs, hs)
     modes = {op.mode for op in _OPS.values() if op.fn is mod}
     assert "vmap" not in modes and modes, modes
+
+
+def test_attention_over_slices_of_a_packed_encoders_outputs_matches_eager(finish):
+    """An encoder's outputs, padded with zeros past each sequence's length, are read in
+    place by the attention after it (no padding filled); slices of them cut shorter than
+    their sequences (``mem[:n]``) keep values where their padding would be, so their padded
+    calls fill it: values and gradients equal eager, in the encoder's round and after a
+    read (float64)."""
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        gru, q = nn.GRU(3, 3), nn.Linear(3, 3)
+
+        def fn(x, n):
+            mem, h = gru(x)  # (L, 3), zero-padded together with the other lengths
+            out = []
+            for part in (mem, mem[:n], mem[: n + 1]):
+                w = torch.softmax(part @ q(h[0]), 0)
+                out.append(w @ part + part.mean(0) + part.amax(0))
+            if float(out[0].detach().sum()) > -100:  # a read: the rest in a later round
+                w = torch.softmax(mem[:n] @ q(out[1]), 0)
+                out.append(w @ mem[:n] + mem.sum(0))
+            return torch.stack(out)
+
+        lengths = [2, 5, 3, 5, 4, 2]
+        xs = [torch.randn(k, 3) for k in lengths]
+        ns = [max(1, k - 1 - i % 2) for i, k in enumerate(lengths)]
+        assert_same(fn, [*gru.parameters(), *q.parameters()], xs, ns)
+        with torch.no_grad():  # (where the strided reads of earlier outputs apply)
+            got = fold.autobatch(fn, xs, ns)
+            want = torch.stack([fn(x, n) for x, n in zip(xs, ns)])
+        torch.testing.assert_close(got, want)
+    finally:
+        torch.set_default_dtype(old)

@@ -32,6 +32,7 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.patches import _call_module
 from fold.autobatch.values import Lazy, _Meta
+from fold.ops import mark_zero_past, zero_past
 
 _LOG = logging.getLogger(__name__)
 
@@ -279,7 +280,11 @@ class _Op:
             if type(filled[0][1]) not in (tuple, list):
                 hx = hx[0]
         out, h = self.call(packed, hx)
-        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0]
+        # Batch first in memory (pad_packed_sequence gives a transposed view): each part's
+        # outputs are then rows of it in order, which later padded calls read in place
+        # (``_tiled_base``), its zero padding known (``_zero_past``).
+        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0].contiguous()
+        mark_zero_past(out, 1, lengths)
         hs = h if type(h) is tuple else (h,)
         hs = tuple(t.transpose(0, 1) for t in hs)  # (N, layers, H)
         results = []
@@ -365,13 +370,16 @@ def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
     """The padded tensor of a column of parts, where the parts are views that tile one
     tensor row after row, as an earlier padded call left its outputs (``_pad_run``, a packed
     RNN's): that tensor, its padding filled as padding this column would fill it (one
-    ``masked_fill`` where one dim of the values differs, none where none does), instead of
-    a pad per part and their cat.  None for any other column (or where several dims
-    differ)."""
-    b = column[0]._base
-    if b is None or b.dim() != len(big) or list(b.shape[1:]) != big[1:]:
+    ``masked_fill`` where one dim of the values differs, none where none does, or where the
+    padding holds zeros already, see ``_zero_past``), instead of a pad per part and their
+    cat.  Parts of a view of that tensor (scores squeezed out of a matmul's output) are read
+    through a strided view of it, where no gradient is needed.  None for any other column
+    (or where several dims differ)."""
+    first = column[0]
+    b = first._base
+    if b is None or first.dim() != len(big):
         return None
-    stride, start, rows = b.stride(), b.storage_offset(), 0
+    stride, start, rows = first.stride(), first.storage_offset(), 0
     for v in column:
         if (
             v._base is not b
@@ -383,10 +391,47 @@ def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
     varying = [k for k in range(1, len(big)) if any(v.shape[k] != big[k] for v in column)]
     if len(varying) > 1:
         return None
-    base = b if rows == b.shape[0] else b.narrow(0, 0, rows)
+    whole = (
+        b.dim() == len(big)
+        and list(b.shape[1:]) == big[1:]
+        and b.stride() == stride
+        and b.storage_offset() == start
+    )
+    if whole:
+        base = b if rows == b.shape[0] else b.narrow(0, 0, rows)
+    else:
+        last = (
+            start + (rows - 1) * stride[0] + sum((n - 1) * x for n, x in zip(big[1:], stride[1:]))
+        )
+        if (
+            (b.requires_grad and torch.is_grad_enabled())
+            or min(stride) < 0
+            or last >= b.untyped_storage().nbytes() // b.element_size()
+        ):
+            return None
+        base = b.as_strided((rows, *big[1:]), stride, start)
     if not varying:
         return base
-    return _masked(base, column, varying[0], big)
+    padded = _masked(base, column, varying[0], big)
+    padded.zero = whole and _zero_past(b, column, varying[0])
+    return padded
+
+
+def _zero_past(b: torch.Tensor, column: list[torch.Tensor], k: int) -> bool:
+    """Whether the column's parts, which tile ``b`` row after row, each end in dim ``k``
+    where its rows' values end and zeros begin: ``b`` marked so (``fold.ops.zero_past``: a
+    packed RNN's padded outputs, literal sequences padded together).  A part cut shorter than its rows' values
+    (a user's slice of them) would leave values in the padding: False then."""
+    known = zero_past(b)
+    if known is None or known[0] != k:
+        return False
+    lengths, row = known[1], 0
+    for v in column:
+        n = v.shape[0]
+        if any(x != v.shape[k] for x in lengths[row : row + n]):
+            return False
+        row += n
+    return True
 
 
 def _masked(base: torch.Tensor, column: list[torch.Tensor], k: int, big: list[int]) -> Any:
@@ -403,14 +448,18 @@ def _masked(base: torch.Tensor, column: list[torch.Tensor], k: int, big: list[in
 
 class _Padded:
     """A padded column taken from an earlier padded call: the tensor, where its values are
-    and the dim they differ in; ``fill(value)`` sets the rest."""
+    and the dim they differ in; ``fill(value)`` sets the rest (nothing to do for zeros where
+    ``zero``: the padding holds zeros already)."""
 
-    __slots__ = ("base", "keep", "dim")
+    __slots__ = ("base", "keep", "dim", "zero")
 
     def __init__(self, base: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
         self.base, self.keep, self.dim = base, keep, dim
+        self.zero = False
 
     def fill(self, value: Any) -> torch.Tensor:
+        if self.zero and value == 0:
+            return self.base
         return self.base.masked_fill(~self.keep, value)
 
 
