@@ -44,6 +44,7 @@ from fold.ops import (
     op_failed,
     padded_literals,
     resolve_op,
+    rows_of_padded,
 )
 from fold.ragged import ModelRagged, Ragged, element_shapes
 from fold.scheduler.auto import facts_of
@@ -780,9 +781,14 @@ class Executor:
                 continue
             if is_tensor_kind(k):
                 picked = [cols[j][i] for i in pos.tolist()]
-                # Sequences of several lengths (each example's token ids): padded together
-                # once, a view per part (which the padded call reads as that one tensor).
-                whole = padded_literals(picked, self.device) if self.models == 1 else None
+                # Sequences of several lengths (each example's token ids; an earlier round's
+                # memories, rows of its encoder's padded outputs): padded together once, a
+                # view per part (which the padded call reads as that one tensor).
+                whole = None
+                if self.models == 1:
+                    whole = rows_of_padded(picked)
+                    if whole is None:
+                        whole = padded_literals(picked, self.device)
                 for vals, (s, e) in zip(values, spans):
                     if whole is None:
                         vals[j] = self._literal(k, picked[s:e])

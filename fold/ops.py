@@ -211,3 +211,35 @@ def padded_literals(column: list[torch.Tensor], device: torch.device) -> torch.T
     if out.device != device:
         out = out.to(device, non_blocking=True)
     return mark_zero_past(out, 1, [t.shape[1] for t in column])
+
+
+def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:
+    """Batch-of-one tensors (1, L_i, ...) that are each a whole row of one zero-padded
+    tensor (``mark_zero_past``; a packed RNN's outputs, read in a later round as its rows:
+    a decoder's memories), cut to that row's length: those rows as ONE ``index_select`` of
+    it, to the longest of them, marked in turn; None for any other column (a row cut
+    shorter than its values, a view of anything else)."""
+    b = column[0]._base
+    known = None if b is None else zero_past(b)
+    if known is None or known[0] != 1 or len(column) < 2 or b.dim() < 2:
+        return None
+    lengths = known[1]
+    stride, start, rest = b.stride(), b.storage_offset(), b.shape[2:]
+    rows = []
+    for t in column:
+        row, extra = divmod(t.storage_offset() - start, stride[0])
+        if (
+            t._base is not b
+            or extra
+            or not 0 <= row < b.shape[0]
+            or t.shape[0] != 1
+            or t.shape[1] != lengths[row]
+            or t.shape[2:] != rest
+            or t.stride()[1:] != stride[1:]
+        ):
+            return None
+        rows.append(row)
+    extents = [lengths[r] for r in rows]
+    index = torch.tensor(rows, device=b.device)
+    out = b.narrow(1, 0, max(extents)).index_select(0, index)
+    return mark_zero_past(out, 1, extents)

@@ -2558,6 +2558,8 @@ def test_attention_over_slices_of_a_packed_encoders_outputs_matches_eager(finish
             if float(out[0].detach().sum()) > -100:  # a read: the rest in a later round
                 w = torch.softmax(mem[:n] @ q(out[1]), 0)
                 out.append(w @ mem[:n] + mem.sum(0))
+                w = torch.softmax(mem @ q(out[2]), 0)  # whole rows of the encoder's output
+                out.append(w @ mem)
             return torch.stack(out)
 
         lengths = [2, 5, 3, 5, 4, 2]
