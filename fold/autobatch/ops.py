@@ -412,8 +412,9 @@ def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
         base = b.as_strided((rows, *big[1:]), stride, start)
     if not varying:
         return base
-    padded = _masked(base, column, varying[0], big)
-    padded.zero = whole and _zero_past(b, column, varying[0])
+    k = varying[0]
+    padded = _Padded(base, column, k, big[k])
+    padded.zero = whole and _zero_past(b, column, k)
     return padded
 
 
@@ -434,33 +435,29 @@ def _zero_past(b: torch.Tensor, column: list[torch.Tensor], k: int) -> bool:
     return True
 
 
-def _masked(base: torch.Tensor, column: list[torch.Tensor], k: int, big: list[int]) -> Any:
-    """``base`` and, per row, which of its positions in dim ``k`` hold values (the rest are
-    the earlier call's padding, to be filled as this column's padding is)."""
-    extent = torch.tensor(
-        [v.shape[k] for v in column for _ in range(v.shape[0])], device=base.device
-    )
-    keep = torch.arange(big[k], device=base.device) < extent[:, None]  # (rows, big[k])
-    shape = [base.shape[0]] + [1] * (base.dim() - 1)
-    shape[k] = big[k]
-    return _Padded(base, keep.view(shape), k)
-
-
 class _Padded:
-    """A padded column taken from an earlier padded call: the tensor, where its values are
-    and the dim they differ in; ``fill(value)`` sets the rest (nothing to do for zeros where
-    ``zero``: the padding holds zeros already)."""
+    """A padded column taken from an earlier padded call: the tensor, and the parts whose
+    values it holds, which differ in dim ``dim``; ``fill(value)`` sets the rest (past each
+    row's values in that dim, the earlier call's padding), with one ``masked_fill``; nothing
+    to do for zeros where ``zero`` (the padding holds zeros already)."""
 
-    __slots__ = ("base", "keep", "dim", "zero")
+    __slots__ = ("base", "column", "dim", "big", "zero")
 
-    def __init__(self, base: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
-        self.base, self.keep, self.dim = base, keep, dim
+    def __init__(self, base: torch.Tensor, column: list[torch.Tensor], dim: int, big: int) -> None:
+        self.base, self.column, self.dim, self.big = base, column, dim, big
         self.zero = False
 
     def fill(self, value: Any) -> torch.Tensor:
         if self.zero and value == 0:
             return self.base
-        return self.base.masked_fill(~self.keep, value)
+        base, k = self.base, self.dim
+        extent = torch.tensor(
+            [v.shape[k] for v in self.column for _ in range(v.shape[0])], device=base.device
+        )
+        keep = torch.arange(self.big, device=base.device) < extent[:, None]  # (rows, big)
+        shape = [base.shape[0]] + [1] * (base.dim() - 1)
+        shape[k] = self.big
+        return base.masked_fill(~keep.view(shape), value)
 
 
 def _lowest(dtype: torch.dtype) -> Any:
