@@ -844,17 +844,20 @@ def test_batched_function_calling_a_batched_function_in_a_group():
 UNARY = [torch.tanh, torch.sigmoid, lambda x: x * 0.5, lambda x: -x, torch.relu, torch.exp]
 
 
+def _steps(kinds: int) -> st.SearchStrategy:
+    """1-8 steps of a random program: (the op of the menu, two picks from the pool)."""
+    return st.lists(
+        st.tuples(st.integers(0, kinds - 1), st.integers(0, 1000), st.integers(0, 1000)),
+        min_size=1,
+        max_size=8,
+    )
+
+
 @st.composite
 def programs(draw):
     """A random per-example program: a list of steps over a growing pool of values, each
     step an op of the menu on values of the pool; examples draw their own lengths."""
-    steps = draw(
-        st.lists(
-            st.tuples(st.integers(0, 9), st.integers(0, 1000), st.integers(0, 1000)),
-            min_size=1,
-            max_size=8,
-        )
-    )
+    steps = draw(_steps(10))
     lengths = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
     return steps, lengths
 
@@ -2061,7 +2064,7 @@ def test_random_programs_with_reads_match_eager(finish, programs):
         h = torch.tanh(layers[0](x))
         for layer, read in program:
             h = torch.tanh(layers[layer](h))
-            if read and float(h[0]) > 0:  # a decision on the value
+            if read and float(h[0].detach()) > 0:  # a decision on the value
                 h = -h
         return h
 
@@ -2300,13 +2303,7 @@ def ragged_programs(draw):
     """A random per-example program over a sequence (L, 3) whose length L each example
     draws: steps over a pool of per-position values (L, 3) and a pool of pooled values (3,),
     and whether to read (and branch on) a pooled value now and then."""
-    steps = draw(
-        st.lists(
-            st.tuples(st.integers(0, 17), st.integers(0, 1000), st.integers(0, 1000)),
-            min_size=1,
-            max_size=8,
-        )
-    )
+    steps = draw(_steps(18))
     lengths = draw(st.lists(st.integers(1, 5), min_size=1, max_size=6))
     return steps, lengths, draw(st.booleans())
 
