@@ -337,21 +337,9 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
 {
     if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
         return 0;
-    PyObject *v = PyObject_GetAttr(a, s_requires_grad);
-    if (v == NULL)
-        return -1;
-    int grad = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    if (grad < 0)
-        return -1;
-    if (grad) { /* a leaf needing a gradient is shared (a parameter): keyed by identity */
-        if ((v = PyObject_GetAttr(a, s_is_leaf)) == NULL)
-            return -1;
-        int leaf = PyObject_IsTrue(v);
-        Py_DECREF(v);
-        if (leaf != 0)
-            return leaf < 0 ? -1 : 0;
-    }
+    int shared = leaf_with_grad(a); /* a parameter: keyed by identity, on the slow path */
+    if (shared != 0)
+        return shared < 0 ? -1 : 0;
     PyObject *rows = PyObject_GetAttr(rec, s_rows);
     if (rows == NULL)
         return -1;
@@ -539,8 +527,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                     continue;
                 }
                 PyObject *literal = NULL;
-                int ok = (PyObject *)Py_TYPE(x) == g_lazy_type && LAZY(x)->rec != NULL &&
-                                 LAZY(x)->meta != NULL && LAZY(x)->node != NULL
+                int ok = LAZY(x)->rec != NULL && LAZY(x)->meta != NULL && LAZY(x)->node != NULL
                              ? earlier_literal(rec, x, &literal)
                              : 0;
                 if (ok <= 0) {
