@@ -192,21 +192,22 @@ class Values:
         """The shape class of each virtual row."""
         return rows >> _CLASS_SHIFT
 
-    def one_row(self, row: int) -> Recipe:
-        """The recipe of one node's value: a narrow of its source."""
+    def _source_of(self, row: int) -> tuple[int, int]:
+        """The source holding virtual row ``row``, and the row's position in it."""
         c = row >> _CLASS_SHIFT
         starts = self.class_starts[c]
         i = bisect.bisect_right(starts, row) - 1
-        return Recipe(How.SOURCE, self.class_srcs[c][i], row - starts[i], 1, -1)
+        return self.class_srcs[c][i], row - starts[i]
+
+    def one_row(self, row: int) -> Recipe:
+        """The recipe of one node's value: a narrow of its source."""
+        src, start = self._source_of(row)
+        return Recipe(How.SOURCE, src, start, 1, -1)
 
     def run(self, first: int, length: int) -> Recipe | None:
         """The recipe of ``length`` consecutive virtual rows from ``first``, where they all
         lie in one source (a narrow of it, or the source whole); else None."""
-        c = first >> _CLASS_SHIFT
-        starts = self.class_starts[c]
-        i = bisect.bisect_right(starts, first) - 1
-        src = self.class_srcs[c][i]
-        start = first - starts[i]
+        src, start = self._source_of(first)
         if start + length > self.sources[src].shape[0] // self.models:
             return None
         return Recipe(How.SOURCE, src, start, length, -1)

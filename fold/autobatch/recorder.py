@@ -483,15 +483,10 @@ class _Recorder:
         t = type(a)
         if t is Lazy:
             if a.rec is not self:
-                old = a.rec
-                if (
-                    old.values is not None
-                    and old.session is not None
-                    and old.session is self.session
-                ):
+                if self._earlier(a):
                     # Computed by an earlier round: its row, a batch-of-one literal (autograd
                     # flows back through it into that round's output).
-                    src, row = old.values[a.node]
+                    src, row = a.rec.values[a.node]
                     fargs.append(src.narrow(0, row, 1))
                     return a.meta
                 raise _foreign(self.example)
@@ -557,6 +552,12 @@ class _Recorder:
             ) from None
         return a
 
+    def _earlier(self, a: Lazy) -> bool:
+        """Whether ``a``, a lazy value of another recorder, was computed by an earlier round
+        of this call (else it is another call's, or one not computed yet)."""
+        old = a.rec
+        return old.values is not None and old.session is not None and old.session is self.session
+
     def _ragged(self, items: list[Lazy], fargs: list[Any]) -> Any:
         metas = {x.meta for x in items}
         if len(metas) > 1:
@@ -570,8 +571,7 @@ class _Recorder:
         nodes = []
         for x in items:
             if x.rec is not self:
-                old = x.rec
-                if old.values is None or old.session is None or old.session is not self.session:
+                if not self._earlier(x):
                     raise FoldError(
                         f"autobatch: example {self.example}: a list holds a lazy value from "
                         "another autobatch call. Fix: pass values of this call."
