@@ -4,6 +4,7 @@ example."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import Any
@@ -365,7 +366,7 @@ def _name_example(err: BaseException, i: int) -> None:
     """An exception of the user's code propagates from autobatch as it was raised, with a
     note naming the example that raised it (Python 3.11's ``add_note``: shown under the
     traceback), unless its message names the example already (fold's own errors)."""
-    if f"example {i}" not in str(err) and hasattr(err, "add_note"):
+    if hasattr(err, "add_note") and not re.search(rf"\bexample {i}\b", str(err)):
         err.add_note(f"autobatch: raised while running example {i}")
 
 

@@ -421,8 +421,9 @@ def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
 def _zero_past(b: torch.Tensor, column: list[torch.Tensor], k: int) -> bool:
     """Whether the column's parts, which tile ``b`` row after row, each end in dim ``k``
     where its rows' values end and zeros begin: ``b`` marked so (``fold.ops.zero_past``: a
-    packed RNN's padded outputs, literal sequences padded together).  A part cut shorter than its rows' values
-    (a user's slice of them) would leave values in the padding: False then."""
+    packed RNN's padded outputs, literal sequences padded together).  A part cut shorter
+    than its rows' values (a user's slice of them) would leave values in the padding: False
+    then."""
     known = zero_past(b)
     if known is None or known[0] != k:
         return False
