@@ -2284,7 +2284,17 @@ def test_a_value_of_another_call_is_refused_in_rounds(finish):
 
     fold.autobatch(first, [torch.randn(3) for _ in range(4)])
     other = kept[0]
-    uses = [lambda h: lin(other) + h, lambda h: torch.tanh(other) + h, lambda h: other[0] + h]
+
+    @fold.batchable(batched=True)
+    def total(items):
+        return items.sum()
+
+    uses = [
+        lambda h: lin(other) + h,
+        lambda h: torch.tanh(other) + h,
+        lambda h: other[0] + h,
+        lambda h: total([h, other]),  # in a list given to a batched=True function
+    ]
     for use in uses:
 
         def second(x, use=use):
