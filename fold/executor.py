@@ -36,6 +36,7 @@ from fold._encoding import (
 from fold.arrays import GraphArrays, handles_array, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.ops import (
+    PaddedOutputs,
     bad_split,
     check_outputs,
     device_of,
@@ -214,9 +215,10 @@ class Executor:
         self._facts.device = self.device.type
         self._sized: set[int] = set()
         # Where a caller sets it to a list: every group's (signature, outputs, the node ids of
-        # their rows), in the order they ran (autobatch's rounds read their values so; see
+        # their rows, per output the first row of them in it: None where every output's rows
+        # start at 0), in the order they ran (autobatch's rounds read their values so; see
         # fold.run.run_groups).
-        self.groups: list[tuple[int, tuple[torch.Tensor, ...], Any]] | None = None
+        self.groups: list[tuple[int, tuple[torch.Tensor, ...], Any, Any]] | None = None
 
     # ------------------------------------------------------------------ ops
     def _resolve(self, op: Any) -> Callable[..., Any]:
@@ -286,7 +288,7 @@ class Executor:
         self._measure(sid, outs, len(members))
         self.values.add_sources(outs, alone, members)
         if self.groups is not None:
-            self.groups.append((sid, outs, members))
+            self.groups.append((sid, outs, members, None))
 
     def _measure(self, sid: int, outs: tuple[torch.Tensor, ...], n: int) -> None:
         """The bytes of a node's row of each output, once per signature, for auto's
@@ -521,7 +523,7 @@ class Executor:
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
         if self.groups is not None:  # (all the signature's nodes, in order)
-            self.groups.append((sid, outs, members))
+            self.groups.append((sid, outs, members, None))
 
     def _input(self, src: Input | Pieces) -> torch.Tensor:
         """The output that an Input names (or its rows), checked against the split its
@@ -725,10 +727,48 @@ class Executor:
             raise op_failed(op, step, n, gathered[0][0], err) from err
         # The report shows each part as the group of its shape (each costs a group's
         # bookkeeping, though the op ran once).
-        for (values, members), out in zip(gathered, outs):
-            k = len(members)
-            self.report.append((step, op_name(op), k, tuple([(t.shape, t.dtype) for t in values])))
-            self._store(sid, check_outputs(op, step, k, out, False), members, False)
+        name = op_name(op)
+        for values, members in gathered:
+            self.report.append(
+                (step, name, len(members), tuple([(t.shape, t.dtype) for t in values]))
+            )
+        if type(outs) is PaddedOutputs:
+            self._store_padded(step, op, sid, [members for _, members in gathered], outs.outputs)
+            return
+        for (_, members), out in zip(gathered, outs):
+            self._store(sid, check_outputs(op, step, len(members), out, False), members, False)
+
+    def _store_padded(
+        self, step: int, op: Any, sid: int, parts: list[np.ndarray], outputs: list[Any]
+    ) -> None:
+        """A padded call's ``PaddedOutputs`` registered: an output of one tensor for all
+        the parts as one source, an output of per part tensors as one source per part."""
+        members = np.concatenate(parts)
+        sizes = [len(p) for p in parts]
+        first = []  # the first part's outputs (for _measure)
+        for k, out in enumerate(outputs):
+            if type(out) is list:
+                if len(out) != len(parts):
+                    raise FoldError(
+                        f"apply: op {op_name(op)!r} (step {step}): its padded call returned "
+                        f"{len(out)} tensors for output {k} of {len(parts)} parts. Fix: return "
+                        "one per part, or one tensor of all the parts' rows."
+                    )
+                for t, rows in zip(out, sizes):
+                    check_outputs(op, step, rows, t, False)
+                first.append(out[0])
+            else:
+                check_outputs(op, step, len(members), out, False)
+                first.append(out.narrow(0, 0, sizes[0]))
+        self._measure(sid, tuple(first), sizes[0])
+        self.values.add_parts(outputs, parts, members)
+        if self.groups is not None:
+            start = 0
+            for i, p in enumerate(parts):
+                outs = tuple([o[i] if type(o) is list else o for o in outputs])
+                starts = tuple([0 if type(o) is list else start for o in outputs])
+                self.groups.append((sid, outs, p, starts))
+                start += len(p)
 
     def _gather_parts(
         self, sid: int, parts: list[np.ndarray]

@@ -16,6 +16,7 @@ from fold.errors import FoldError, describe, op_name
 from fold.ragged import Ragged
 
 __all__ = [
+    "PaddedOutputs",
     "bad_split",
     "check_outputs",
     "device_of",
@@ -86,6 +87,19 @@ def op_failed(op: Any, step: int, n: int, values: list[Any], err: Exception) -> 
         f"{type(err).__name__}: {err}. Fix: run the same graph with fold.Unfold(obj) to "
         "debug the op on one example; a batched op must treat dim 0 as the batch."
     )
+
+
+class PaddedOutputs:
+    """What an op's ``padded_call`` may return instead of per part its outputs: per output,
+    ONE tensor holding every part's rows in the parts' order (an output of one shape
+    across the parts, as a context vector read from memories of several lengths: fold
+    registers it as one source, which later groups read as one), or a list of per part
+    tensors (an output whose shape follows its part's, as attention weights)."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = outputs
 
 
 def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:

@@ -128,10 +128,11 @@ def _apply(
     ]
 
 
-def run_groups(fold: Any, obj: Any) -> list[tuple[int, tuple[torch.Tensor, ...], Any]]:
+def run_groups(fold: Any, obj: Any) -> list[tuple[int, tuple[torch.Tensor, ...], Any, Any]]:
     """Run every node of ``fold`` and return its groups as they ran: per group its signature
-    id, its outputs and the node ids of their rows (an array; a whole plan's
-    ``SignatureNodes``: every node of the signature, in node order).  For a caller that needs
+    id, its outputs, the node ids of their rows (an array; a whole plan's
+    ``SignatureNodes``: every node of the signature, in node order) and per output the first
+    of those rows (None: all 0; a part of a padded call's output of all parts).  For a caller that needs
     every node's value (autobatch's rounds): each is a row of its group's output, read
     where it lies, where ``apply`` would gather the rows of the lists it is given.  No
     memory limits; the cyclic garbage collector paused, as in ``apply``."""

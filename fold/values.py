@@ -491,59 +491,88 @@ class Values:
     # ------------------------------------------------------------------ groups
     def add_sources(self, outs: tuple[torch.Tensor, ...], alone: bool, members: np.ndarray) -> None:
         """Register a group's outputs and the virtual rows of its nodes' values."""
-        n = len(members)
         m = len(outs)
+        self._grow(m)
+        if alone:  # a nobatch value is only ever passed whole, never gathered by rows
+            nid = int(members[0])
+            for k, t in enumerate(outs):
+                self.whole[(nid, m, k)] = len(self.sources)
+                if m == 1:
+                    self.whole[(nid, 0, 0)] = len(self.sources)
+                self.sources.append(t)
+            return
         seen: dict[int, int] = {}
+        for k, t in enumerate(outs):
+            self._count(seen, self.add_output(k, t, members))
+        self.nout[members[0] if len(members) == 1 else members] = m
+
+    def add_parts(self, outputs: list[Any], parts: list[np.ndarray], members: np.ndarray) -> None:
+        """Register the outputs of a padded call over a group's ``parts`` (``members``
+        their concatenation): per output, one tensor of every part's rows in order (outputs
+        of one shape across the parts: one source) or a list of per part tensors (one
+        source each)."""
+        self._grow(len(outputs))
+        seen: dict[int, int] = {}
+        for k, out in enumerate(outputs):
+            if type(out) is list:
+                for c in {self.add_output(k, t, p) for t, p in zip(out, parts)}:
+                    self._count(seen, c)
+            else:
+                self._count(seen, self.add_output(k, out, members))
+        self.nout[members] = len(outputs)
+
+    def _count(self, seen: dict[int, int], c: int) -> None:
+        """One more output of class ``c`` per node (``seen``: per class, so far for the
+        nodes being registered), kept as the class's ``outs_per_row``."""
+        seen[c] = seen.get(c, 0) + 1
+        self.outs_per_row[c] = seen[c]
+
+    def _grow(self, m: int) -> None:
+        """Room in ``vrow`` for ``m`` outputs per node."""
         if m > self.vrow.shape[0]:
             grown = np.zeros((m, self.vrow.shape[1]), np.int64)
             grown[: self.vrow.shape[0]] = self.vrow
             self.vrow = grown
-        for k, t in enumerate(outs):
-            s = len(self.sources)
-            self.sources.append(t)
-            if alone:  # a nobatch value is only ever passed whole, never gathered by rows
-                nid = int(members[0])
-                self.whole[(nid, m, k)] = s
-                if m == 1:
-                    self.whole[(nid, 0, 0)] = s
-                continue
-            # Output k of every op with this shape shares one class: a TreeLSTM's h values
-            # (leaves and nodes) form one table and its c values another, so a gather's
-            # backward touches only the table it read from.
-            meta = (t.shape[1:], t.dtype, k)
-            c = self.classes.get(meta)
-            if c is None:
-                c = self.classes[meta] = len(self.class_rows)
-                self.class_starts.append([])
-                self.class_srcs.append([])
-                self.class_rows.append(0)
-                self.tables.append(None)
-                self.anchors.append(None)
-                self.table_grads.append(_TableGrad())
-                self.table_off.append([])
-                self.table_used.append(0)
-                self.outs_per_row.append(0)
-                self.class_meta.append(meta)
-                self.first_rows.append(np.zeros(max(n, 64), np.int64))
-            seen[c] = seen.get(c, 0) + 1
-            self.outs_per_row[c] = seen[c]
-            row = self.class_rows[c]
-            voff = c << _CLASS_SHIFT | row
-            self.class_rows[c] += n
-            first = self.first_rows[c]
-            if len(first) < row + n:
-                grown = np.zeros(max(2 * len(first), row + n), np.int64)
-                grown[: len(first)] = first
-                first = self.first_rows[c] = grown
-            first[row] = n
-            self.class_starts[c].append(voff)
-            self.class_srcs[c].append(s)
-            if n == 1:
-                self.vrow[k, members[0]] = voff
-            else:
-                self.vrow[k][members] = np.arange(voff, voff + n)  # row view, 1-D index
-        if not alone:
-            self.nout[members[0] if n == 1 else members] = m
+
+    def add_output(self, k: int, t: torch.Tensor, members: np.ndarray) -> int:
+        """Register ``t`` as output ``k`` of ``members`` (a source); its class."""
+        n = len(members)
+        s = len(self.sources)
+        self.sources.append(t)
+        # Output k of every op with this shape shares one class: a TreeLSTM's h values
+        # (leaves and nodes) form one table and its c values another, so a gather's
+        # backward touches only the table it read from.
+        meta = (t.shape[1:], t.dtype, k)
+        c = self.classes.get(meta)
+        if c is None:
+            c = self.classes[meta] = len(self.class_rows)
+            self.class_starts.append([])
+            self.class_srcs.append([])
+            self.class_rows.append(0)
+            self.tables.append(None)
+            self.anchors.append(None)
+            self.table_grads.append(_TableGrad())
+            self.table_off.append([])
+            self.table_used.append(0)
+            self.outs_per_row.append(0)
+            self.class_meta.append(meta)
+            self.first_rows.append(np.zeros(max(n, 64), np.int64))
+        row = self.class_rows[c]
+        voff = c << _CLASS_SHIFT | row
+        self.class_rows[c] += n
+        first = self.first_rows[c]
+        if len(first) < row + n:
+            grown = np.zeros(max(2 * len(first), row + n), np.int64)
+            grown[: len(first)] = first
+            first = self.first_rows[c] = grown
+        first[row] = n
+        self.class_starts[c].append(voff)
+        self.class_srcs[c].append(s)
+        if n == 1:
+            self.vrow[k, members[0]] = voff
+        else:
+            self.vrow[k][members] = np.arange(voff, voff + n)  # row view, 1-D index
+        return c
 
     def whole_source(self, h: int) -> int:
         nid = node_id(h)

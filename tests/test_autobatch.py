@@ -1407,6 +1407,48 @@ def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch)
     assert any(type(t) is ops._Padded for t in taken) and None in taken
 
 
+def test_padded_outputs_of_one_shape_are_one_source_for_all_lengths(monkeypatch):
+    """Over memories of several lengths, a padded call whose output has one shape for every
+    length (a mean over the memory, a context ``weights @ mem``, a packed GRU's final state)
+    registers that output as one tensor of all the parts' rows; outputs whose shape follows
+    the length (the GRU's states, the scores, the weights) stay one per length.  Later
+    groups read both; values and gradients equal eager (float64)."""
+    from fold.values import Values
+
+    registered = []
+    real = Values.add_parts
+    monkeypatch.setattr(
+        Values, "add_parts", lambda v, outs, *a: registered.append(outs) or real(v, outs, *a)
+    )
+    torch.manual_seed(6)
+    gru, q = nn.GRU(2, 3).double(), nn.Linear(3, 3).double()
+
+    def fn(x):
+        mem, h = gru(x)  # (L, 3), (1, 3)
+        ctx = mem.mean(0)
+        w = torch.softmax(mem @ q(h[0] + ctx), 0)  # (L,)
+        return torch.tanh(w @ mem + ctx)
+
+    lengths = (4, 5, 6, 4, 2, 6, 3)
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in lengths]
+    want = torch.stack([fn(x) for x in xs])
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, want)
+    params = [*gru.parameters(), *q.parameters()]
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+    parts = len(set(lengths))
+    whole = [o for outs in registered for o in outs if type(o) is torch.Tensor]
+    per_length = [o for outs in registered for o in outs if type(o) is list]
+    # The GRU's final state, the mean and the context: one tensor of all 7 rows each.
+    assert sorted(tuple(o.shape) for o in whole) == [(7, 1, 3), (7, 3), (7, 3)]
+    # The GRU's states, the scores and the weights: one tensor per length.
+    assert len(per_length) == 3 and all(len(o) == parts for o in per_length)
+
+
 def test_a_packed_rnn_reads_an_embeddings_padded_output_in_place(monkeypatch):
     """An LSTM over each sentence's embedded words (sentences of several lengths): the packed
     call takes the embedding's padded output as it is, not a pad per length; values and

@@ -774,6 +774,70 @@ def test_a_group_whose_rows_differ_in_shape_runs_in_parts_or_padded(padded: bool
         assert sorted(sizes) == [1, 2, 2, 2]
 
 
+class _PaddedSumAndScale:
+    """An op of two outputs over rows of any length: the sum (one shape for every length)
+    and the row scaled (its own length); its padded call returns ``PaddedOutputs``: the
+    sums as one tensor of all the parts' rows, the scaled rows per part (or, with ``bad``,
+    one tensor too few)."""
+
+    def __init__(self, bad: bool = False) -> None:
+        self.bad = bad
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sum(1) * 2, x * 3
+
+    def padded_call(self, parts: list[tuple[torch.Tensor, ...]]) -> Any:
+        longest = max(p[0].shape[1] for p in parts)
+        x = torch.cat([F.pad(p[0], (0, longest - p[0].shape[1])) for p in parts])
+        sums, scaled = self(x)
+        sizes = [p[0].shape[0] for p in parts]
+        rows = [s[:, : p[0].shape[1]] for s, p in zip(scaled.split(sizes), parts)]
+        return fold.ops.PaddedOutputs([sums, rows[1:] if self.bad else rows])
+
+
+def test_a_padded_call_returns_an_output_of_one_shape_as_one_tensor_for_all_parts(
+    monkeypatch: Any,
+) -> None:
+    """A padded call may return an output of one shape across its parts as ONE tensor of
+    all the parts' rows (``fold.ops.PaddedOutputs``), registered as one source, beside an
+    output cut per part; later groups read both.  Values and gradients equal eager; a
+    padded call that returns too few per part tensors gets a FoldError naming the op."""
+    from fold.values import Values
+
+    registered: list[list[Any]] = []
+    real = Values.add_parts
+    monkeypatch.setattr(
+        Values, "add_parts", lambda v, outs, *a: registered.append(outs) or real(v, outs, *a)
+    )
+    torch.manual_seed(0)
+    op = _PaddedSumAndScale()
+    w = torch.randn(()).requires_grad_()
+    lengths = [3, 1, 3, 4, 1, 2, 4]
+    xs = [torch.randn(1, n) for n in lengths]
+    f = fold.Fold()
+    scale = lambda x: x * w  # noqa: E731
+    after = lambda s, r: s * r.sum(1)  # noqa: E731  (reads both outputs, one length each)
+    outs = [f.add(op, f.add(scale, x)).split(2) for x in xs]
+    roots = [f.add(after, s, r) for s, r in outs]
+    (got,) = f.apply(None, [roots])
+    want = torch.cat([(x * w).sum(1) * 2 * (x * w * 3).sum(1) for x in xs])
+    torch.testing.assert_close(got, want)
+    (gw,) = torch.autograd.grad(got.square().sum(), w)
+    (ww,) = torch.autograd.grad(want.square().sum(), w)
+    torch.testing.assert_close(gw, ww)
+    # The sums are one source of all 7 rows; the scaled rows one per length (4 parts).
+    ((sums, rows),) = registered
+    assert type(sums) is torch.Tensor and sums.shape == (len(xs),)
+    assert sorted(r.shape for r in rows) == [(1, 2), (2, 1), (2, 3), (2, 4)]
+    g = fold.Fold()
+    bad = _PaddedSumAndScale(bad=True)
+    nodes = [g.add(bad, g.add(scale, x)).split(2)[0] for x in xs]
+    with pytest.raises(
+        fold.FoldError, match="padded call returned 3 tensors for output 1 of 4 parts"
+    ):
+        g.apply(None, [nodes])
+
+
 def test_literal_tensors_of_several_shapes_share_the_signature_of_an_op_with_padded_call():
     """An op with ``padded_call`` keys its literal tensors by dtype alone: tensors of
     several shapes make one signature (shown as any shape), a group of them runs in parts

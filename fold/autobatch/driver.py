@@ -241,7 +241,7 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     arrays = f.snapshot()
     handle = None  # node id -> its whole handle, where a group names its rows by node id
     out: dict[Any, tuple[torch.Tensor, int]] = {}
-    for sid, outs, members in groups:
+    for sid, outs, members, starts in groups:
         op = arrays.signatures[sid][0]
         if type(members) is SignatureNodes:  # every node of the signature, in order
             hs = arrays.handles(sid)
@@ -252,14 +252,16 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
                     h = handles_array(arrays.handles(s))
                     handle[node_id(h)] = h
             hs = handle[members].tolist()
-        rows = range(len(hs))
         if type(op) is _Op and not op.single:  # its outputs are read through split handles
             code = split_code(len(outs))
             for j, t in enumerate(outs):
                 c = code | j
+                first = 0 if starts is None else starts[j]
+                rows = range(first, first + len(hs))
                 out.update(zip([h | c for h in hs], zip(repeat(t), rows)))
         else:
-            out.update(zip(hs, zip(repeat(outs[0]), rows)))
+            first = 0 if starts is None else starts[0]
+            out.update(zip(hs, zip(repeat(outs[0]), range(first, first + len(hs)))))
     return out
 
 

@@ -32,7 +32,7 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.patches import _call_module
 from fold.autobatch.values import Lazy, _Meta
-from fold.ops import mark_zero_past, zero_past
+from fold.ops import PaddedOutputs, mark_zero_past, zero_past
 
 _LOG = logging.getLogger(__name__)
 
@@ -286,15 +286,13 @@ class _Op:
         out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0].contiguous()
         mark_zero_past(out, 1, lengths)
         hs = h if type(h) is tuple else (h,)
-        hs = tuple(t.transpose(0, 1) for t in hs)  # (N, layers, H)
-        results = []
-        start = 0
+        # The final states, of one shape for every part: one output of all the parts' rows.
+        hs = [t.transpose(0, 1) for t in hs]  # (N, layers, H)
+        seqs, start = [], 0
         for x, k in zip(xs, sizes):
-            rows = slice(start, start + k)
-            part_h = tuple(t[rows] for t in hs)
-            results.append((out[rows, : x.shape[1]], *part_h))
+            seqs.append(out[start : start + k, : x.shape[1]])
             start += k
-        return results
+        return PaddedOutputs([seqs, *hs])
 
     def _padded_parts(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
         """``padded_call`` of a group op (``padding`` set): the parts of a group, each of one
@@ -349,13 +347,20 @@ class _Op:
             out = out * torch.tensor(scale, dtype=out.dtype, device=out.device).view(
                 -1, *[1] * (out.dim() - 1)
             )
+        first = outs[0][0]
+        if all(shape == first for (shape,) in outs):
+            # One output shape for every part (a context vector read from memories of several
+            # lengths): one output of all the parts' rows.
+            if tuple(out.shape[1:]) != tuple(first):
+                out = out[(slice(None), *[slice(0, n) for n in first])]
+            return PaddedOutputs([out])
         results = []
         start = 0
         for values, (shape,) in zip(parts, outs):
             k = values[0].shape[0]
-            results.append((out[(slice(start, start + k), *[slice(0, n) for n in shape])],))
+            results.append(out[(slice(start, start + k), *[slice(0, n) for n in shape])])
             start += k
-        return results
+        return PaddedOutputs([results])
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
