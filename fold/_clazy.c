@@ -1043,12 +1043,74 @@ session_row(PyObject *a, PyObject *session)
     return row;
 }
 
+/* One argument of a call of the eager finish of ``session``'s examples, as
+   values._eager_value makes it (a new reference): a lazy value of the call its row, a
+   tensor or plain value as it is, a list or tuple (not nested) of those converted alike;
+   _MISS where the slow path must say (a known value, a lazy value of another call, deeper
+   lists), NULL on error. */
+static PyObject *
+eager_arg(PyObject *a, PyObject *session, int nested)
+{
+    if ((PyObject *)Py_TYPE(a) == g_lazy_type)
+        return session_row(a, session);
+    if (plain_arg(a, 0) || PyObject_TypeCheck(a, (PyTypeObject *)g_tensor_type)) {
+        Py_INCREF(a);
+        return a;
+    }
+    int list = PyList_CheckExact(a);
+    if (nested || !(list || PyTuple_CheckExact(a)))
+        return miss();
+    Py_ssize_t k = list ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a);
+    PyObject *out = list ? PyList_New(k) : PyTuple_New(k);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *x = eager_arg(list ? PyList_GET_ITEM(a, i) : PyTuple_GET_ITEM(a, i), session, 1);
+        if (x == NULL || x == g_miss) {
+            Py_DECREF(out);
+            return x;
+        }
+        if (list)
+            PyList_SET_ITEM(out, i, x);
+        else
+            PyTuple_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+/* ``func`` on ``args`` (``first`` before them where not NULL: a module) with every argument
+   converted by eager_arg for ``session``; _MISS where one needs the slow path. */
+static PyObject *
+eager_call_now(PyObject *func, PyObject *first, PyObject *const *args, Py_ssize_t n,
+               PyObject *session)
+{
+    PyObject *stack[MAX_FAST + 1];
+    Py_ssize_t made = 0, at = first != NULL;
+    PyObject *out = NULL;
+    if (n > MAX_FAST)
+        return miss();
+    stack[0] = first;
+    for (; made < n; made++) {
+        PyObject *x = eager_arg(args[made], session, 0);
+        if (x == NULL || x == g_miss) {
+            out = x;
+            goto done;
+        }
+        stack[at + made] = x;
+    }
+    out = PyObject_Vectorcall(func, stack, at + n, NULL);
+done:
+    for (Py_ssize_t i = 0; i < made; i++)
+        Py_DECREF(stack[at + i]);
+    return out;
+}
+
 /* ``func`` on ``args`` as eager code where the examples of the call recording on this
    thread finish so (driver._Session): lazy values of the call as their rows, tensors and
-   plain values as they are (values._eager_value, for the arguments it takes at once); _MISS
-   where the examples do not, or an argument needs the slow path (a known value, a list).
-   Every call of the eager finish that reaches a lazy value comes here (a decoder's memory
-   at each step: ``mem @ q``, ``weights @ mem``) instead of the Python recorder's. */
+   plain values as they are, in lists and tuples too (eager_arg); _MISS where the examples
+   do not, or an argument needs the slow path (a known value).  Every call of the eager
+   finish that reaches a lazy value comes here (a decoder's memory at each step: ``mem @
+   q``, ``weights @ mem``; ``torch.cat([h, ctx])``) instead of the Python recorder's. */
 static PyObject *
 eager_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
 {
@@ -1057,32 +1119,7 @@ eager_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
     PyObject *session = eager_session();
     if (session == NULL)
         return PyErr_Occurred() ? NULL : miss();
-    PyObject *stack[MAX_FAST];
-    Py_ssize_t made = 0;
-    PyObject *out = NULL;
-    for (; made < n; made++) {
-        PyObject *a = args[made];
-        if ((PyObject *)Py_TYPE(a) == g_lazy_type) {
-            PyObject *row = session_row(a, session);
-            if (row == NULL || row == g_miss) {
-                out = row;
-                goto done;
-            }
-            stack[made] = row;
-        }
-        else if (plain_arg(a, 0) || PyObject_TypeCheck(a, (PyTypeObject *)g_tensor_type)) {
-            Py_INCREF(a);
-            stack[made] = a;
-        }
-        else {
-            out = miss();
-            goto done;
-        }
-    }
-    out = PyObject_Vectorcall(func, stack, n, NULL);
-done:
-    for (Py_ssize_t i = 0; i < made; i++)
-        Py_DECREF(stack[i]);
+    PyObject *out = eager_call_now(func, NULL, args, n, session);
     Py_DECREF(session);
     return out;
 }
@@ -1260,8 +1297,8 @@ module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObj
         eager = v == NULL ? -1 : PyObject_IsTrue(v);
         Py_XDECREF(v);
     }
-    Py_DECREF(session);
     if (eager < 0) {
+        Py_DECREF(session);
         Py_DECREF(rec);
         return NULL;
     }
@@ -1270,10 +1307,20 @@ module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObj
         int plain = kwnames == NULL;
         for (Py_ssize_t i = 1; plain && i < n; i++)
             plain = !converted(args[i]);
-        if (plain)
+        if (plain) {
+            Py_DECREF(session);
             goto pass;
+        }
+        PyObject *out = kwnames == NULL
+                            ? eager_call_now(self->inner, args[0], args + 1, n - 1, session)
+                            : miss();
+        Py_DECREF(session);
+        if (out != g_miss)
+            return out;
+        Py_DECREF(out);
         return PyObject_Vectorcall(self->eager_call, args, nargsf, kwnames);
     }
+    Py_DECREF(session);
     if (kwnames == NULL && n - 1 > 0 && n - 1 <= MAX_FAST) {
         PyObject *out = fast_now(rec, args[0], s_module_kind, args + 1, n - 1);
         if (out != g_miss) {

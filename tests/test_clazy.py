@@ -629,6 +629,64 @@ def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypa
     assert counts[1] == counts[2], counts
 
 
+def test_the_eager_finish_converts_earlier_values_in_c_alone_in_lists_and_module_calls(
+    monkeypatch: Any,
+) -> None:
+    """Once the examples finish as eager code, a call on values of an earlier round takes
+    the C path: alone (``mem @ q``), in a list (``torch.cat([e, ctx])``) and as a module's
+    argument (``cell(x, h)``), each converted to its row at once; a known value keeps the
+    Python path.  Values and gradients equal eager."""
+    if C is None:
+        pytest.skip("fold._clazy is not built")
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 10**6)  # eager after the first round
+    slow: list[str] = []
+    real_record, real_eager = recorder._Recorder.record, patches._eager_call
+    monkeypatch.setattr(
+        recorder._Recorder,
+        "record",
+        lambda self, fn, kind, *a: (
+            (slow.append(kind) if self.session.eager else None) or real_record(self, fn, kind, *a)
+        ),
+    )
+    monkeypatch.setattr(
+        patches, "_eager_call", lambda *a, **k: slow.append("module") or real_eager(*a, **k)
+    )
+    torch.manual_seed(0)
+    lin, cell = nn.Linear(3, 3), nn.GRUCell(6, 3)
+
+    def decode(x: torch.Tensor, known: bool) -> torch.Tensor:
+        mem = torch.tanh(lin(x))  # (5, 3)
+        h, ctx, outs = mem[0], mem.mean(0), []
+        for _ in range(3):
+            if float(ctx.detach().sum()) > 1e9:  # a read: the first round ends here
+                break
+            e = torch.tensor([0.5, -0.5, 1.0]) if known else torch.tanh(h)
+            h = cell(torch.cat([e, ctx]), h)
+            ctx = torch.softmax(mem @ h, 0) @ mem
+            outs.append(ctx)
+        return torch.stack(outs)
+
+    xs = [torch.randn(5, 3) for _ in range(4)]
+    for known in (False, True):
+        slow.clear()
+        got = fold.autobatch(decode, xs, [known] * len(xs))
+        want = torch.stack([decode(x, known) for x in xs])
+        torch.testing.assert_close(got, want)
+        params = [*lin.parameters(), *cell.parameters()]
+        w = torch.randn_like(want)
+        for a, b in zip(
+            torch.autograd.grad((got * w).sum(), params),
+            torch.autograd.grad((want * w).sum(), params),
+        ):
+            torch.testing.assert_close(a, b)
+        if known:  # the known value in the list: the cat's first call per example is slow
+            assert slow and set(slow) <= {"torch"}, slow
+        else:
+            assert slow == [], slow
+
+
 def test_an_earlier_rounds_row_and_a_node_of_one_meta_have_their_own_fast_keys(
     monkeypatch: Any,
 ) -> None:
