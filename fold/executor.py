@@ -708,7 +708,8 @@ class Executor:
         """The parts of a group (each of one shape: sequences of one length) run as one call:
         ``padded(per part its values)`` returns per part its outputs (an RNN's sequences
         padded and packed into one batch inside, the outputs cut back to each part's
-        shapes), registered part by part as any group's."""
+        shapes), registered part by part as any group's; or a ``PaddedOutputs``, whose
+        outputs of one shape across the parts are one tensor each (``_store_padded``)."""
         op = self.arrays.signatures[sid][0]
         gathered = None if self.nobatch else self._gather_parts(sid, parts)
         if gathered is None:  # (nobatch sources, lists: each part gathered as a group)
@@ -805,17 +806,14 @@ class Executor:
                 steps = (np.diff(flat) == 1).tolist()
                 starts = flat.tolist()
                 for vals, (s, e) in zip(values, spans):
-                    run = None
-                    if all(steps[s : e - 1]):
-                        run = v.run(starts[s], e - s)
+                    run = v.run(starts[s], e - s) if all(steps[s : e - 1]) else None
                     if run is None:
                         idx = []
-                        (run,) = v.recipes(column[s:e], idx, False)
-                        if run is None:  # (a part is of one shape: not expected)
+                        (recipe,) = v.recipes(column[s:e], idx, False)
+                        if recipe is None:  # (a part is of one shape: not expected)
                             return None
-                        vals[j] = v.gather(run, v.index_tensors(idx))
-                    else:
-                        vals[j] = v.gather(run, [])
+                        run = v.gather(recipe, v.index_tensors(idx))
+                    vals[j] = run
         for j, k in enumerate(kinds):
             if k == NODE:
                 continue

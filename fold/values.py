@@ -204,13 +204,18 @@ class Values:
         src, start = self._source_of(row)
         return Recipe(How.SOURCE, src, start, 1, -1)
 
-    def run(self, first: int, length: int) -> Recipe | None:
-        """The recipe of ``length`` consecutive virtual rows from ``first``, where they all
-        lie in one source (a narrow of it, or the source whole); else None."""
+    def run(self, first: int, length: int) -> torch.Tensor | None:
+        """The values of ``length`` consecutive virtual rows from ``first``, where they all
+        lie in one source (the source whole, or a narrow of it: as ``gather`` reads a
+        SOURCE recipe, with no recipe made); else None."""
         src, start = self._source_of(first)
-        if start + length > self.sources[src].shape[0] // self.models:
+        t = self.sources[src]
+        m = self.models
+        if start + length > t.shape[0] // m:
             return None
-        return Recipe(How.SOURCE, src, start, length, -1)
+        if start == 0 and length * m == t.shape[0]:
+            return t
+        return t.narrow(0, start * m, length * m)
 
     def rows(self, handles: Any, decoded: Any = None) -> np.ndarray:
         """The virtual row of every handle (an int64 array of handles).

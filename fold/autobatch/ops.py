@@ -312,7 +312,7 @@ class _Op:
         # than the others) costs more than it saves: one call per part then.
         held = sum(v.numel() for column in columns for v in column)
         padded_size = sum(
-            len(v) * math.prod(big[1:]) for column, big in zip(columns, bigs) for v in column
+            v.shape[0] * math.prod(big[1:]) for column, big in zip(columns, bigs) for v in column
         )
         if any(o is None for o in outs) or padded_size > 2 * held + 1024:
             return [(self._run(values),) for values in parts]
@@ -343,7 +343,9 @@ class _Op:
         out = self._run(tuple(merged))
         if how == "mean":  # a mean over the padded length: rescaled to each part's own
             d = dim % (parts[0][0].dim() - 1) + 1  # type: ignore[operator]
-            scale = [merged[0].shape[d] / v[0].shape[d] for v in parts for _ in range(len(v[0]))]
+            scale = [
+                merged[0].shape[d] / v[0].shape[d] for v in parts for _ in range(v[0].shape[0])
+            ]
             out = out * torch.tensor(scale, dtype=out.dtype, device=out.device).view(
                 -1, *[1] * (out.dim() - 1)
             )
