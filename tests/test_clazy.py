@@ -29,6 +29,17 @@ from fold.autobatch import common, patches, recorder, values
 C = common._C
 
 
+def _same_gradients(got: torch.Tensor, want: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """The gradients of ``params`` under the same random weighting of ``got`` (batched) and
+    ``want`` (eager) are equal."""
+    w = torch.randn_like(want)
+    for a, b in zip(
+        torch.autograd.grad((got * w).sum(), params),
+        torch.autograd.grad((want * w).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
 def test_c_lazy_path_is_built() -> None:
     """The install compiles the extension (setup.py); a failed build would leave autobatch on
     its slower Python path without a word, so the suite says so."""
@@ -576,12 +587,7 @@ def test_lists_holding_a_parameter_take_the_fast_path(grad: bool, monkeypatch: A
     assert keyed.count(torch.cat) == 2 + 8  # one per shape; the ones-row list every call
     if grad:
         params = [root, *lin.parameters()]
-        w = torch.randn_like(want)
-        for a, b in zip(
-            torch.autograd.grad((got * w).sum(), params),
-            torch.autograd.grad((want * w).sum(), params),
-        ):
-            torch.testing.assert_close(a, b)
+        _same_gradients(got, want, params)
 
 
 def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypatch: Any) -> None:
@@ -620,12 +626,7 @@ def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypa
         want = torch.stack([decode(x) for x in xs])
         torch.testing.assert_close(got, want)
         params = [*lin.parameters(), *cell.parameters()]
-        w = torch.randn_like(want)
-        for a, b in zip(
-            torch.autograd.grad((got * w).sum(), params),
-            torch.autograd.grad((want * w).sum(), params),
-        ):
-            torch.testing.assert_close(a, b)
+        _same_gradients(got, want, params)
     assert counts[1] == counts[2], counts
 
 
@@ -675,12 +676,7 @@ def test_the_eager_finish_converts_earlier_values_in_c_alone_in_lists_and_module
         want = torch.stack([decode(x, known) for x in xs])
         torch.testing.assert_close(got, want)
         params = [*lin.parameters(), *cell.parameters()]
-        w = torch.randn_like(want)
-        for a, b in zip(
-            torch.autograd.grad((got * w).sum(), params),
-            torch.autograd.grad((want * w).sum(), params),
-        ):
-            torch.testing.assert_close(a, b)
+        _same_gradients(got, want, params)
         if known:  # the known value in the list: the cat's first call per example is slow
             assert slow and set(slow) <= {"torch"}, slow
         else:
