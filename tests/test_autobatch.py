@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-from fold.autobatch import Lazy, common, traced, values
+from fold.autobatch import Lazy, common, driver, recorder, traced, values
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.treebank import Tree, random_dep_tree, random_tree
@@ -2016,11 +2016,73 @@ def test_rounds_record_into_one_fold_and_an_op_takes_nodes_and_earlier_rows(fini
     made = []
     init = fold.Fold.__init__
     monkeypatch.setattr(fold.Fold, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    monkeypatch.setattr(driver, "_POOL", [])  # (no Fold kept from an earlier call)
     xs, ks = [torch.randn(3, dtype=torch.float64) for _ in range(9)], [4, 1, 3, 0, 4, 2, 4, 3, 1]
     got = assert_same(fn, list(lin.parameters()), xs, ks)
-    assert len(made) == 1  # one call: one Fold for all its rounds
+    assert len(made) == 1  # the first call: one Fold for all its rounds; the next ones reuse it
     for i in (0, 3, 5):
         torch.testing.assert_close(fold.autobatch(fn, [xs[i]], [ks[i]])[0], got[i])
+
+
+def test_a_call_that_returned_gives_its_fold_and_fast_tables_to_the_next_call(finish, monkeypatch):
+    """A call that returned keeps its Fold, emptied, with its fast tables for the next call:
+    that call makes no Fold, and where its calls were seen before (the same lengths) none
+    takes the slow path. Memories of other lengths are new keys in the kept tables. Values
+    and gradients equal eager (float64) in every call. A call that raised gives nothing
+    back, and clear_cache empties what is kept."""
+    torch.manual_seed(7)
+    lin = nn.Linear(3, 3).double()
+
+    def fn(mem, k):  # mem: (L, 3), a memory of its own length; k reads at most
+        h = torch.tanh(mem.mean(0))
+        for _ in range(k):
+            w = torch.softmax(mem @ lin(h), 0)
+            h = torch.tanh(lin(h) + w @ mem)
+            if float(h.detach().sum()) > 50:
+                break
+        return h
+
+    def mems(lengths):
+        return [torch.randn(n, 3, dtype=torch.float64) for n in lengths]
+
+    made, slow = [], []
+    init, record = fold.Fold.__init__, recorder._Recorder._record
+    monkeypatch.setattr(fold.Fold, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    monkeypatch.setattr(
+        recorder._Recorder, "_record", lambda self, *a: slow.append(a[0]) or record(self, *a)
+    )
+    monkeypatch.setattr(driver, "_POOL", [])
+    params = list(lin.parameters())
+    xs, ks = mems([2, 5, 3, 5, 4]), [3, 1, 0, 2, 3]
+    assert_same(fn, params, xs, ks)
+    assert len(made) == 1 and len(driver._POOL) == 1
+    first, slow[:] = list(slow), []
+    made.clear()
+    assert_same(fn, params, mems([5, 2, 4, 3, 2]), [2, 3, 3, 1, 0])  # lengths seen before
+    assert not made
+    if common._C is not None and finish == "batched-rounds":
+        # Calls on lazy values only took the slow path in the first call, never in the
+        # next; those on an example's own tensor (``mem @ ...``: it is the example's data,
+        # so it has no fast key) take it in every call.
+        lazy_only = {lin, torch.tanh}
+        assert lazy_only & set(first) and not lazy_only & set(slow), (first, slow)
+    assert_same(fn, params, mems([7, 1, 6]), [3, 2, 1])  # new lengths: new entries
+    assert not made and len(driver._POOL) == 1
+
+    def bad(mem, k):
+        out = fn(mem, k)
+        if mem.shape[0] == 6:
+            raise ValueError("boom")
+        return out
+
+    with pytest.raises(ValueError, match="boom"):
+        fold.autobatch(bad, mems([2, 6]), [1, 1])
+    assert not driver._POOL  # the Fold the failed call took is not given back
+    made.clear()
+    assert_same(fn, params, xs, ks)
+    assert len(made) == 1 and len(driver._POOL) == 1
+    driver.clear_cache()
+    assert not driver._POOL
 
 
 def test_reads_under_no_grad_and_results_of_different_shapes_name_the_example(finish):

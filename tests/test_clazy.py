@@ -503,9 +503,12 @@ def test_recording_survives_collections_between_its_steps(recorder: str) -> None
 
 
 @pytest.mark.skipif(C is None, reason="fold._clazy not built")
-def test_calls_recorded_without_gradients_take_a_fast_table_of_their_own() -> None:
+def test_calls_recorded_without_gradients_take_a_fast_table_of_their_own(monkeypatch: Any) -> None:
     """Under torch.no_grad() (inference, decoding) a call seen before takes the C fast path
     too, from a table of its own: never a grad-mode entry, and the values equal eager."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)  # each call its own Fold and tables
     lin = nn.Linear(3, 3)
     slow = []
     record = recorder._Recorder._record
@@ -696,6 +699,7 @@ def test_an_earlier_rounds_row_and_a_node_of_one_meta_have_their_own_fast_keys(
     from fold.autobatch import driver
 
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)  # each call its own Fold and tables
     torch.manual_seed(0)
     lin = nn.Linear(3, 3)
 

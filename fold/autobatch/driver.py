@@ -46,6 +46,7 @@ from fold.autobatch.traced import (
 )
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, describe
+from fold.graph import Fold
 from fold.run import collector_paused, run_groups
 from fold.scheduler.auto import facts_of
 from fold.scheduler.chain import SignatureNodes
@@ -65,6 +66,7 @@ def clear_cache() -> None:
     _WITH_MODULES.clear()
     _PLAIN.clear()
     facts_of(None).forget()  # the row sizes its rounds' ops measured (they key them)
+    _POOL.clear()
 
 
 class _DeviceAnchor(nn.Module):
@@ -115,13 +117,45 @@ def autobatch(
     # on the decoder of benchmarks/control_flow.py, every call).
     with collector_paused():
         with _installed():
-            rec, results, specs = _record(fn, iterables, stack)
+            rec, results, specs = _record(fn, iterables, stack, pooled=True)
             if stack:
                 out = pytree.tree_unflatten(_stack(rec, results), specs[0])
             else:
                 out = _unstacked(rec, results, specs)
+        _give_back(rec)
         del rec, results, specs
     return out
+
+
+# Folds of finished autobatch calls, each with its fast tables (see _Session.run_round), for
+# the next call: the first call of an op in a new Fold makes the op's fast key and
+# specialises the Fold's recorder (about 12 us a call, 150 calls of a decoder's first round
+# over 24 source lengths); a kept Fold starts from all of that.  At most _POOL_MAX, each
+# emptied (``Fold._renew``) before it is kept; only a call that returned gives its Fold
+# back, and a Fold or tables grown past _POOL_LIMIT are dropped instead.  What they hold
+# (ops, modules, metas) is what ``_OPS`` holds; ``clear_cache`` empties the pool.
+_POOL: list[tuple[Any, tuple[dict[Any, Any], ...]]] = []
+_POOL_MAX = 2
+_POOL_LIMIT = 4096
+
+
+def _take_pooled() -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
+    try:
+        return _POOL.pop()
+    except IndexError:  # (empty; or another thread took the last one)
+        return None
+
+
+def _give_back(rec: _Recorder) -> None:
+    """Keep the call's Fold and fast tables for the next call (see ``_POOL``)."""
+    kept, f = rec.kept, rec.fold
+    if kept is None or type(f) is not Fold or len(_POOL) >= _POOL_MAX:
+        return
+    if len(f.signatures) > _POOL_LIMIT or sum(map(len, kept)) > _POOL_LIMIT:
+        return
+    rec.kept = rec.fold = None
+    f._renew()
+    _POOL.append((f, kept))
 
 
 def _unstacked(rec: _Recorder, results: list[list[Any]], specs: list[Any]) -> list[Any]:
@@ -157,8 +191,18 @@ class _Session:
     paused then finish one after another as eager code (``eager``), each torch call run at
     once on the rows of earlier rounds.  Values and gradients are the same."""
 
-    def __init__(self) -> None:
-        self.current: _Recorder | None = _Recorder(session=self)
+    def __init__(self, pooled: bool = False) -> None:
+        # A call's Fold and fast tables kept for the next call (see _POOL): taken here, and
+        # given back by ``autobatch`` once its results are out (``tables`` keeps the fast
+        # tables of the last round that recorded, where the examples finished eagerly).
+        self.tables: tuple[dict[Any, Any], ...] | None = None
+        kept = _take_pooled() if pooled else None
+        if kept is None:
+            self.current: _Recorder | None = _Recorder(session=self)
+        else:
+            f, tables = kept
+            rec = self.current = _Recorder(session=self, fold=f)
+            rec._fast, rec._fast_nograd, rec._recorders = tables
         self.running: Any = None  # the example greenlet running now
         self.rounds = 0
         self.eager = False  # the paused examples finish as eager code (see above)
@@ -204,6 +248,8 @@ class _Session:
         nxt = _Recorder(session=self, fold=f)
         if not self.eager:  # (eager, every call must miss the tables and run at once)
             nxt._fast, nxt._fast_nograd, nxt._recorders = fast, nograd, recorders
+        else:  # kept for the next call (see _POOL)
+            self.tables = (fast, nograd, recorders)
         nxt.device = rec.device
         self.current = nxt
 
@@ -274,12 +320,14 @@ def record_examples(fn: Callable[..., Any], *iterables: Iterable[Any]) -> tuple[
 
 
 def _record(
-    fn: Callable[..., Any], iterables: tuple[Any, ...], stack: bool
+    fn: Callable[..., Any], iterables: tuple[Any, ...], stack: bool, pooled: bool = False
 ) -> tuple[_Recorder, list[list[Any]], list[Any]]:
     """Every example recorded, each a coroutine paused at its reads while rounds run (see
     ``_Session``): ``(the last round's recorder, per-example flat results, per-example
-    structures)``; with ``stack``, every example's structure is example 0's."""
-    session = _Session()
+    structures)``; with ``stack``, every example's structure is example 0's.  With
+    ``pooled``, the call records into a Fold kept from an earlier call (see ``_POOL``), and
+    the last recorder's ``kept`` holds the fast tables to give back with its Fold."""
+    session = _Session(pooled)
     rec = session.current
     results: list[Any] = []
     specs: list[Any] = []
@@ -330,6 +378,12 @@ def _record(
             if not g.dead:
                 g.throw(_greenlet.GreenletExit)
         raise
+    else:
+        rec = session.current
+        if pooled:  # the tables outlive this recorder (close empties its own)
+            kept = session.tables or (rec._fast, rec._fast_nograd, rec._recorders)
+            rec._fast, rec._fast_nograd, rec._recorders = {}, {}, {}
+            rec.kept = kept
     finally:
         _LOCAL.rec = None
         session.running = None

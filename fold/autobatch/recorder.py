@@ -244,6 +244,8 @@ class _Recorder:
         # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
         # iterates over, prepared in one call per tensor (see ``rows``).
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
+        # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
+        self.kept: tuple[dict[Any, Any], ...] | None = None
 
     def close(self) -> None:
         """End the recording: every later call on one of its lazy values is a FoldError.
