@@ -122,40 +122,58 @@ def autobatch(
                 out = pytree.tree_unflatten(_stack(rec, results), specs[0])
             else:
                 out = _unstacked(rec, results, specs)
-        _give_back(rec)
+        _give_back(fn, rec)
         del rec, results, specs
     return out
 
 
 # Folds of finished autobatch calls, each with its fast tables (see _Session.run_round), for
-# the next call: the first call of an op in a new Fold makes the op's fast key and
-# specialises the Fold's recorder (about 12 us a call, 150 calls of a decoder's first round
-# over 24 source lengths); a kept Fold starts from all of that.  At most _POOL_MAX, each
-# emptied (``Fold._renew``) before it is kept; only a call that returned gives its Fold
-# back, and a Fold or tables grown past _POOL_LIMIT are dropped instead.  What they hold
-# (ops, modules, metas) is what ``_OPS`` holds; ``clear_cache`` empties the pool.
-_POOL: list[tuple[Any, tuple[dict[Any, Any], ...]]] = []
+# the next call of the same function: the first call of an op in a new Fold makes the op's
+# fast key and specialises the Fold's recorder (about 12 us a call, 150 calls of a decoder's
+# first round over 24 source lengths); a kept Fold starts from all of that.  Kept per
+# function (its code: a lambda made afresh per call is the same function), so that a Fold
+# holds the signatures of one function's ops only (a renewed Fold's snapshot walks them
+# all), at most _POOL_MAX per function and _POOL_FUNCTIONS functions; each emptied
+# (``Fold._renew``) before it is kept.  Only a call that returned gives its Fold back, and a
+# Fold or tables grown past _POOL_LIMIT are dropped instead.  What they hold (ops, modules,
+# metas) is what ``_OPS`` holds; ``clear_cache`` empties the pool.
+_POOL: dict[Any, list[tuple[Any, tuple[dict[Any, Any], ...]]]] = {}
 _POOL_MAX = 2
+_POOL_FUNCTIONS = 16
 _POOL_LIMIT = 4096
 
 
-def _take_pooled() -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
+def _pool_key(fn: Any) -> Any:
+    return getattr(fn, "__code__", fn)
+
+
+def _take_pooled(fn: Any) -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
     try:
-        return _POOL.pop()
-    except IndexError:  # (empty; or another thread took the last one)
+        return _POOL[_pool_key(fn)].pop()
+    except (KeyError, IndexError, TypeError):  # (none kept; or an unhashable callable)
         return None
 
 
-def _give_back(rec: _Recorder) -> None:
-    """Keep the call's Fold and fast tables for the next call (see ``_POOL``)."""
+def _give_back(fn: Any, rec: _Recorder) -> None:
+    """Keep the call's Fold and fast tables for the next call of ``fn`` (see ``_POOL``)."""
     kept, f = rec.kept, rec.fold
-    if kept is None or type(f) is not Fold or len(_POOL) >= _POOL_MAX:
+    if kept is None or type(f) is not Fold:
         return
     if len(f.signatures) > _POOL_LIMIT or sum(map(len, kept)) > _POOL_LIMIT:
         return
+    try:
+        folds = _POOL.get(_pool_key(fn))
+    except TypeError:  # an unhashable callable
+        return
+    if folds is None:
+        if len(_POOL) >= _POOL_FUNCTIONS:
+            _POOL.clear()
+        folds = _POOL.setdefault(_pool_key(fn), [])
+    if len(folds) >= _POOL_MAX:
+        return
     rec.kept = rec.fold = None
     f._renew()
-    _POOL.append((f, kept))
+    folds.append((f, kept))
 
 
 def _unstacked(rec: _Recorder, results: list[list[Any]], specs: list[Any]) -> list[Any]:
@@ -191,12 +209,12 @@ class _Session:
     paused then finish one after another as eager code (``eager``), each torch call run at
     once on the rows of earlier rounds.  Values and gradients are the same."""
 
-    def __init__(self, pooled: bool = False) -> None:
+    def __init__(self, pooled: Any = None) -> None:
         # A call's Fold and fast tables kept for the next call (see _POOL): taken here, and
         # given back by ``autobatch`` once its results are out (``tables`` keeps the fast
         # tables of the last round that recorded, where the examples finished eagerly).
         self.tables: tuple[dict[Any, Any], ...] | None = None
-        kept = _take_pooled() if pooled else None
+        kept = _take_pooled(pooled) if pooled is not None else None
         if kept is None:
             self.current: _Recorder | None = _Recorder(session=self)
         else:
@@ -327,7 +345,7 @@ def _record(
     structures)``; with ``stack``, every example's structure is example 0's.  With
     ``pooled``, the call records into a Fold kept from an earlier call (see ``_POOL``), and
     the last recorder's ``kept`` holds the fast tables to give back with its Fold."""
-    session = _Session(pooled)
+    session = _Session(fn if pooled else None)
     rec = session.current
     results: list[Any] = []
     specs: list[Any] = []
