@@ -90,7 +90,10 @@ How a call is recorded (the choices the contract leaves open):
   ``dtype``, ``device``, ``ndim`` and ``size()``.
 - Errors inside a batched call name the user's source line that first recorded that call.
 - Caches of ops and shapes live for the process (they hold the modules and parameters they
-  name); :func:`clear_cache` empties them.
+  name); :func:`clear_cache` empties them.  So does a call's Fold: one that returned keeps
+  it, emptied, with its fast tables, for the next call of the same function (at most two
+  per function, sixteen functions), so that call's first round finds its ops' entries; a
+  call that raised keeps nothing.
 - **Recording in C.**  A call seen before in this autobatch call, with the same function,
   kind, modules, lazy arguments' metas and constant arguments (ints, bools, nonzero floats,
   None; lists or tuples of lazy values), is found by one lookup in the recorder's ``_fast``
