@@ -161,14 +161,15 @@ def _give_back(fn: Any, rec: _Recorder) -> None:
         return
     if len(f.signatures) > _POOL_LIMIT or sum(map(len, kept)) > _POOL_LIMIT:
         return
+    key = _pool_key(fn)
     try:
-        folds = _POOL.get(_pool_key(fn))
+        folds = _POOL.get(key)
     except TypeError:  # an unhashable callable
         return
     if folds is None:
         if len(_POOL) >= _POOL_FUNCTIONS:
             _POOL.clear()
-        folds = _POOL.setdefault(_pool_key(fn), [])
+        folds = _POOL.setdefault(key, [])
     if len(folds) >= _POOL_MAX:
         return
     rec.kept = rec.fold = None
@@ -209,12 +210,13 @@ class _Session:
     paused then finish one after another as eager code (``eager``), each torch call run at
     once on the rows of earlier rounds.  Values and gradients are the same."""
 
-    def __init__(self, pooled: Any = None) -> None:
-        # A call's Fold and fast tables kept for the next call (see _POOL): taken here, and
-        # given back by ``autobatch`` once its results are out (``tables`` keeps the fast
-        # tables of the last round that recorded, where the examples finished eagerly).
+    def __init__(self, fn: Any = None) -> None:
+        # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
+        # Fold): taken here, and given back by ``autobatch`` once its results are out
+        # (``tables`` keeps the fast tables of the last round that recorded, where the
+        # examples finished eagerly).
         self.tables: tuple[dict[Any, Any], ...] | None = None
-        kept = _take_pooled(pooled) if pooled is not None else None
+        kept = _take_pooled(fn) if fn is not None else None
         if kept is None:
             self.current: _Recorder | None = _Recorder(session=self)
         else:
@@ -266,7 +268,7 @@ class _Session:
         nxt = _Recorder(session=self, fold=f)
         if not self.eager:  # (eager, every call must miss the tables and run at once)
             nxt._fast, nxt._fast_nograd, nxt._recorders = fast, nograd, recorders
-        else:  # kept for the next call (see _POOL)
+        elif self.tables is None:  # the last tables that recorded, for the next call (_POOL)
             self.tables = (fast, nograd, recorders)
         nxt.device = rec.device
         self.current = nxt
