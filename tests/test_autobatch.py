@@ -72,6 +72,16 @@ def assert_same(fn, params, *iterables, loss=lambda out: out):
     return got
 
 
+def assert_same_grads(got, want, params):
+    """The gradients of ``params`` through ``got`` (batched) and ``want`` (eager) under the
+    loss ``sum(x ** 2)`` are equal."""
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
 def assert_same_lists(got, want, params):
     """Per-example results (tuples of tensors of each example's own shapes, as
     ``stack=False`` returns them) equal eager's ``want``: values, shapes and the gradients
@@ -1398,11 +1408,7 @@ def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch)
     got = fold.autobatch(fn, xs)
     torch.testing.assert_close(got, want)
     params = [*enc.parameters(), *q.parameters()]
-    for a, b in zip(
-        torch.autograd.grad(got.pow(2).sum(), params),
-        torch.autograd.grad(want.pow(2).sum(), params),
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_grads(got, want, params)
     assert sum(t is not None for t in taken) >= 4  # mean, scores, softmax, context
     assert any(type(t) is ops._Padded for t in taken) and None in taken
 
@@ -1435,11 +1441,7 @@ def test_padded_outputs_of_one_shape_are_one_source_for_all_lengths(monkeypatch)
     got = fold.autobatch(fn, xs)
     torch.testing.assert_close(got, want)
     params = [*gru.parameters(), *q.parameters()]
-    for a, b in zip(
-        torch.autograd.grad(got.pow(2).sum(), params),
-        torch.autograd.grad(want.pow(2).sum(), params),
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_grads(got, want, params)
     parts = len(set(lengths))
     whole = [o for outs in registered for o in outs if type(o) is torch.Tensor]
     per_length = [o for outs in registered for o in outs if type(o) is list]
@@ -1470,11 +1472,7 @@ def test_a_packed_rnn_reads_an_embeddings_padded_output_in_place(monkeypatch):
     got = fold.autobatch(fn, sentences)
     torch.testing.assert_close(got, want)
     params = [*emb.parameters(), *lstm.parameters()]
-    for a, b in zip(
-        torch.autograd.grad(got.pow(2).sum(), params),
-        torch.autograd.grad(want.pow(2).sum(), params),
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_grads(got, want, params)
     assert any(type(t) is ops._Padded for t in taken)
 
 
@@ -1506,11 +1504,7 @@ def test_encoder_rows_of_several_lengths_run_padded(monkeypatch):
     got = fold.autobatch(fn, xs)
     torch.testing.assert_close(got, want)
     params = [root, *lin.parameters()]
-    for a, b in zip(
-        torch.autograd.grad(got.pow(2).sum(), params),
-        torch.autograd.grad(want.pow(2).sum(), params),
-    ):
-        torch.testing.assert_close(a, b)
+    assert_same_grads(got, want, params)
     names = [n.split(" (")[0] for n in padded]
     assert names.count("torch.cat") == 1 and names.count("Tensor.__getitem__") == 3, names
 
