@@ -18,6 +18,7 @@ import array
 import itertools
 import os
 import struct
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ from fold._encoding import (
 )
 from fold.arrays import GraphArrays
 from fold.errors import FoldError, op_name
-from fold.node import Node, foreign_node, node_type_for
+from fold.node import _NODE_TYPES, _UNUSED, Node, foreign_node, node_type_for
 from fold.scheduler import SCHEDULERS, Plan
 
 __all__ = ["Fold"]
@@ -265,6 +266,8 @@ class Fold:
             raise FoldError(
                 f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."
             )
+        if _LEFT and type(self) is Fold and self._adopt(_LEFT.pop(), strategy):
+            return
         self.strategy = strategy
         # Per signature (op, argument kinds): its nodes as a dict from arguments to handle
         # (see the module docstring), and for signatures with literal tensors (whose memo
@@ -286,6 +289,85 @@ class Fold:
         self._flat_cache: tuple[int, list[Any], list[int], list[int]] | None = None
         self._snapshot: tuple[tuple[int, int], GraphArrays] | None = None
         self._renewed = False  # see _renew
+        # The weak reference to this Fold its generated recorders call back through (one
+        # cell: a Fold that takes a dropped Fold's recorders points them at itself, _adopt);
+        # the boxes of the recorders Fold.op handed out before their first call; weak
+        # references to the snapshots made (see __del__).
+        self._me = [weakref.ref(self)]
+        self._boxes: list[list[Any]] = []
+        self._views: list[Any] = []
+        # What a dropped Fold may leave (see __del__): every op a name; the references to
+        # the Node class its kept recorders and _node_type hold; the recorders made again.
+        self._named = True
+        self._c = _CRecorder  # (tests compare the recorders with and without it)
+        self._holds = 1
+        self._remake: list[tuple[Any, ...]] = []
+
+    # ------------------------------------------------------------------ kept recorders
+    # A per-sample training loop makes a Fold per step, and each Fold's first call of each op
+    # made its recorder (``_specialise``, ``_tensor_signatures``): with 32 MNIST samples a
+    # step, 4% of the step.  So a dropped Fold leaves its signatures and the recorders of its
+    # ops named by a string to the next Fold, emptied (``_renew``).  Only what no one else
+    # can reach is kept: the Fold leaves nothing while a snapshot of it is alive (a
+    # snapshot reads the lists that are emptied), and the next Fold takes what was left only
+    # where nothing but the left state refers to its Node class (a handle of the dropped
+    # Fold still alive) or to a kept recorder (one a caller of Fold.op still holds);
+    # otherwise it starts afresh.  The recorders of ops with node or list arguments, whose
+    # types and checks name the Node class, are made again.
+
+    def __del__(self) -> None:
+        if len(_LEFT) < _LEFT_MAX and type(self) is Fold:
+            try:
+                left = self._leave()
+            except Exception:  # (interpreter shutdown, a Fold whose __init__ raised)
+                return
+            if left is not None:
+                _LEFT.append(left)
+
+    def _leave(self) -> dict[str, Any] | None:
+        """This dropped Fold's state, emptied, with the recorders the next Fold may take (see
+        above); None where it has more than ``_LEFT_SIGNATURES`` signatures, an op that is
+        not a name (a callable kept would keep its object alive), or a live snapshot."""
+        if not self._named or len(self.signatures) > _LEFT_SIGNATURES:
+            return None
+        self._snapshot = None
+        for r in self._views:
+            if r() is not None:
+                return None
+        if sys.getrefcount(self._memos) != 2:  # (a copy of this Fold holds them too)
+            return None
+        for box in self._boxes:  # Fold.op's recorders fall back to this Fold: it is gone
+            box[0] = _no_recorder
+        generated, by_op = self._generated, self._by_op
+        for key in self._remake:  # node or list arguments: made again by the next Fold
+            fn = generated.pop(key)
+            if by_op.get(key[0]) is fn:
+                del by_op[key[0]]
+        self._renew()
+        self._recorders, self._boxes, self._views, self._remake = {}, [], [], []
+        return self.__dict__
+
+    def _adopt(self, left: dict[str, Any], strategy: str) -> bool:
+        """Take the state a dropped Fold left (``_leave``); False where its Node class or a
+        kept recorder is referred to from elsewhere: this Fold starts afresh."""
+        T = left["_node_type"]  # (+1 where the pool of Node classes holds it)
+        if (
+            left["_c"] is not _CRecorder
+            or sys.getrefcount(T) != _UNUSED - (T not in _NODE_TYPES) + left["_holds"]
+        ):
+            return False
+        firsts = set(map(id, left["_by_op"].values()))
+        for fn in left["_generated"].values():
+            # Held by _generated, _by_op where it is its op's first, the loop, the call.
+            if sys.getrefcount(fn) != 3 + (id(fn) in firsts):
+                return False
+            if type(fn) is _CRecorder and fn.fallback is None:  # cleared by the collector
+                return False
+        left["strategy"] = strategy
+        self.__dict__ = left
+        ref = weakref.ref(self)
+        left["_me"][0] = T._fold_ref = ref
+        return True
 
     # ------------------------------------------------------------------ recording
     def add(self, op: str | Callable[..., Any], *args: Any) -> Node:
@@ -332,6 +414,7 @@ class Fold:
         # that specialised one too (a weak reference: no cycle through the Fold's cache).
         box: list[Callable[[], Any]] = [_no_recorder]
         ref = weakref.ref(self)
+        self._boxes.append(box)
 
         def record(*args: Any) -> Any:
             s = box[0]()
@@ -385,10 +468,10 @@ class Fold:
                     _PATTERNS.clear()
                 _PATTERNS[pkey] = pattern
         kinds = pattern.kinds
-        ref = weakref.ref(self)
+        me = self._me
 
         def generic(*a: Any) -> Any:  # other types or arity: classified afresh
-            return _alive(ref, op)._record(op, outputs, a)
+            return _alive(me[0], op)._record(op, outputs, a)
 
         if pattern.tpos:
             sigs: dict[Any, Any] = {}
@@ -419,7 +502,12 @@ class Fold:
         if len(self._generated) > 4096:  # bounded: e.g. a new lambda recorded per add
             self._generated.clear()
             self._by_op.clear()
+            self._holds, self._remake = 1, []
         self._generated[(op, types, outputs)] = fn
+        if T in types or pattern.lists:  # its types or checks name T: see _leave
+            self._remake.append((op, types, outputs))
+        else:  # the Python recorder's T, and the C recorder's
+            self._holds += 1 + (type(fn) is _CRecorder)
         if outputs is None:
             self._by_op.setdefault(op, fn)
         return fn
@@ -475,14 +563,14 @@ class Fold:
 
         Its entries are keyed by the tensors' whole shapes and dtypes, and only shapes that
         pass the batch-of-one check get in, so the recorder checks nothing on a hit."""
-        ref = weakref.ref(self)
+        me = self._me
 
         # An op that takes a group's parts of several shapes at once (padded_call, see
         # fold.executor) keys its literal tensors by dtype alone: one signature for them all.
         any_shape = type(op) is not str and getattr(op, "padded_call", None) is not None
 
         def new_sig(tensors: tuple[torch.Tensor, ...]) -> tuple[dict[Any, int], list[Any]]:
-            f = _alive(ref, op)
+            f = _alive(me[0], op)
             full = list(kinds)
             for p, t in zip(tpos, tensors):
                 k = classify(op, p, t)[0]  # raises: not a batch-of-one tensor
@@ -513,6 +601,8 @@ class Fold:
         sid = self._sig_ids.get(sig_key)
         if sid is None:
             sid = len(self.signatures)
+            if type(op) is not str:
+                self._named = False  # a dropped Fold leaves nothing: see _leave
             # Literal tensors: memo keys are tensor ids, so the arguments are kept here.
             targs = [] if any(map(is_tensor_kind, kinds)) else None
             try:  # the three lists in step, and the signature known, or none of it
@@ -575,6 +665,8 @@ class Fold:
                 keep.sort(key=lambda i: node_id(next(iter(memos[i].values()))))
                 sigs, memos, targs = ([x[i] for i in keep] for x in (sigs, memos, targs))
             arrays = GraphArrays(sigs, memos, targs, self.nobatch_ids, self._node_type, key[0])
+            views = self._views = [r for r in self._views if r() is not None]
+            views.append(weakref.ref(arrays))
             cached = self._snapshot = (key, arrays)
         return cached[1]
 
@@ -717,6 +809,12 @@ class Fold:
         Needs matplotlib (``pip install torch-fold[draw]``).
         """
         _inspect.draw(self, path)
+
+
+# What dropped Folds left for the next ones (Fold.__del__, Fold._adopt).
+_LEFT: list[dict[str, Any]] = []
+_LEFT_MAX = 2
+_LEFT_SIGNATURES = 64
 
 
 def _too_deep(*args: Any) -> None:

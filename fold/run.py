@@ -82,7 +82,7 @@ def apply(
     garbage collector paused (see :func:`collector_paused`), but for a graph of one op on
     literal arguments, which makes few objects (see ``_one_call``)."""
     specs = None
-    if max_rows is None and max_bytes is None and offload is None and len(fold._memos) == 1:
+    if max_rows is None and max_bytes is None and offload is None and _one_sig(fold) is not None:
         specs = classify_lists(lists)
         outs = _one_call(fold, obj, specs)
         if outs is not None:
@@ -174,12 +174,13 @@ def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.T
     (what hand-written code does: stack the samples, call the model).  None for any other
     graph.  Read from the Fold's own lists: a training step records and applies one such
     graph, and each step's snapshot would cost more than the rest of this."""
-    if len(fold._memos) != 1 or fold.nobatch_ids or isinstance(obj, ModelBatched):
+    sid = _one_sig(fold)
+    if sid is None or fold.nobatch_ids or isinstance(obj, ModelBatched):
         return None
-    op, kinds = fold.signatures[0]
+    op, kinds = fold.signatures[sid]
     if NODE in kinds or LIST in kinds:
         return None
-    memo = fold._memos[0]
+    memo = fold._memos[sid]
     n = len(memo)
     fold._check_intact(n)
     node_type = fold._node_type
@@ -202,9 +203,9 @@ def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.T
         if src is None:
             return None
         wanted.append(src)
-    rows = fold._targs[0]
+    rows = fold._targs[sid]
     if rows is None:  # numbers alone: their rows are the memo's keys
-        rows = fold.snapshot().rows(0)
+        rows = fold.snapshot().rows(0)  # (the snapshot holds the signatures with nodes)
     if not one_shape(rows, kinds):  # literal tensors of several shapes: the executor's parts
         return None
     device = device_of(obj)
@@ -229,6 +230,24 @@ def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.T
             raise bad_split(fold.snapshot(), node_id(int(items[0])), src.nsplit, len(outs))
         result.append(outs[src.out])
     return result
+
+
+def _one_sig(fold: Any) -> int | None:
+    """The one signature of a graph that has nodes of one signature only, else None (a
+    renewed Fold, one that took a dropped Fold's recorders, keeps that Fold's signatures:
+    they have no nodes now)."""
+    memos = fold._memos
+    if len(memos) == 1:
+        return 0
+    if not fold._renewed:
+        return None
+    found = None
+    for i, memo in enumerate(memos):
+        if memo:
+            if found is not None:
+                return None
+            found = i
+    return found
 
 
 def check_limit_ops(signatures: list[Any], obj: Any, max_rows: Mapping[Any, int]) -> None:

@@ -685,3 +685,131 @@ def test_one_fold_recorded_from_threads_is_right_or_refused(monkeypatch) -> None
     leaf = [torch.full((2,), float(i % 7)) for i in range(200)]
     want = torch.stack([x + 2 * y for x, y in zip(leaf, leaf[1:])] * 4)
     torch.testing.assert_close(got, want)
+
+
+class _StepOps:
+    """Ops of a small per-sample step: literal features, a number, and a mix of both."""
+
+    def feat(self, t):
+        return t.sum(1) * 3.0
+
+    def leaf(self, k):
+        return k.to(torch.float64) * 0.5
+
+    def mix(self, a, b):
+        return a * b + 1.0
+
+
+def _record_step(f, xs, ks):
+    feats = [f.add("feat", x) for x in xs]
+    return [f.add("mix", a, f.add("leaf", k)) for a, k in zip(feats, ks)]
+
+
+def test_a_dropped_fold_leaves_its_recorders_to_the_next_fold(monkeypatch) -> None:
+    """A Fold per step, as a per-sample training loop makes them: the next Fold takes the
+    dropped one's recorders of literal arguments (none made again), numbers its nodes from
+    0, and gives eager's values and gradients; recorders of node arguments are made again;
+    a step of one op on literals takes the one-call path though the Fold keeps the
+    signatures of the step before."""
+    from fold import graph, run
+
+    monkeypatch.setattr(graph, "_LEFT", [])
+    made = []
+    specialise = graph.Fold._specialise
+    monkeypatch.setattr(
+        graph.Fold, "_specialise", lambda self, op, *a: made.append(op) or specialise(self, op, *a)
+    )
+    rng = torch.Generator().manual_seed(0)
+    for step in range(4):
+        made.clear()
+        xs = [
+            torch.randn(1, 3, dtype=torch.float64, generator=rng, requires_grad=True)
+            for _ in range(5)
+        ]
+        ks = [step + i for i in range(5)]
+        f = fold.Fold()
+        outs = _record_step(f, xs, ks)
+        assert [h.id for h in outs[:2]] == [6, 8]  # ids from 0, as in a new Fold
+        (got,) = f.apply(_StepOps(), [outs])
+        want = torch.cat([x.sum(1) * 3.0 * (k * 0.5) + 1.0 for x, k in zip(xs, ks)])
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.square().sum(), xs)
+        wgrads = [
+            2 * w * 3.0 * (k * 0.5) * torch.ones(1, 3, dtype=torch.float64)
+            for w, k in zip(want, ks)
+        ]
+        for g, w in zip(grads, wgrads):
+            torch.testing.assert_close(g, w)
+        # The first Fold makes every recorder; the next ones only that of "mix" (nodes).
+        assert sorted(made) == (["feat", "leaf", "mix"] if step == 0 else ["mix"])
+        del f, outs
+    # One op on literals: the one-call path, through the signatures left by the steps above.
+    f = fold.Fold()
+    xs = [torch.randn(1, 3, dtype=torch.float64, generator=rng) for _ in range(3)]
+    feats = [f.add("feat", x) for x in xs]
+    assert len(f.signatures) == 3 and run._one_sig(f) is not None
+    monkeypatch.setattr(run, "Executor", None)  # the one-call path makes no executor
+    (got,) = f.apply(_StepOps(), [feats])
+    torch.testing.assert_close(got, torch.cat([x.sum(1) * 3.0 for x in xs]))
+
+
+def test_a_dropped_fold_leaves_nothing_a_caller_can_still_reach(monkeypatch) -> None:
+    """What a caller still holds of a dropped Fold keeps the next Fold from taking its
+    recorders, or no longer records: a handle (its Node class would name the new Fold's
+    nodes), a snapshot (it reads the lists a Fold empties when it leaves them), a recorder
+    from Fold.op (called: it would record into the new Fold; held specialised: the new
+    Fold starts afresh), and a Fold with an op that is not a name leaves nothing."""
+    from fold import graph
+
+    monkeypatch.setattr(graph, "_LEFT", [])
+
+    f = fold.Fold()
+    stale = f.add("leaf", 1)
+    del f
+    g = fold.Fold()  # the handle is alive: g does not take its class
+    assert g._node_type is not type(stale) and graph._LEFT == []
+    with pytest.raises(fold.FoldError, match="Node of another Fold"):
+        g.add("mix", stale, 1)
+    with pytest.raises(fold.FoldError, match="no longer exists"):
+        _ = stale.fold
+    del g, stale
+
+    f = fold.Fold()
+    nodes = [f.add("feat", torch.full((1, 2), float(i))) for i in range(3)]
+    arrays = f.snapshot()
+    rows = [r[0].tolist() for r in arrays.rows(0)]
+    left = len(graph._LEFT)
+    del f, nodes
+    assert len(graph._LEFT) == left  # the snapshot is alive: nothing left, nothing emptied
+    assert arrays.count == [3] and [r[0].tolist() for r in arrays.rows(0)] == rows
+    del arrays
+
+    graph._LEFT.clear()
+    f = fold.Fold()
+    rec = f.op("leaf")
+    rec(1)  # its box now points at the specialised recorder the Fold leaves
+    del f
+    assert len(graph._LEFT) == 1
+    g = fold.Fold()
+    assert graph._LEFT == [] and g._renewed  # g took the recorders
+    with pytest.raises(fold.FoldError, match="no longer exists"):
+        rec(2)
+    assert len(g) == 0
+    del g
+
+    f = fold.Fold()
+    f.op("leaf")(1)
+    held = f.op("leaf")  # after its first call, the specialised recorder itself
+    assert held is f._by_op["leaf"]
+    del f
+    g = fold.Fold()
+    assert not g._renewed and "leaf" not in g._by_op  # held elsewhere: g starts afresh
+    with pytest.raises(fold.FoldError, match="Node of another Fold"):
+        g.add("mix", held(2), 1)
+    del g, held
+
+    graph._LEFT.clear()
+    f = fold.Fold()
+    f.add(_StepOps().leaf, 1)
+    del f
+    assert graph._LEFT == []  # a callable op: kept, it would keep its object alive
