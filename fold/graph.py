@@ -316,13 +316,13 @@ class Fold:
     # types and checks name the Node class, are made again.
 
     def __del__(self) -> None:
-        if len(_LEFT) < _LEFT_MAX and type(self) is Fold:
-            try:
+        try:
+            if len(_LEFT) < _LEFT_MAX and type(self) is Fold:
                 left = self._leave()
-            except Exception:  # (interpreter shutdown, a Fold whose __init__ raised)
-                return
-            if left is not None:
-                _LEFT.append(left)
+                if left is not None:
+                    _LEFT.append(left)
+        except Exception:  # (interpreter shutdown, a Fold whose __init__ raised): none left
+            return
 
     def _leave(self) -> dict[str, Any] | None:
         """This dropped Fold's state, emptied, with the recorders the next Fold may take (see
