@@ -266,8 +266,13 @@ class Fold:
             raise FoldError(
                 f"Fold(strategy={strategy!r}): unknown strategy; expected one of {sorted(SCHEDULERS)}."
             )
-        if _LEFT and type(self) is Fold and self._adopt(_LEFT.pop(), strategy):
-            return
+        if _LEFT and type(self) is Fold:  # what a dropped Fold left (see __del__)
+            try:
+                left = _LEFT.pop()
+            except IndexError:  # another thread took it
+                left = None
+            if left is not None and self._adopt(left, strategy):
+                return
         self.strategy = strategy
         # Per signature (op, argument kinds): its nodes as a dict from arguments to handle
         # (see the module docstring), and for signatures with literal tensors (whose memo
