@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fold._encoding import LIST, NODE, SCALAR_KINDS, node_id
+from fold._encoding import LIST, NODE, SCALAR_KINDS, key_rows, node_id
 from fold.arrays import GraphArrays, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.executor import Executor, ModelBatched
@@ -82,9 +82,10 @@ def apply(
     garbage collector paused (see :func:`collector_paused`), but for a graph of one op on
     literal arguments, which makes few objects (see ``_one_call``)."""
     specs = None
-    if max_rows is None and max_bytes is None and offload is None and _one_sig(fold) is not None:
+    sid = _one_sig(fold) if max_rows is None and max_bytes is None and offload is None else None
+    if sid is not None:
         specs = classify_lists(lists)
-        outs = _one_call(fold, obj, specs)
+        outs = _one_call(fold, obj, specs, sid)
         if outs is not None:
             return outs
     with collector_paused():
@@ -167,15 +168,17 @@ def _run(
         fold.last_run = ex.report
 
 
-def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.Tensor] | None:
+def _one_call(
+    fold: Any, obj: Any, specs: list[tuple[str, Any]], sid: int
+) -> list[torch.Tensor] | None:
     """A graph of one op on literal arguments alone (a per-sample loop: one ``forward`` per
     image) whose node lists are each a whole output of it: the op called once on the
     literal columns, as the executor would call it, without a snapshot, plan or value store
     (what hand-written code does: stack the samples, call the model).  None for any other
     graph.  Read from the Fold's own lists: a training step records and applies one such
-    graph, and each step's snapshot would cost more than the rest of this."""
-    sid = _one_sig(fold)
-    if sid is None or fold.nobatch_ids or isinstance(obj, ModelBatched):
+    graph, and each step's snapshot would cost more than the rest of this.  ``sid``: that
+    op's signature (``_one_sig``)."""
+    if fold.nobatch_ids or isinstance(obj, ModelBatched):
         return None
     op, kinds = fold.signatures[sid]
     if NODE in kinds or LIST in kinds:
@@ -205,7 +208,7 @@ def _one_call(fold: Any, obj: Any, specs: list[tuple[str, Any]]) -> list[torch.T
         wanted.append(src)
     rows = fold._targs[sid]
     if rows is None:  # numbers alone: their rows are the memo's keys
-        rows = fold.snapshot().rows(0)  # (the snapshot holds the signatures with nodes)
+        rows = key_rows(memo, kinds)
     if not one_shape(rows, kinds):  # literal tensors of several shapes: the executor's parts
         return None
     device = device_of(obj)
