@@ -37,6 +37,7 @@ from fold.arrays import GraphArrays, handles_array, literal_column
 from fold.errors import FoldError, describe, op_name
 from fold.ops import (
     PaddedOutputs,
+    PaddedRows,
     bad_split,
     check_outputs,
     device_of,
@@ -44,6 +45,7 @@ from fold.ops import (
     literal_value,
     op_failed,
     padded_literals,
+    padded_rows_of,
     resolve_op,
     rows_of_padded,
 )
@@ -130,6 +132,11 @@ def _shapes_split(v: Values, rows: np.ndarray) -> list[int]:
         if len(shapes) > 1:
             split.append(c)
     return split
+
+
+def _one_shape(column: list[torch.Tensor]) -> bool:
+    shape = column[0].shape
+    return all(t.shape == shape for t in column)
 
 
 class _NotWhole(Exception):
@@ -508,29 +515,78 @@ class Executor:
         op, kinds = a.signatures[sid]
         n = len(members)
         rows = a.rows(sid)
-        values: list[torch.Tensor] = []
+        values: list[Any] = []
         plans: list[Any] = []
+        ragged = False
         for j, (k, src) in enumerate(zip(kinds, inputs)):
             if src is not None:
-                values.append(self._input(src))
+                v = self._input(src)
+                ragged = ragged or type(v) is PaddedRows
+                values.append(v)
                 plans.append((Arg.INPUT, None))
                 continue
-            column = literal_column(op, j, k, [r[j] for r in rows])
+            picked = [r[j] for r in rows]
+            if any_shape(k) and not _one_shape(picked):  # (an op that takes PaddedRows)
+                v = padded_rows_of(picked, self.device) if self.models == 1 else None
+                if v is None:
+                    raise _NotWhole
+                ragged = True
+                values.append(v)
+                plans.append((Arg.TENSORS, None))
+                continue
+            column = literal_column(op, j, k, picked)
             values.append(self._literal(k, column))
             plans.append((Arg.TENSORS if is_tensor_kind(k) else Arg.NUMBERS, None))
-        outs = self._call(step, op, values, plans, n, False)
+        if ragged:
+            outs = self._call_ragged(step, op, values, n)
+        else:
+            outs = self._call(step, op, values, plans, n, False)
         self._measure(sid, outs, n)
         self._by_sig[sid] = outs
         self._unindexed.append((outs, members))
         if self.groups is not None:  # (all the signature's nodes, in order)
             self.groups.append((sid, outs, members, None))
 
-    def _input(self, src: Input | Pieces) -> torch.Tensor:
+    def _call_ragged(
+        self, step: int, op: Any, values: list[Any], n: int
+    ) -> tuple[torch.Tensor | PaddedRows, ...]:
+        """The one call of a whole group with ``PaddedRows`` among its values (rows of
+        several lengths), by the op's ``ragged_call``; ``_NotWhole`` where the op has none
+        or declines (the general gathers then run the group in parts)."""
+        call = getattr(op, "ragged_call", None)
+        if (
+            call is None
+            or self.models > 1
+            or self.max_rows is not None
+            or self.max_bytes is not None
+        ):
+            raise _NotWhole
+        try:
+            outs = call(values)
+        except Exception as err:
+            plain = [v.data if type(v) is PaddedRows else v for v in values]
+            raise op_failed(op, step, n, plain, err) from err
+        if outs is None:
+            raise _NotWhole
+        for t in outs:
+            if len(t) != n:
+                raise FoldError(
+                    f"apply: op {op_name(op)!r} (step {step}): its call on padded rows returned "
+                    f"{len(t)} rows for a group of {n} node(s). Fix: return one row per node."
+                )
+        metas = [(v.data if type(v) is PaddedRows else v) for v in values]
+        self.report.append((step, op_name(op), n, tuple([(t.shape, t.dtype) for t in metas])))
+        return outs
+
+    def _input(self, src: Input | Pieces) -> Any:
         """The output that an Input names (or its rows), checked against the split its
         handles make; the rows of Pieces, one ``index_select`` per part, their ``cat`` and
-        its reorder (``_NotWhole`` where the parts differ in shape or dtype)."""
+        its reorder (``_NotWhole`` where the parts differ in shape or dtype).  A ragged
+        group's output (``PaddedRows``) gives its rows as ``PaddedRows``."""
         if type(src) is Pieces:
             parts = [self._input(p) for p in src.parts]
+            if any(type(p) is PaddedRows for p in parts):
+                raise _NotWhole
             first = parts[0]
             if any(p.shape[1:] != first.shape[1:] or p.dtype != first.dtype for p in parts):
                 raise _NotWhole
@@ -543,6 +599,8 @@ class Executor:
         rows = src.rows
         if rows is None:
             return out
+        if type(out) is PaddedRows:
+            return out.rows(rows, None if type(rows) is slice else self._index(rows))
         if type(rows) is slice:  # a contiguous run of rows: a view
             m = self.models
             return out[rows.start * m : rows.stop * m]
@@ -849,7 +907,11 @@ class Executor:
             )
         if self._by_sig:  # a whole plan: a list that is a whole output is that output
             src = whole_output(self.arrays, items)
-            if src is not None and src.sid in self._by_sig:
+            if (
+                src is not None
+                and src.sid in self._by_sig
+                and type(self._by_sig[src.sid][src.out]) is not PaddedRows
+            ):
                 return self._model_major(self._input(src))
             self._index_rows()
         v = self.values
@@ -880,5 +942,11 @@ class Executor:
     def _index_rows(self) -> None:
         """Register the rows of a whole plan's groups, for outputs read by rows."""
         for outs, members in self._unindexed:
-            self.values.add_sources(outs, False, members.ids(self.arrays))
+            ids = members.ids(self.arrays)
+            if type(outs[0]) is PaddedRows:  # (ragged ops have one output)
+                rows, parts = outs[0].parts()
+                nodes = [ids[r] for r in rows]
+                self.values.add_parts([parts], nodes, np.concatenate(nodes))
+                continue
+            self.values.add_sources(outs, False, ids)
         self._unindexed.clear()

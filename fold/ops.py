@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -17,6 +18,7 @@ from fold.ragged import Ragged
 
 __all__ = [
     "PaddedOutputs",
+    "PaddedRows",
     "bad_split",
     "check_outputs",
     "device_of",
@@ -100,6 +102,86 @@ class PaddedOutputs:
 
     def __init__(self, outputs: list[Any]) -> None:
         self.outputs = outputs
+
+
+class PaddedRows:
+    """Rows whose values differ in length along ONE dim (attention scores over memories of
+    several lengths), held as one tensor padded to the longest: row ``i``'s value is
+    ``data[i]`` cut to ``lengths[i]`` in dim ``dim`` (of ``data``, the batch dim 0).  What
+    lies past a row's length is unspecified, zeros where ``zero``; ``filled`` sets it.
+
+    A group of a whole plan whose op takes such rows (``ragged_call``: fold.autobatch's ops
+    that pad) reads and returns them: one call, no parts.  As a group's output its rows are
+    read like a tensor's (``rows[i]``, ``rows.narrow(0, i, 1)``: views cut to the row's
+    length)."""
+
+    __slots__ = ("data", "dim", "lengths", "zero", "_mask")
+
+    def __init__(self, data: torch.Tensor, dim: int, lengths: Any, zero: bool = False) -> None:
+        self.data, self.dim, self.lengths, self.zero = data, dim, lengths, zero
+        self._mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i].narrow(self.dim - 1, 0, int(self.lengths[i]))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows ``start`` to ``start + length`` of one length (a batch-of-one row: 1)."""
+        n = int(self.lengths[start])
+        if dim != 0 or any(int(x) != n for x in self.lengths[start : start + length]):
+            raise ValueError("PaddedRows.narrow: rows of one length in dim 0 only")
+        return self.data.narrow(0, start, length).narrow(self.dim, 0, n)
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def element_size(self) -> int:
+        return self.data.element_size()
+
+    def rows(self, index: Any, itensor: torch.Tensor | None) -> PaddedRows:
+        """Rows ``index`` (a slice, or an int64 array whose tensor is ``itensor``)."""
+        if type(index) is slice:
+            return PaddedRows(self.data[index], self.dim, self.lengths[index], self.zero)
+        return PaddedRows(
+            self.data.index_select(0, itensor), self.dim, self.lengths[index], self.zero
+        )
+
+    def mask(self) -> torch.Tensor:
+        """True past each row's length, shaped to broadcast against ``data``."""
+        if self._mask is None:
+            data, dim = self.data, self.dim
+            big = data.shape[dim]
+            lengths = torch.from_numpy(self.lengths).to(data.device)
+            past = torch.arange(big, device=data.device) >= lengths[:, None]  # (rows, big)
+            shape = [data.shape[0]] + [1] * (data.dim() - 1)
+            shape[dim] = big
+            self._mask = past.view(shape)
+        return self._mask
+
+    def filled(self, value: Any) -> torch.Tensor:
+        """``data`` with ``value`` past each row's length (itself where that is zeros
+        already)."""
+        if self.zero and value == 0:
+            return self.data
+        return self.data.masked_fill(self.mask(), value)
+
+    def parts(self) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+        """The rows by length: per length, the rows' positions and their values (one
+        ``index_select``, cut to the length): registered as a padded call's parts where a
+        later group reads rows one by one."""
+        order = np.argsort(self.lengths, kind="stable")
+        sorted_lengths = self.lengths[order]
+        cuts = (np.flatnonzero(np.diff(sorted_lengths)) + 1).tolist()
+        rows, values = [], []
+        for lo, hi in zip([0, *cuts], [*cuts, len(order)]):
+            pick = order[lo:hi]
+            rows.append(pick)
+            index = torch.from_numpy(np.ascontiguousarray(pick)).to(self.data.device)
+            part = self.data.index_select(0, index)
+            values.append(part.narrow(self.dim, 0, int(sorted_lengths[lo])))
+        return rows, values
 
 
 def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:
@@ -257,3 +339,19 @@ def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:
     index = torch.tensor(rows, device=b.device)
     out = b.narrow(1, 0, max(extents)).index_select(0, index)
     return mark_zero_past(out, 1, extents)
+
+
+def padded_rows_of(column: list[torch.Tensor], device: torch.device) -> PaddedRows | None:
+    """A literal column of batch-of-one tensors (1, L_i, ...) that differ in dim 1 alone
+    as ``PaddedRows`` (zeros past each length): the rows of one marked padded tensor where
+    they are (``rows_of_padded``: a decoder's memories in a later round), else padded
+    together (``padded_literals``); None for any other column."""
+    t = rows_of_padded(column)
+    if t is None:
+        t = padded_literals(column, device)
+        if t is None:
+            return None
+    elif t.device != device:
+        t = t.to(device, non_blocking=True)
+    _, lengths = zero_past(t)  # type: ignore[misc]
+    return PaddedRows(t, 1, np.array(lengths, np.int64), zero=True)

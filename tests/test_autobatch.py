@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ import fold
 from fold.autobatch import Lazy, common, driver, recorder, traced, values
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
+from fold.ops import PaddedRows
 from fold.treebank import Tree, random_dep_tree, random_tree
 
 
@@ -1288,7 +1290,7 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
     xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 5, 6, 4, 2, 6, 3)]
     from fold.autobatch import ops
 
-    real_parts, real_run = ops._Op._pad_run, ops._Op._run
+    real_parts, real_ragged, real_run = ops._Op._pad_run, ops._Op._ragged_run, ops._Op._run
 
     inside = []
 
@@ -1297,6 +1299,15 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
         inside.append(self)
         try:
             return real_parts(self, parts)
+        finally:
+            inside.pop()
+
+    def ragged(self, values):  # a whole group of rows of several lengths (PaddedRows)
+        lengths = {int(n) for v in values if type(v) is PaddedRows for n in v.lengths}
+        calls.append((self.name, len(lengths)))
+        inside.append(self)
+        try:
+            return real_ragged(self, values)
         finally:
             inside.pop()
 
@@ -1311,10 +1322,11 @@ def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
 
     with (
         unittest.mock.patch.object(ops._Op, "_pad_run", counted),
+        unittest.mock.patch.object(ops._Op, "_ragged_run", ragged),
         unittest.mock.patch.object(ops._Op, "_run", run),
     ):
         got = fold.autobatch(fn, xs, stack=False)
-    # every padded op ran once, on the five lengths
+    # every padded op ran once, on the five lengths (in parts, or as PaddedRows)
     assert calls and all(parts == 5 for _, parts in calls), calls
     # enc (on each example's own tensor: literals of several shapes share the group too),
     # tanh, mean, scores, softmax, context, log_softmax, mean(keepdim)
@@ -1396,6 +1408,9 @@ def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch)
     taken = []
     real = ops._tiled_base
     monkeypatch.setattr(ops, "_tiled_base", lambda c, b: taken.append(real(c, b)) or taken[-1])
+    # The parts path: whole groups of PaddedRows declined (as where padding would more than
+    # double the values), so the groups run on the general gathers, in parts.
+    monkeypatch.setattr(ops._Op, "_ragged_run", lambda self, values: None)
 
     def fn(x):
         mem = torch.tanh(enc(x))  # (L, 3): a padded Linear, its parts views of one tensor
@@ -1528,15 +1543,22 @@ def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
 
     xs = [torch.randn(n, 2, dtype=torch.float64) for n in (4, 5, 6, 4, 2, 6, 3)]
     padded = []
-    real = ops._Op._pad_run
+    real, real_ragged = ops._Op._pad_run, ops._Op._ragged_run
 
     def counted(self, parts):
         padded.append(self.name)
         return real(self, parts)
 
+    def ragged(self, values):  # a whole group of PaddedRows (a whole plan's)
+        padded.append(self.name)
+        return real_ragged(self, values)
+
     import unittest.mock
 
-    with unittest.mock.patch.object(ops._Op, "_pad_run", counted):
+    with (
+        unittest.mock.patch.object(ops._Op, "_pad_run", counted),
+        unittest.mock.patch.object(ops._Op, "_ragged_run", ragged),
+    ):
         got = fold.autobatch(fn, xs, stack=False)
     assert {"torch.mv", "torch.einsum", "torch.bmm", "torch.mm", "torch.dot", "Tensor.t"} <= set(
         padded
@@ -2679,3 +2701,77 @@ def test_attention_over_slices_of_a_packed_encoders_outputs_matches_eager(finish
         torch.testing.assert_close(got, want)
     finally:
         torch.set_default_dtype(old)
+
+
+def test_attention_over_earlier_memories_runs_whole_as_padded_rows(monkeypatch):
+    """Rounds after the first of a decoder over memories of several lengths (an earlier
+    round's encoder rows): each attention op runs as ONE call on the memories padded
+    together (``PaddedRows``: a whole plan, no parts), its scores handed on padded; values,
+    decisions, the scores returned per example (stack=False) and gradients equal eager
+    (float64), with every round batched."""
+    from fold.autobatch import ops
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    torch.manual_seed(2)
+    enc, cell, out = nn.GRU(3, 4).double(), nn.GRUCell(4, 4).double(), nn.Linear(8, 3).double()
+    params = [*enc.parameters(), *cell.parameters()]  # (out is only read)
+
+    def fn(x, steps):
+        mem, h = enc(x)  # (L, 4), (1, 4)
+        h, ctx, scores = h[0], mem.mean(0), None
+        for _ in range(steps):
+            h = cell(ctx, h)
+            scores = mem @ h  # (L,): rows of several lengths
+            ctx = torch.softmax(scores, 0) @ mem
+            if float(out(torch.cat([h, ctx])).detach().max()) > 5:  # a read: a round per step
+                break
+        return ctx, scores.log_softmax(0)
+
+    xs = [torch.randn(n, 3, dtype=torch.float64) for n in (4, 2, 6, 5, 4, 3, 6, 2)]
+    steps = [3, 1, 4, 2, 4, 3, 2, 4]
+    ragged, parts = [], []
+    real_ragged, real_parts = ops._Op._ragged_run, ops._Op._pad_run
+    monkeypatch.setattr(
+        ops._Op, "_ragged_run", lambda self, v: ragged.append(self.name) or real_ragged(self, v)
+    )
+    monkeypatch.setattr(
+        ops._Op, "_pad_run", lambda self, p: parts.append(self.name) or real_parts(self, p)
+    )
+    want = [fn(x, k) for x, k in zip(xs, steps)]
+    got = fold.autobatch(fn, xs, steps, stack=False)
+    assert_same_lists(got, want, params)
+    # The first round (the encoder, packed, and the first step) runs in parts; the three
+    # attention ops of every round after it ran whole (memories of an earlier round).
+    assert sorted(parts) == sorted(
+        ["Tensor.mean", "Tensor.__matmul__", "torch.softmax"] + ["Tensor.__matmul__"]
+    ), parts
+    for name in ("Tensor.__matmul__", "torch.softmax"):
+        assert sum(n.startswith(name) for n in ragged) >= 3, ragged
+    with torch.no_grad():
+        again = fold.autobatch(fn, xs, steps, stack=False)
+    for g, w in zip(again, want):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b)
+
+
+def test_padded_rows_read_rows_masks_and_parts():
+    """``PaddedRows``: row i cut to its length (as a row and as a batch-of-one narrow), rows
+    by slice and index, the padding set by ``filled`` (and left where it is zeros already),
+    and the rows by length as parts."""
+    data = torch.arange(24.0).view(4, 3, 2)
+    rows = PaddedRows(data, 1, np.array([2, 3, 1, 2], np.int64))
+    assert torch.equal(rows[1], data[1]) and torch.equal(rows[2], data[2, :1])
+    assert torch.equal(rows.narrow(0, 3, 1), data[3:4, :2])
+    with pytest.raises(ValueError):
+        rows.narrow(0, 0, 2)  # rows of two lengths
+    picked = rows.rows(np.array([3, 0]), torch.tensor([3, 0]))
+    assert picked.lengths.tolist() == [2, 2] and torch.equal(picked.data, data[[3, 0]])
+    assert rows.rows(slice(1, 3), None).lengths.tolist() == [3, 1]
+    filled = rows.filled(-1.0)
+    for i, n in enumerate([2, 3, 1, 2]):
+        assert torch.equal(filled[i, :n], data[i, :n]) and bool((filled[i, n:] == -1).all())
+    assert PaddedRows(data, 1, rows.lengths, zero=True).filled(0) is data
+    positions, parts = rows.parts()
+    assert [p.tolist() for p in positions] == [[2], [0, 3], [1]]
+    assert [tuple(p.shape) for p in parts] == [(1, 1, 2), (2, 2, 2), (1, 3, 2)]
+    assert torch.equal(parts[1], data[[0, 3], :2])

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -32,7 +33,7 @@ from fold.autobatch.common import (
 )
 from fold.autobatch.patches import _call_module
 from fold.autobatch.values import Lazy, _Meta
-from fold.ops import PaddedOutputs, mark_zero_past, zero_past
+from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, zero_past
 
 _LOG = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class _Op:
         # its parts are padded (tables._PADDED) and the op's dim (None: no dim), and per
         # part's per-example argument shapes, its outputs' shapes.
         self.padding: tuple[str, int | None] | None = None
+        # and, set with it, the call of a whole group whose rows are PaddedRows (_ragged)
+        self.ragged_call: Callable[[list[Any]], tuple[Any, ...] | None] | None = None
         self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
 
     def __repr__(self) -> str:
@@ -363,6 +366,83 @@ class _Op:
             results.append(out[(slice(start, start + k), *[slice(0, n) for n in shape])])
             start += k
         return PaddedOutputs([results])
+
+    def _ragged(self, values: list[Any]) -> tuple[Any, ...] | None:
+        """A whole group of a padding op (``padding`` set) whose columns hold rows of
+        several lengths as ``PaddedRows`` (an earlier ragged group's output, or literal
+        memories padded together): ONE call on the padded values, with no parts, as
+        ``_pad_run`` runs a group's parts.  Its output a tensor where every row's output has
+        one shape (a context vector), else ``PaddedRows`` (attention scores).  None where
+        the rows' shapes were not all recorded, their outputs differ in more than one dim,
+        or padding would more than double the values: the caller then runs the group in
+        parts."""
+        return self._recorded(
+            self._ragged_run, values, [v.data if type(v) is PaddedRows else v for v in values]
+        )
+
+    def _ragged_run(self, values: list[Any]) -> tuple[Any, ...] | None:
+        ragged = [j for j, v in enumerate(values) if type(v) is PaddedRows]
+        shapes: list[Any] = [
+            list(v.data.shape[1:]) if type(v) is PaddedRows else tuple(v.shape[1:]) for v in values
+        ]
+        # The rows' shapes, one per distinct combination of their lengths.
+        if len(ragged) == 1:
+            lengths = values[ragged[0]].lengths
+            uniq, inv = np.unique(lengths, return_inverse=True)
+            combos = [(x,) for x in uniq.tolist()]
+        else:
+            stacked = np.stack([values[j].lengths for j in ragged])
+            bound = int(stacked.max()) + 1
+            key = np.zeros(stacked.shape[1], np.int64)
+            for row in stacked:
+                key = key * bound + row
+            _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+            combos = [tuple(c) for c in stacked[:, first].T.tolist()]
+        held = padded = 0
+        for j in ragged:
+            v = values[j]
+            per_step = v.data[0].numel() // v.data.shape[v.dim]
+            held += int(v.lengths.sum()) * per_step
+            padded += v.data.numel()
+        if padded > 2 * held + 1024:
+            return None
+        outs = []
+        for combo in combos:
+            key = list(shapes)
+            for j, n in zip(ragged, combo):
+                s = list(shapes[j])
+                s[values[j].dim - 1] = n
+                key[j] = tuple(s)
+            got = self.part_outs.get(tuple(key))
+            if got is None:
+                return None
+            outs.append(tuple(got[0]))
+        first_out = outs[0]
+        varying = [k for k in range(len(first_out)) if any(o[k] != first_out[k] for o in outs)]
+        if len(varying) > 1 or any(len(o) != len(first_out) for o in outs):
+            return None
+        how, dim = self.padding  # type: ignore[misc]
+        merged = []
+        for j, v in enumerate(values):
+            if type(v) is not PaddedRows:
+                merged.append(v)
+                continue
+            d = dim % (v.data.dim() - 1) + 1 if how == "softmax" and j == 0 else -1
+            merged.append(v.filled(_lowest(v.data.dtype) if v.dim == d else 0))
+        out = self._run(tuple(merged))
+        if how == "mean":  # a mean over the padded length: rescaled to each row's own
+            v = values[0]
+            d = dim % (merged[0].dim() - 1) + 1  # type: ignore[operator]
+            if type(v) is PaddedRows and v.dim == d:
+                scale = torch.from_numpy(v.data.shape[d] / v.lengths).to(out.device, out.dtype)
+                out = out * scale.view(-1, *[1] * (out.dim() - 1))
+        big = [max(o[k] for o in outs) for k in range(len(first_out))]
+        if list(out.shape[1:]) != big:
+            out = out[(slice(None), *[slice(0, n) for n in big])]
+        if not varying:
+            return (out,)
+        k = varying[0]
+        return (PaddedRows(out, k + 1, np.array([o[k] for o in outs], np.int64)[inv]),)
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)

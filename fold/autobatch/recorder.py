@@ -824,6 +824,7 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
         first = _PADDED_OPS[group] = op
         op.padding = (how, dim)
         op.padded_call = op._padded_parts
+        op.ragged_call = op._ragged
     first.part_outs[tuple(s.meta.shape for s in slots)] = tuple(m.shape for m in op.outs)
     op.fold_op = first
 

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from fold._encoding import LIST, NODE, OUT_MASK, list_handles, list_lengths, node_id
+from fold._encoding import LIST, NODE, OUT_MASK, any_shape, list_handles, list_lengths, node_id
 from fold.scheduler.agenda import agenda_schedule
 from fold.scheduler.chain import SignatureNodes
 from fold.scheduler.depth import depth_schedule
@@ -222,6 +222,12 @@ def _row_bytes(signatures: list[Any], facts: Facts | None) -> tuple[np.ndarray, 
     return table, all(got)
 
 
+def _ragged(signature: tuple[Any, Any]) -> bool:
+    """Whether a signature's literal tensors may be of several shapes, run whole."""
+    op, kinds = signature
+    return getattr(op, "ragged_call", None) is not None and any(map(any_shape, kinds))
+
+
 def auto_schedule(a: GraphView) -> Plan:
     """Plan ``a`` by depth, or by the agenda or lockstep where one of them is estimated to
     cost less (see above)."""
@@ -237,6 +243,14 @@ def auto_schedule(a: GraphView) -> Plan:
             return plan
     plan = depth_schedule(a)
     if group_count(plan) <= len(a.count):  # one group per signature: nothing left to merge
+        # Where an op takes literal rows of several lengths at once (an autobatch round's
+        # attention over memories of several lengths: ``ragged_call``), the same groups as
+        # a whole plan, where the columns allow one: each such group one call on its rows
+        # padded, not a call in parts as the general gathers make it.
+        if sigs is not None and hasattr(a, "columns") and any(map(_ragged, sigs)):
+            whole = signature_schedule(a)
+            if whole is not None and whole.whole:
+                return whole
         return plan
     best, (best_cost, sized) = depth_schedule, plan_cost(a, plan, facts)
     for schedule in (signature_schedule, agenda_schedule, lockstep_schedule):

@@ -82,11 +82,17 @@ def chain_plan(a: RecordedView) -> Plan | None:
     # A cheap pass on the first node of each column: most graphs that are not chains (trees,
     # sequences) fail here, before any column is read whole.
     heads: list[tuple[Input | None, ...]] = []
-    for s, (_op, kinds) in enumerate(a.signatures):
+    for s, (op, kinds) in enumerate(a.signatures):
         if LIST in kinds:  # list arguments are gathered, never a whole output
             return None
-        if any(map(any_shape, kinds)) and not one_shape(a.rows(s), kinds):
-            return None  # literal tensors of several shapes: the executor runs them in parts
+        if (
+            any(map(any_shape, kinds))
+            and getattr(op, "ragged_call", None) is None
+            and not one_shape(a.rows(s), kinds)
+        ):
+            # Literal tensors of several shapes: the executor runs them in parts, or, where
+            # the op takes rows of several lengths at once (``ragged_call``), whole.
+            return None
         if NODE not in kinds:
             heads.append((None,) * len(kinds))
             continue

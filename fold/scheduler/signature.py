@@ -124,9 +124,15 @@ def _whole_plan(a: Any, levels: np.ndarray, reads: list[Any]) -> Plan | None:
     """The plan with each node column's rows named (see above), or None where a column
     needs the general gathers."""
     by_level: dict[int, list[Group]] = {}
-    for sid, (_op, kinds) in enumerate(a.signatures):
-        if any(map(any_shape, kinds)) and not one_shape(a.rows(sid), kinds):
-            return None  # literal tensors of several shapes: the executor runs them in parts
+    for sid, (op, kinds) in enumerate(a.signatures):
+        if (
+            any(map(any_shape, kinds))
+            and getattr(op, "ragged_call", None) is None
+            and not one_shape(a.rows(sid), kinds)
+        ):
+            # Literal tensors of several shapes: the executor runs them in parts (or whole,
+            # where the op takes rows of several lengths at once: ``ragged_call``).
+            return None
         inputs: list[Input | Pieces | None] = [None] * len(kinds)
         if reads[sid] is not None:
             node_js, hmat, src, rows = reads[sid]
