@@ -3,6 +3,8 @@ revision's fold and the working tree's, calls interleaved, medians and paired ra
 
     python benchmarks/ab_decode.py --base REV            # 21 interleaved reps
     python benchmarks/ab_decode.py --base REV --long     # the decode-long lengths
+    python benchmarks/ab_decode.py --base REV --limit --eager-group 0   # decode-limit, every
+                                                         # round batched on both sides
 
 Where the machine's speed drifts between processes (on a shared 2-core machine one core may
 run Python-heavy code 1.5x slower than the other, and a process stays where it started),
@@ -71,6 +73,17 @@ def main() -> None:
     ap.add_argument(
         "--long", action="store_true", help="decode-long's lengths (see control_flow.py)"
     )
+    ap.add_argument(
+        "--limit",
+        action="store_true",
+        help="decode-limit's model (no EOS bias, every decode to the 40-step limit)",
+    )
+    ap.add_argument(
+        "--eager-group",
+        type=int,
+        default=None,
+        help="EAGER_GROUP on both sides (0: every round batched; default: each side's own)",
+    )
     args = ap.parse_args()
     setup(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,6 +95,8 @@ def main() -> None:
         }
         rounds: dict[str, float] = {}
         for name, driver in drivers.items():
+            if args.eager_group is not None:
+                driver.EAGER_GROUP = args.eager_group
             real = driver._Session.run_round
 
             def timed(self: Any, real: Any = real, name: str = name) -> None:
@@ -91,7 +106,7 @@ def main() -> None:
 
             driver._Session.run_round = timed
         torch.manual_seed(0)
-        model = Seq2Seq(hidden=128, eos_bias=0.0 if args.long else 0.3)
+        model = Seq2Seq(hidden=128, eos_bias=0.0 if args.long or args.limit else 0.3)
         srcs = sources(64, 8)
         limits = [len(s) for s in srcs] if args.long else [MAX_STEPS] * len(srcs)
 
@@ -138,7 +153,7 @@ def main() -> None:
         f"(min {paired[0]:.3f}, max {paired[-1]:.3f}, {len(paired)} pairs)"
     )
     write_json(
-        "ab_decode_long" if args.long else "ab_decode",
+        "ab_decode_long" if args.long else "ab_decode_limit" if args.limit else "ab_decode",
         {"base": args.base, "rows": rows, "paired_median": median(paired), "paired": paired},
     )
 

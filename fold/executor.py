@@ -199,6 +199,9 @@ class Executor:
         # registered yet (only an output list that is no whole output needs them).
         self._by_sig: dict[int, tuple[torch.Tensor, ...]] = {}
         self._unindexed: list[tuple[tuple[torch.Tensor, ...], Any]] = []
+        # Literal columns of several lengths made PaddedRows, by source and rows (see
+        # fold.ops.padded_rows_of)
+        self._padded: dict[Any, PaddedRows] = {}
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
         self._values: Values | None = None  # made when a group or an output reads rows
@@ -527,7 +530,7 @@ class Executor:
                 continue
             picked = [r[j] for r in rows]
             if any_shape(k) and not _one_shape(picked):  # (an op that takes PaddedRows)
-                v = padded_rows_of(picked, self.device) if self.models == 1 else None
+                v = padded_rows_of(picked, self.device, self._padded) if self.models == 1 else None
                 if v is None:
                     raise _NotWhole
                 ragged = True

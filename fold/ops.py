@@ -315,43 +315,66 @@ def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:
     a decoder's memories), cut to that row's length: those rows as ONE ``index_select`` of
     it, to the longest of them, marked in turn; None for any other column (a row cut
     shorter than its values, a view of anything else)."""
+    found = _rows_in(column)
+    if found is None:
+        return None
+    b, rows, extents = found
+    index = torch.from_numpy(rows).to(b.device)
+    out = b.narrow(1, 0, int(extents.max())).index_select(0, index)
+    return mark_zero_past(out, 1, extents.tolist())
+
+
+def _rows_in(column: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
+    """``(b, rows, lengths)`` where every tensor of ``column`` is a whole row of one marked
+    zero-padded tensor ``b`` (see ``rows_of_padded``): the rows' indices and lengths."""
     b = column[0]._base
     known = None if b is None else zero_past(b)
     if known is None or known[0] != 1 or len(column) < 2 or b.dim() < 2:
         return None
-    lengths = known[1]
-    stride, start, rest = b.stride(), b.storage_offset(), b.shape[2:]
-    rows = []
-    for t in column:
-        row, extra = divmod(t.storage_offset() - start, stride[0])
-        if (
-            t._base is not b
-            or extra
-            or not 0 <= row < b.shape[0]
-            or t.shape[0] != 1
-            or t.shape[1] != lengths[row]
-            or t.shape[2:] != rest
-            or t.stride()[1:] != stride[1:]
-        ):
-            return None
-        rows.append(row)
-    extents = [lengths[r] for r in rows]
-    index = torch.tensor(rows, device=b.device)
-    out = b.narrow(1, 0, max(extents)).index_select(0, index)
-    return mark_zero_past(out, 1, extents)
+    stride, start = b.stride(), b.storage_offset()
+    first = column[0]
+    if any(t._base is not b for t in column):
+        return None
+    # One shape past the length and one stride for all: views made alike (a row each).
+    rest, strides = first.shape[2:], first.stride()
+    if rest != b.shape[2:] or strides[1:] != stride[1:]:
+        return None
+    if any(t.stride() != strides or t.shape[2:] != rest for t in column):
+        return None
+    offsets = np.fromiter([t.storage_offset() for t in column], np.int64, len(column)) - start
+    rows, extra = np.divmod(offsets, stride[0])
+    if extra.any() or rows.min() < 0 or rows.max() >= b.shape[0]:
+        return None
+    sizes = np.fromiter([t.shape[1] for t in column], np.int64, len(column))
+    if any(t.shape[0] != 1 for t in column):
+        return None
+    lengths = np.asarray(known[1], np.int64)
+    if not np.array_equal(lengths[rows], sizes):
+        return None
+    return b, rows, sizes
 
 
-def padded_rows_of(column: list[torch.Tensor], device: torch.device) -> PaddedRows | None:
+def padded_rows_of(
+    column: list[torch.Tensor], device: torch.device, made: dict[Any, PaddedRows]
+) -> PaddedRows | None:
     """A literal column of batch-of-one tensors (1, L_i, ...) that differ in dim 1 alone
     as ``PaddedRows`` (zeros past each length): the rows of one marked padded tensor where
-    they are (``rows_of_padded``: a decoder's memories in a later round), else padded
-    together (``padded_literals``); None for any other column."""
-    t = rows_of_padded(column)
-    if t is None:
+    they are (``rows_of_padded``: a decoder's memories in a later round; ``made`` holds
+    those made already, so that the columns of one memory in several groups read one
+    copy), else padded together (``padded_literals``); None for any other column."""
+    found = _rows_in(column)
+    if found is None:
         t = padded_literals(column, device)
         if t is None:
             return None
-    elif t.device != device:
-        t = t.to(device, non_blocking=True)
-    _, lengths = zero_past(t)  # type: ignore[misc]
-    return PaddedRows(t, 1, np.array(lengths, np.int64), zero=True)
+        return PaddedRows(t, 1, np.array(zero_past(t)[1], np.int64), zero=True)  # type: ignore[index]
+    b, rows, lengths = found
+    key = (b, rows.tobytes())
+    got = made.get(key)
+    if got is None:
+        index = torch.from_numpy(rows).to(b.device)
+        t = b.narrow(1, 0, int(lengths.max())).index_select(0, index)
+        if t.device != device:
+            t = t.to(device, non_blocking=True)
+        got = made[key] = PaddedRows(t, 1, lengths, zero=True)
+    return got

@@ -253,7 +253,9 @@ class _Session:
             _LOCAL.rec = outer
         self.rounds += 1
         f = rec.fold
-        groups = len(f.last_run or ())
+        # Calls, not groups: a padded call's parts (memories of several lengths) are listed
+        # one by one in the report but ran as one call.
+        groups = len({(step, name) for step, name, *_ in f.last_run or ()})
         if groups and len(f) < EAGER_GROUP * groups:
             self.eager = True
         # The next round records into the same Fold, emptied with its recorders kept, and
@@ -284,8 +286,11 @@ except ImportError:  # pragma: no cover  (a dependency; without it reads stay er
 
 # The average group size of a round below which the examples still paused finish as eager
 # code: a group's fixed cost (its gathers, the op's dispatch, the executor's bookkeeping) is
-# about that many eager calls of its op on one example (CPU, benchmarks/control_flow.py).
-EAGER_GROUP = 8
+# about what that many eager calls of its op on one example cost beyond recording them
+# (a group call 150-250 us, an eager call of a small op about 11 us, recording it about 3.5;
+# CPU, benchmarks/control_flow.py: 16-32 gave the same figures within noise).  A padded
+# call over values of several lengths counts as one group.
+EAGER_GROUP = 24
 
 
 def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:

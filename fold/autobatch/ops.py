@@ -142,6 +142,7 @@ class _Op:
         # and, set with it, the call of a whole group whose rows are PaddedRows (_ragged)
         self.ragged_call: Callable[[list[Any]], tuple[Any, ...] | None] | None = None
         self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
+        self.ragged_outs: dict[Any, Any] = {}  # see _ragged_outs
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"
@@ -406,21 +407,18 @@ class _Op:
             padded += v.data.numel()
         if padded > 2 * held + 1024:
             return None
-        outs = []
-        for combo in combos:
-            key = list(shapes)
-            for j, n in zip(ragged, combo):
-                s = list(shapes[j])
-                s[values[j].dim - 1] = n
-                key[j] = tuple(s)
-            got = self.part_outs.get(tuple(key))
-            if got is None:
+        # Per combination its output's shape (as recorded), once per op and combinations.
+        dims = tuple([values[j].dim for j in ragged])
+        known = (tuple(map(tuple, shapes)), tuple(ragged), dims, tuple(combos))
+        found = self.ragged_outs.get(known)
+        if found is None:
+            found = self._ragged_outs(values, ragged, shapes, combos)
+            if found is None:  # (not kept: the shapes may be recorded later)
                 return None
-            outs.append(tuple(got[0]))
-        first_out = outs[0]
-        varying = [k for k in range(len(first_out)) if any(o[k] != first_out[k] for o in outs)]
-        if len(varying) > 1 or any(len(o) != len(first_out) for o in outs):
-            return None
+            if len(self.ragged_outs) > 64:
+                self.ragged_outs.clear()
+            self.ragged_outs[known] = found
+        varying, big, out_lengths = found
         how, dim = self.padding  # type: ignore[misc]
         merged = []
         for j, v in enumerate(values):
@@ -436,13 +434,40 @@ class _Op:
             if type(v) is PaddedRows and v.dim == d:
                 scale = torch.from_numpy(v.data.shape[d] / v.lengths).to(out.device, out.dtype)
                 out = out * scale.view(-1, *[1] * (out.dim() - 1))
-        big = [max(o[k] for o in outs) for k in range(len(first_out))]
         if list(out.shape[1:]) != big:
             out = out[(slice(None), *[slice(0, n) for n in big])]
-        if not varying:
+        if varying is None:
             return (out,)
+        return (PaddedRows(out, varying + 1, out_lengths[inv]),)
+
+    def _ragged_outs(
+        self, values: list[Any], ragged: list[int], shapes: list[Any], combos: list[tuple[int, ...]]
+    ) -> Any:
+        """Per combination of the rows' lengths, the output's recorded shape: ``(the one dim
+        it differs in (None: none), the largest shape, per combination its length in that
+        dim)``; None where a combination was not recorded, or outputs differ in more dims."""
+        outs = []
+        for combo in combos:
+            key = list(shapes)
+            for j, n in zip(ragged, combo):
+                s = list(shapes[j])
+                s[values[j].dim - 1] = n
+                key[j] = tuple(s)
+            got = self.part_outs.get(tuple(key))
+            if got is None:
+                return None
+            outs.append(tuple(got[0]))
+        first = outs[0]
+        if any(len(o) != len(first) for o in outs):
+            return None
+        varying = [k for k in range(len(first)) if any(o[k] != first[k] for o in outs)]
+        if len(varying) > 1:
+            return None
+        big = [max(o[k] for o in outs) for k in range(len(first))]
+        if not varying:
+            return None, big, None
         k = varying[0]
-        return (PaddedRows(out, k + 1, np.array([o[k] for o in outs], np.int64)[inv]),)
+        return k, big, np.array([o[k] for o in outs], np.int64)
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)

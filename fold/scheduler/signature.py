@@ -120,19 +120,26 @@ def signature_schedule(a: GraphView) -> Plan | None:
     return plan if plan is not None else plan_by_level(levels[sig], sig, nsig)
 
 
+def _shapes_allow(a: Any) -> bool:
+    """Whether every literal column of any shape holds one shape, where its op runs several
+    in parts (see ``_whole_plan``)."""
+    return all(
+        not any(map(any_shape, kinds))
+        or getattr(op, "ragged_call", None) is not None
+        or one_shape(a.rows(sid), kinds)
+        for sid, (op, kinds) in enumerate(a.signatures)
+    )
+
+
 def _whole_plan(a: Any, levels: np.ndarray, reads: list[Any]) -> Plan | None:
     """The plan with each node column's rows named (see above), or None where a column
     needs the general gathers."""
+    if not _shapes_allow(a):
+        # Literal tensors of several shapes: the executor runs them in parts (or whole,
+        # where the op takes rows of several lengths at once: ``ragged_call``).
+        return None
     by_level: dict[int, list[Group]] = {}
-    for sid, (op, kinds) in enumerate(a.signatures):
-        if (
-            any(map(any_shape, kinds))
-            and getattr(op, "ragged_call", None) is None
-            and not one_shape(a.rows(sid), kinds)
-        ):
-            # Literal tensors of several shapes: the executor runs them in parts (or whole,
-            # where the op takes rows of several lengths at once: ``ragged_call``).
-            return None
+    for sid, (_op, kinds) in enumerate(a.signatures):
         inputs: list[Input | Pieces | None] = [None] * len(kinds)
         if reads[sid] is not None:
             node_js, hmat, src, rows = reads[sid]
