@@ -30,8 +30,9 @@ them in :class:`Facts`, kept with the object); before the first apply every row 
 
 The rule:
 
-0. where an op of the graph takes literal rows of several lengths at once (fold.autobatch's
-   ops that pad, ``ragged_call``: attention over memories of several lengths), plan one
+0. where an op of the graph that takes literal rows of several lengths at once
+   (fold.autobatch's ops that pad, ``ragged_call``) is given rows of several lengths
+   (attention over memories of several lengths), plan one
    group per signature as a whole plan (see step 3), where the columns allow one: no plan
    has fewer groups, and each such group runs as one call on its rows padded, where the
    general gathers would run it in parts, one per length;
@@ -66,7 +67,7 @@ import numpy as np
 
 from fold._encoding import LIST, NODE, OUT_MASK, any_shape, list_handles, list_lengths, node_id
 from fold.scheduler.agenda import agenda_schedule
-from fold.scheduler.chain import SignatureNodes
+from fold.scheduler.chain import SignatureNodes, one_shape
 from fold.scheduler.depth import depth_schedule
 from fold.scheduler.lockstep import lockstep_schedule
 from fold.scheduler.plan import GraphView, Plan
@@ -227,10 +228,15 @@ def _row_bytes(signatures: list[Any], facts: Facts | None) -> tuple[np.ndarray, 
     return table, all(got)
 
 
-def _ragged(signature: tuple[Any, Any]) -> bool:
-    """Whether a signature's literal tensors may be of several shapes, run whole."""
-    op, kinds = signature
-    return getattr(op, "ragged_call", None) is not None and any(map(any_shape, kinds))
+def _ragged_columns(a: Any) -> bool:
+    """Whether a signature whose op takes rows of several lengths at once has a literal
+    column of several shapes (which the general gathers would run in parts)."""
+    return any(
+        getattr(op, "ragged_call", None) is not None
+        and any(map(any_shape, kinds))
+        and not one_shape(a.rows(sid), kinds)
+        for sid, (op, kinds) in enumerate(a.signatures)
+    )
 
 
 def auto_schedule(a: GraphView) -> Plan:
@@ -246,7 +252,7 @@ def auto_schedule(a: GraphView) -> Plan:
         if plan is not None:  # (None: the signatures read themselves now)
             known[1] += 1
             return plan
-    if sigs is not None and hasattr(a, "columns") and any(map(_ragged, sigs)):
+    if sigs is not None and hasattr(a, "columns") and _ragged_columns(a):
         # An op takes literal rows of several lengths at once (an autobatch round's attention
         # over memories of several lengths: ``ragged_call``): one group per signature as a
         # whole plan, where the columns allow one; each such group is then one call on its
