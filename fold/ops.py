@@ -369,7 +369,7 @@ def padded_rows_of(
             return None
         return PaddedRows(t, 1, np.array(zero_past(t)[1], np.int64), zero=True)  # type: ignore[index]
     b, rows, lengths = found
-    key = (b, rows.tobytes())
+    key = (id(b), rows.tobytes())  # (b lives while the column's views do)
     got = made.get(key)
     if got is None:
         index = torch.from_numpy(rows).to(b.device)
