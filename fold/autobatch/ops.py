@@ -563,14 +563,9 @@ class _Padded:
     def fill(self, value: Any) -> torch.Tensor:
         if self.zero and value == 0:
             return self.base
-        base, k = self.base, self.dim
-        extent = torch.tensor(
-            [v.shape[k] for v in self.column for _ in range(v.shape[0])], device=base.device
-        )
-        keep = torch.arange(self.big, device=base.device) < extent[:, None]  # (rows, big)
-        shape = [base.shape[0]] + [1] * (base.dim() - 1)
-        shape[k] = self.big
-        return base.masked_fill(~keep.view(shape), value)
+        k = self.dim
+        extent = np.array([v.shape[k] for v in self.column for _ in range(v.shape[0])], np.int64)
+        return PaddedRows(self.base, k, extent).filled(value)
 
 
 def _lowest(dtype: torch.dtype) -> Any:
