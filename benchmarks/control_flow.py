@@ -28,6 +28,10 @@ bundled treebank with its own transitions: autobatch against a hand-batched stac
 per-sentence code alone (eager with the scoring MLP stubbed: the Python and the small
 per-sentence tensor ops that autobatch runs once per sentence as written, a floor).
 
+``first-call``: the first call of decode-long and of the parser in a fresh process (what a
+user's script meets: shape inference of every op not seen yet), autobatch against eager per
+example, each in a process of its own.
+
 autobatch runs as by default: once a round's groups hold fewer than ``EAGER_GROUP``
 (``fold/autobatch/driver.py``) nodes on average, the examples still paused finish as eager
 code (a padded call over memories of several lengths counts as one group, so the decoder's
@@ -346,18 +350,102 @@ def _rounds(fn) -> int:  # type: ignore[no-untyped-def]
     return len(counted)
 
 
+def first_call_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The first call in a fresh process, as a user's script meets it: decode-long's 64
+    sources and the parser's 64 sentences, autobatch against eager per example, each in a
+    process of its own (``--first-call-worker``), the median of ``--first-reps`` processes.
+    Autobatch's first call infers the shapes of every op it has not seen (see
+    ``fold/autobatch/recorder.py``, ``_stateless``); its second call is timed too."""
+    import json
+    import subprocess
+
+    rows = []
+    for work in ("decode-long", "parser"):
+        times: dict[str, list[float]] = {"autobatch": [], "second call": [], "eager": []}
+        for _ in range(args.first_reps):
+            for how in ("autobatch", "eager"):
+                cmd = [sys.executable, __file__, "--first-call-worker", work, how]
+                cmd += ["--threads", str(args.threads)]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                got = json.loads(done.stdout.strip().splitlines()[-1])
+                times[how].append(got["first"])
+                if how == "autobatch":
+                    times["second call"].append(got["second"])
+        eager = median(times["eager"])
+        for how, t in times.items():
+            rows.append(
+                {
+                    "workload": work,
+                    "method": f"{how} (first call)"
+                    if how != "second call"
+                    else "autobatch, second call",
+                    "median_ms": 1e3 * median(t),
+                    "vs_eager_first": median(t) / eager,
+                }
+            )
+    return rows
+
+
+def _first_call_worker(work: str, how: str) -> None:
+    """One fresh process's first call (and autobatch's second): printed as JSON."""
+    import json
+    import time
+
+    if work == "decode-long":
+        srcs = sources(64, 8)
+        limits = [len(s) for s in srcs]
+        torch.manual_seed(0)
+        model = Seq2Seq(eos_bias=0.0)
+        items = (srcs, limits)
+
+        def eager_fn(s, n):  # type: ignore[no-untyped-def]
+            return model.greedy(s, n)
+
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from autobatch_parser import DATA, Parser, read
+
+        raw = read(DATA / "dev.conllu")[:64]
+        vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+        items = ([torch.tensor([vocab[w] for w in s]) for s, _ in raw],)
+        torch.manual_seed(0)
+        model = Parser(len(vocab) + 1)
+
+        def eager_fn(w):  # type: ignore[no-untyped-def]
+            return model.parse(w)
+
+    def call() -> None:
+        with torch.no_grad():
+            if how == "autobatch":
+                fold.autobatch(eager_fn, *items, stack=False)
+            else:
+                [eager_fn(*x) for x in zip(*items)]
+
+    t0 = time.perf_counter()
+    call()
+    t1 = time.perf_counter()
+    call()
+    t2 = time.perf_counter()
+    print(json.dumps({"first": t1 - t0, "second": t2 - t1}))
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--first-call-worker":
+        torch.set_num_threads(int(sys.argv[5]))
+        _first_call_worker(sys.argv[2], sys.argv[3])
+        return
     ap = parser(__doc__, device=False)
     ap.add_argument("--sources", type=int, default=64)
     ap.add_argument("--sentences", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--eager-reps", type=int, default=1)
+    ap.add_argument("--first-reps", type=int, default=3, help="fresh processes per first call")
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["decode", "decode-long", "decode-limit", "parser", "rounds"],
-        default=["decode", "decode-long", "decode-limit", "parser", "rounds"],
+        choices=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
+        default=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
         help="the workloads to run (all by default)",
     )
     args = ap.parse_args()
@@ -386,6 +474,10 @@ def main() -> None:
         out["rounds"] = round_rows(args)
         print("\nper-round cost: a step of one module call and one read")
         print(table(out["rounds"], list(out["rounds"][0])))
+    if "first-call" in args.only:
+        out["first_call"] = first_call_rows(args)
+        print("\nthe first call in a fresh process (decode-long; the parser)")
+        print(table(out["first_call"], list(out["first_call"][0])))
     print(f"wrote {write_json('control_flow', out)}")
 
 

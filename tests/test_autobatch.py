@@ -1270,12 +1270,12 @@ def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
 def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tensors_else(
     monkeypatch,
 ):
-    """Shape inference runs a torch function on the example's own values, and a module of
-    a stateless type, on one example's zeros (fake tensors cost milliseconds a call, a GRU
-    over 30 steps 100 ms, and their first use 1 s of imports).  A call given a shared tensor
-    (which it could change in place) and a module of any other type run on fake tensors,
-    and so does a call that fails on zeros (an integer division by zero).  Values and
-    gradients equal eager's, float64."""
+    """Shape inference runs torch functions and modules of stateless types on one example's
+    zeros (fake tensors cost milliseconds a call, a GRU over 30 steps 100 ms, and their
+    first use 1 s of imports).  A call that could change a shared tensor in place (a name
+    with "norm", an embedding with ``max_norm``) and a module of any other type run on fake
+    tensors, and so does a call that fails on zeros (a Cholesky factor).  Values and
+    gradients equal eager's, float64; no parameter changes."""
     driver.clear_cache()
     ran = []
     for how in ("_run_zeros", "_run_fake"):
@@ -1292,24 +1292,31 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
             return super().forward(x) * 0.5
 
     torch.manual_seed(0)
-    gru, lin, sub = nn.GRU(3, 4).double(), nn.Linear(4, 4).double(), Scaled(4, 4).double()
+    gru, sub = nn.GRU(3, 4).double(), Scaled(4, 4).double()
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    table = nn.Embedding(5, 4, max_norm=1.0).double()
     scale = nn.Parameter(torch.rand(4, dtype=torch.float64))
 
     def fn(x, k):
         out, h = gru(x)
-        y = torch.softmax(lin(out) @ h[0], 0)  # (L,)
-        z = sub(torch.mul(out, scale)).sum()
+        y = torch.softmax(mlp(out) @ h[0], 0)  # (L,)
+        z = sub(torch.mul(out, scale)).sum() + F.layer_norm(out, (4,), scale).sum()
         # Zeros are not positive-definite: fake tensors infer the shape.
         c = torch.linalg.cholesky(out.T @ out + k * torch.eye(4, dtype=torch.float64))
-        return y.max() * c.diagonal().sum() + z
+        w = table(out[:, 0].abs().long().clamp(max=4)).sum()
+        return y.max() * c.diagonal().sum() + z + w
 
     xs = [torch.randn(n, 3, dtype=torch.float64) for n in (4, 2, 4, 5)]
     ks = [torch.tensor(v, dtype=torch.float64) for v in (1.0, 3.0, 2.0, 5.0)]
-    assert_same(fn, [*gru.parameters(), *lin.parameters(), *sub.parameters(), scale], xs, ks)
+    params = [*gru.parameters(), *mlp.parameters(), *sub.parameters(), scale]
+    kept = [t.clone() for t in params]
+    assert_same(fn, params, xs, ks)
+    for a, b in zip(kept, params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     zeros = {name for how, name in ran if how == "zeros"}
     fake = {name for how, name in ran if how == "fake"}
-    assert {"GRU call", "Linear call", "Tensor.__matmul__", "torch.softmax"} <= zeros - fake
-    assert {"Scaled call", "torch.mul"} <= fake - zeros
+    assert {"GRU call", "Sequential call", "Tensor.__matmul__", "torch.mul"} <= zeros - fake
+    assert {"Scaled call", "F.layer_norm", "Embedding call"} <= fake - zeros
     assert "linalg_cholesky" in zeros & fake  # zeros failed, then fake tensors ran
 
 

@@ -753,7 +753,6 @@ _STATELESS_MODULES = frozenset(
     {
         nn.Linear,
         nn.Bilinear,
-        nn.Embedding,
         nn.GRU,
         nn.LSTM,
         nn.RNN,
@@ -777,19 +776,43 @@ _STATELESS_MODULES = frozenset(
 
 
 def _stateless(op: _Op) -> bool:
-    """Whether ``op``'s shapes are inferred on zeros before fake tensors: a torch function
-    on the example's own values alone (no shared tensor, such as a running mean it could
-    update in place), or a module of ``_STATELESS_MODULES`` (its exact type: a subclass may
-    change its forward).  Fake tensors cost 1-3 ms a call in Python and, on their first use
-    in a process, 1.1 s of imports; a recurrent module runs step by step through their
-    decompositions (100-140 ms for a GRU over 30 steps, 2 ms on zeros).  One example's
-    zeros cost what one eager call of the op costs, once per op.  Zeros give the same
-    shapes; where they fail (an index out of range of an empty dim, an integer division by
-    zero), fake tensors run.  The random stream is restored either way (``_infer``)."""
+    """Whether ``op``'s shapes are inferred on zeros before fake tensors: where the call can
+    change no tensor but its own outputs.
+
+    - A module of ``_STATELESS_MODULES`` (its exact type: a subclass may change its
+      forward), an ``nn.Embedding`` without ``max_norm`` (which renormalises the table in
+      place), an ``nn.Sequential`` of such modules.
+    - A torch function (in-place ones never come here: ``_inplace_call``), but one given a
+      shared tensor that its name says it may update (``batch_norm``'s running statistics,
+      ``embedding``'s ``max_norm``: any name with "norm" or "embedding"), or a module.
+
+    Fake tensors cost 1-3 ms a call in Python and, on their first use in a process, 1.1 s of
+    imports; a recurrent module runs step by step through their decompositions (100-140 ms
+    for a GRU over 30 steps, 2 ms on zeros).  One example's zeros cost what one eager call
+    of the op costs, once per op.  Zeros give the same shapes; where they fail (an index out
+    of range of an empty dim, a Cholesky factor of zeros), fake tensors run.  The random
+    stream is restored either way (``_infer``).  Other modules (a user's own, whose forward
+    may change a buffer) run on fake tensors first, as before."""
     if op.kind == "module":
-        return type(op.fn) in _STATELESS_MODULES
+        return _stateless_module(op.fn)
+    if op.kind != "torch":
+        return False
     template = (op.args, op.kwargs)
-    return op.kind == "torch" and not _leaves(template, (torch.Tensor, nn.Module))
+    if _leaves(template, nn.Module):
+        return False
+    if not _tensors(template):
+        return True
+    name = getattr(op.fn, "__name__", None)
+    return type(name) is str and "norm" not in name and "embedding" not in name
+
+
+def _stateless_module(m: nn.Module) -> bool:
+    t = type(m)
+    if t is nn.Sequential:
+        return all(_stateless_module(c) for c in m)
+    if t is nn.Embedding:
+        return m.max_norm is None
+    return t in _STATELESS_MODULES
 
 
 # Per sequence group (an RNN call on one unbatched sequence, keyed without the sequence's
