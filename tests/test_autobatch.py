@@ -1320,6 +1320,49 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     assert "linalg_cholesky" in zeros & fake  # zeros failed, then fake tensors ran
 
 
+@pytest.mark.parametrize("read", [False, True], ids=["no-read", "after-a-read"])
+def test_random_calls_on_the_same_value_draw_their_own_numbers(read, monkeypatch):
+    """Calls on the same arguments are one node (they are taken as pure), but a call that
+    draws random numbers is not: two dropouts of one value, two ``rand_like``, and Monte
+    Carlo samples of a module with dropout on one input each draw their own, as in eager
+    code (before, each pair was one node: equal masks, equal samples).  Recorded per
+    example, and in a batched round after a read.  In eval mode the same calls are
+    deterministic: values and gradients equal eager's."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # the round after the read stays batched
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 64)  # 64 wide: two masks agree with probability 2 ** -64
+    mc = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5))
+
+    def fn(x):
+        h = lin(x)
+        if read:  # the rest recorded in a batched round, h a node of it
+            assert float(h.detach().sum()) < 1e9
+            h = lin(x) + h
+        a, b = F.dropout(h, 0.5, mc.training), F.dropout(h, 0.5, mc.training)
+        c, d = torch.rand_like(h), torch.rand_like(h)
+        return a, b, c, d, torch.stack([mc(h) for _ in range(4)])
+
+    xs = [torch.randn(6) for _ in range(32)]
+    a, b, c, d, samples = fold.autobatch(fn, xs, per_example=True)
+    with torch.no_grad():
+        h = lin(torch.stack(xs)) * (2 if read else 1)
+        kept = torch.stack([mc[0](h)] * 4, 1)
+    for x, y in ((a, b), (c, d)):
+        assert type(x) is torch.Tensor and (x != y).any(1).all()  # every example: its own
+    for i in range(4):
+        for j in range(i):
+            assert (samples[:, i] != samples[:, j]).any(1).all()
+    # What each draw kept is the value scaled by 2, the rest zeros; about half dropped.
+    for got, whole in ((a, h), (b, h), (samples, kept)):
+        dropped = got == 0
+        torch.testing.assert_close(torch.where(dropped, 2 * whole, got), 2 * whole)
+        assert 0.35 < dropped.double().mean() < 0.65
+    assert ((0 <= c) & (c < 1) & (0 <= d) & (d < 1)).all()
+
+    mc.eval()  # no draws: equal to eager, values and gradients
+    assert_same(lambda x: [*fn(x)[:2], fn(x)[4]], [*lin.parameters(), *mc.parameters()], xs)
+
+
 @pytest.mark.parametrize("form", ["methods", "functions"])
 def test_attention_over_memories_of_several_lengths_runs_one_call_per_op(form):
     """Dot attention over each example's memory (L, H) of its own length: the scores

@@ -5,6 +5,7 @@ rows merged, or as the calls a ``@batchable`` function makes)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -143,6 +144,23 @@ class _Op:
         self.ragged_call: Callable[[list[Any]], tuple[Any, ...] | None] | None = None
         self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
         self.ragged_outs: dict[Any, Any] = {}  # see _ragged_outs
+        # Whether a call draws random numbers (set by shape inference): each call is then a
+        # node of its own (see recorder._record_fresh and variant).
+        self.random = False
+        self._variant: _Op | None = None
+
+    def variant(self) -> _Op:
+        """A copy of this op, grouped apart from it (fold groups ops by identity), made
+        once: a random call on the same arguments as an earlier call of this op is recorded
+        as a variant, so that it draws its own numbers.  It runs its groups on its own, not
+        as part of another op's padded or packed group."""
+        if self._variant is None:
+            v = copy.copy(self)
+            v.fold_op, v._variant = v, None
+            v.padded_call = v.ragged_call = v.padding = None
+            v.part_outs, v.ragged_outs = {}, {}
+            self._variant = v
+        return self._variant
 
     def __repr__(self) -> str:
         return f"<autobatch op {self.__qualname__}>"

@@ -27,6 +27,7 @@ from fold.autobatch.common import (
     _current_mode,
     _fn_name,
     _rng_restore,
+    _rng_same,
     _rng_states,
     _source_line,
 )
@@ -386,6 +387,8 @@ class _Recorder:
                 _group_sequences(op, key, mode)
             elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
+        if op.random:  # (no fast table entry: every call comes here)
+            return self._record_fresh(op, fargs)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
@@ -439,6 +442,25 @@ class _Recorder:
         ):  # a known number, after a module perhaps (see _NUMBER_BRANCH)
             self._fast[(fn, kind, *args[:-1], Known, args[-1].meta)] = _entry(op, r)
         return out
+
+    def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
+        """Record a call that draws random numbers as a node of its own.  The Fold gives a
+        call on the same arguments as an earlier one that one's node (calls are taken as
+        pure): two dropouts of one value, or Monte Carlo samples of one input, would share
+        one draw.  Where it did, the call is recorded as the op's next variant (a copy of
+        it: a signature of its own, a group of its own), until a node is new."""
+        f = self.fold
+        outputs = None if op.single else len(op.outs)
+        if type(f) is not Fold:  # a recording made once (_Trace) records every call
+            target = op.fold_op
+            return op.wrap(f.op(target, outputs)(*fargs), self)
+        v = op
+        while True:
+            before = len(f)
+            nodes = f.op(v.fold_op, outputs)(*fargs)
+            if len(f) > before:
+                return v.wrap(nodes, self)
+            v = v.variant()
 
     def _typed(self, op: _Op, r: Callable[..., Any], fargs: list[Any]) -> Callable[..., Any]:
         """The round Fold's recorder of ``op`` made for these arguments' types, for a fast
@@ -661,6 +683,7 @@ class _Recorder:
         running = op.kind == _BATCHED
         _LOCAL.running += running
         rng = _rng_states()  # inference draws nothing from the user's random stream
+        self._drew = False
         try:
             if _stateless(op):
                 try:
@@ -672,6 +695,9 @@ class _Recorder:
                     out = self._run_fake(op, slots)
                 except Exception:
                     out = self._run_zeros(op, slots)
+            # A call that draws random numbers (dropout, rand_like): on zeros it moved the
+            # generator, on fake tensors it ran an op tagged as seeded (_run_fake).
+            op.random = self._drew or not _rng_same(rng, _rng_states()) or _draws(op)
         except Exception as err:
             raise FoldError(
                 f"autobatch: example {self.example}: {op.name} at {op.where or '?'} fails on "
@@ -731,13 +757,14 @@ class _Recorder:
     def _run_fake(self, op: _Op, slots: list[_Slot]) -> Any:
         if any(s.ragged for s in slots):
             raise NotImplementedError("lists run on zeros")
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with _seeded_fake_mode()(allow_non_fake_inputs=True) as mode:
             values = self._inputs(
                 op, slots, lambda sh, dt, dev: torch.empty(sh, dtype=dt, device=dev)
             )
-            return op.per_example(*values)
+            try:
+                return op.per_example(*values)
+            finally:
+                self._drew = mode.drew
 
     def _run_zeros(self, op: _Op, slots: list[_Slot]) -> Any:
         with torch.no_grad():
@@ -813,6 +840,56 @@ def _stateless_module(m: nn.Module) -> bool:
     if t is nn.Embedding:
         return m.max_norm is None
     return t in _STATELESS_MODULES
+
+
+# Modules that draw random numbers in training mode: a module holding one is taken to draw
+# (an op first recorded in eval mode may run in training mode later).
+_RANDOM_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+)
+
+
+def _draws(op: _Op) -> bool:
+    """Whether ``op`` is a module call that may draw random numbers (see above), or one of
+    a recurrent module with dropout between its layers."""
+    return op.kind == "module" and isinstance(op.fn, nn.Module) and _holds_random(op.fn, 0)
+
+
+def _holds_random(m: nn.Module, depth: int) -> bool:
+    # (Walked by hand: nn.Module.modules() hashes every module, and a module's own __hash__
+    # may do anything, see _identity_keyed.)
+    if isinstance(m, _RANDOM_MODULES) or (isinstance(m, nn.RNNBase) and m.dropout > 0):
+        return True
+    return depth < 32 and any(
+        c is not None and _holds_random(c, depth + 1) for c in m._modules.values()
+    )
+
+
+_SEEDED_FAKE: list[Any] = []
+
+
+def _seeded_fake_mode() -> Any:
+    """FakeTensorMode, noting in ``drew`` whether it ran an op tagged as drawing from a
+    random generator (made on first use: the import is slow)."""
+    if not _SEEDED_FAKE:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        class _SeededFake(FakeTensorMode):
+            drew = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if torch.Tag.nondeterministic_seeded in func.tags:
+                    self.drew = True
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        _SEEDED_FAKE.append(_SeededFake)
+    return _SEEDED_FAKE[0]
 
 
 # Per sequence group (an RNN call on one unbatched sequence, keyed without the sequence's
