@@ -60,7 +60,7 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
-static PyObject *s_token, *s_eager, *s_record, *s_module_kind;
+static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -369,8 +369,10 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
 
 /* A lazy value of an earlier round of ``rec``'s autobatch call (a decoder's memory, read by
    every later step): as the slow path's _part, its row of that round's output as a
-   batch-of-one literal, in ``*literal``.  1 where made, 0 where the slow path takes it (a
-   value of another call, or of a round not run: the slow path says so), -1 on error. */
+   batch-of-one literal, in ``*literal``, made once per value (kept in its recorder's
+   ``literals``: a memory read twice a step for 40 steps is one view, not 80).  1 where
+   made, 0 where the slow path takes it (a value of another call, or of a round not run: the
+   slow path says so), -1 on error. */
 static int
 earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
 {
@@ -391,8 +393,30 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
         Py_DECREF(values);
         return ours == NULL ? -1 : 0;
     }
-    PyObject *entry = PyDict_GetItemWithError(values, LAZY(a)->node); /* borrowed */
+    PyObject *node = LAZY(a)->node;
+    PyObject *kept = PyObject_GetAttr(old, s_literals);
+    if (kept == NULL) {
+        Py_DECREF(values);
+        return -1;
+    }
+    if (PyDict_CheckExact(kept)) {
+        PyObject *got = PyDict_GetItemWithError(kept, node); /* borrowed */
+        if (got != NULL) {
+            Py_INCREF(got);
+            *literal = got;
+            Py_DECREF(kept);
+            Py_DECREF(values);
+            return 1;
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(kept);
+            Py_DECREF(values);
+            return -1;
+        }
+    }
+    PyObject *entry = PyDict_GetItemWithError(values, node); /* borrowed */
     if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
+        Py_DECREF(kept);
         Py_DECREF(values);
         return PyErr_Occurred() ? -1 : 0;
     }
@@ -403,6 +427,9 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     *literal = PyObject_CallMethodObjArgs(src, s_narrow, g_small[0], row, g_small[1], NULL);
     Py_DECREF(src);
     Py_DECREF(row);
+    if (*literal != NULL && PyDict_CheckExact(kept) && PyDict_SetItem(kept, node, *literal) < 0)
+        Py_CLEAR(*literal);
+    Py_DECREF(kept);
     return *literal == NULL ? -1 : 1;
 }
 
@@ -1543,9 +1570,9 @@ PyInit__clazy(void)
     for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
-    PyObject **more[] = {&s_token, &s_eager, &s_record, &s_module_kind};
-    const char *more_names[] = {"token", "eager", "record", "module"};
-    for (int i = 0; i < 4; i++)
+    PyObject **more[] = {&s_token, &s_eager, &s_record, &s_module_kind, &s_literals};
+    const char *more_names[] = {"token", "eager", "record", "module", "literals"};
+    for (int i = 0; i < 5; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

@@ -234,6 +234,8 @@ class _Recorder:
         self.session = session
         self.values: dict[Any, tuple[torch.Tensor, int]] | None = None
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
+        # node -> its row of values as a batch-of-one literal of a later round, made once
+        self.literals: dict[Any, torch.Tensor] = {}
         # id(output) -> (output, output.tolist()): the numbers 0-dim integer reads take.
         self.numbers: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         self.device: torch.device | None = None
@@ -510,8 +512,12 @@ class _Recorder:
                 if self._earlier(a):
                     # Computed by an earlier round: its row, a batch-of-one literal (autograd
                     # flows back through it into that round's output).
-                    src, row = a.rec.values[a.node]
-                    fargs.append(src.narrow(0, row, 1))
+                    kept = a.rec.literals
+                    literal = kept.get(a.node)
+                    if literal is None:
+                        src, row = a.rec.values[a.node]
+                        literal = kept[a.node] = src.narrow(0, row, 1)
+                    fargs.append(literal)
                     return a.meta
                 raise _foreign(self.example)
             fargs.append(a.node)
