@@ -395,9 +395,14 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     }
     PyObject *node = LAZY(a)->node;
     PyObject *kept = PyObject_GetAttr(old, s_literals);
-    if (kept == NULL) {
-        Py_DECREF(values);
-        return -1;
+    if (kept == NULL) { /* (no table of its own: the view is made, not kept) */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_DECREF(values);
+            return -1;
+        }
+        PyErr_Clear();
+        kept = Py_None;
+        Py_INCREF(kept);
     }
     if (PyDict_CheckExact(kept)) {
         PyObject *got = PyDict_GetItemWithError(kept, node); /* borrowed */
