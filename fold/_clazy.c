@@ -60,7 +60,8 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
-static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals;
+static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
+    *s_version, *s_example, *s_base;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -327,6 +328,36 @@ key_release(Key *k)
     k->nk = k->nn = 0;
 }
 
+/* As the slow path's _part: (tensor, its version, the example) in ``rec.aliases``, for a
+   tensor (not a view: views of one tensor share its version) whose literal row is a view
+   of it (a change in place before its round runs is an error there, not a silent change
+   of the recorded call's argument).  0, -1 on error. */
+static int
+note_alias(PyObject *rec, PyObject *a)
+{
+    PyObject *base = PyObject_GetAttr(a, s_base);
+    if (base == NULL)
+        return -1;
+    Py_DECREF(base);
+    if (base != Py_None)
+        return 0;
+    PyObject *aliases = PyObject_GetAttr(rec, s_aliases);
+    if (aliases == NULL)
+        return -1;
+    int out = 0;
+    if (PyList_CheckExact(aliases)) {
+        PyObject *version = PyObject_GetAttr(a, s_version);
+        PyObject *example = version ? PyObject_GetAttr(rec, s_example) : NULL;
+        PyObject *entry = example ? PyTuple_Pack(3, a, version, example) : NULL;
+        out = entry == NULL || PyList_Append(aliases, entry) < 0 ? -1 : 0;
+        Py_XDECREF(entry);
+        Py_XDECREF(example);
+        Py_XDECREF(version);
+    }
+    Py_DECREF(aliases);
+    return out;
+}
+
 /* A per-example tensor of one or more dims that is no leaf needing a gradient (an eager
    result inside the function: a row of an earlier round, a cat of them, a torch.zeros) and
    no row of a tensor autobatch iterates over (rec._rows): as the slow path's _part, a
@@ -353,7 +384,8 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     PyObject *dtype = shape ? PyObject_GetAttr(a, s_dtype) : NULL;
     PyObject *device = dtype ? PyObject_GetAttr(a, s_device) : NULL;
     PyObject *row = device ? PyObject_CallMethodOneArg(a, s_unsqueeze, g_small[0]) : NULL;
-    if (row == NULL) {
+    if (row == NULL || note_alias(rec, a) < 0) {
+        Py_XDECREF(row);
         Py_XDECREF(shape);
         Py_XDECREF(dtype);
         Py_XDECREF(device);
@@ -1575,9 +1607,11 @@ PyInit__clazy(void)
     for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
-    PyObject **more[] = {&s_token, &s_eager, &s_record, &s_module_kind, &s_literals};
-    const char *more_names[] = {"token", "eager", "record", "module", "literals"};
-    for (int i = 0; i < 5; i++)
+    PyObject **more[] = {&s_token,    &s_eager,   &s_record, &s_module_kind,
+                         &s_literals, &s_aliases, &s_version, &s_example, &s_base};
+    const char *more_names[] = {"token",    "eager",   "record",   "module", "literals",
+                                "aliases",  "_version", "example", "_base"};
+    for (int i = 0; i < 9; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

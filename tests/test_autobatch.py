@@ -1320,6 +1320,42 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     assert "linalg_cholesky" in zeros & fake  # zeros failed, then fake tensors ran
 
 
+def test_a_tensor_changed_in_place_after_a_recorded_call_took_it_is_an_error(monkeypatch):
+    """A recorded call runs with its round, later: an eager tensor it took as an argument
+    and that the function then changes in place would reach it changed (it silently read
+    the new value).  That is a FoldError naming the example and the fix, on every path.  A
+    tensor changed after the round that read it ran (a mask updated after each read) is
+    fine: values and gradients equal eager's."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(3) for _ in range(4)]
+
+    def changed(x):
+        w = torch.ones(3, 3)
+        h = lin(x)
+        a = h @ w
+        w.add_(1)
+        return a + h @ w
+
+    for kw in ({}, {"per_example": True}, {"stack": False}):
+        with pytest.raises(
+            fold.FoldError, match=r"example 0: a tensor of shape \(3, 3\) was changed"
+        ):
+            fold.autobatch(changed, xs, **kw)
+
+    def masked(x):
+        mask, out = torch.ones(3), []
+        h = lin(x)
+        for _ in range(3):
+            s = h + mask  # (add saves no argument for backward: eager may change mask)
+            mask[int(s.detach().argmax())] = 0.0  # a read: the round with the use runs first
+            out.append(s)
+        return torch.stack(out)
+
+    assert_same(masked, list(lin.parameters()), xs)
+
+
 @pytest.mark.parametrize("read", [False, True], ids=["no-read", "after-a-read"])
 def test_random_calls_on_the_same_value_draw_their_own_numbers(read, monkeypatch):
     """Calls on the same arguments are one node (they are taken as pure), but a call that

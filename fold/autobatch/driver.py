@@ -299,6 +299,7 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     f = rec.fold
     if not len(f):
         return {}
+    rec.check_aliases()
     device = _device(rec)
     obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
     try:
@@ -549,6 +550,7 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
                 "they must be tensors (or numbers, or None throughout)."
             )
     if lists:
+        rec.check_aliases()
         device = _device(rec)
         obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
         try:

@@ -236,6 +236,9 @@ class _Recorder:
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
         # node -> its row of values as a batch-of-one literal of a later round, made once
         self.literals: dict[Any, torch.Tensor] = {}
+        # (tensor, its version, example) per eager tensor (not a view) a call took as a
+        # literal row (a view of it): see check_aliases.
+        self.aliases: list[tuple[torch.Tensor, int, int]] = []
         # id(output) -> (output, output.tolist()): the numbers 0-dim integer reads take.
         self.numbers: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         self.device: torch.device | None = None
@@ -249,6 +252,23 @@ class _Recorder:
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
+
+    def check_aliases(self) -> None:
+        """A FoldError where an eager tensor that a recorded call took as an argument (a
+        mask, a coverage vector made in the function) was changed in place after the call:
+        the call runs with its round, and would read the new value where eager code read
+        the old one.  Only tensors that are no view are checked: the views of one tensor
+        share its version counter, so a change to one row would look like a change to all
+        (a row of a tensor autobatch iterates over is read as it is when used, see rows)."""
+        for t, version, example in self.aliases:
+            if t._version != version:
+                raise FoldError(
+                    f"autobatch: example {example}: a tensor of shape {tuple(t.shape)} was "
+                    "changed in place after a recorded call took it as an argument; the call "
+                    "runs later, in its round, and would read the changed value where eager "
+                    "code read the old one. Fix: change a copy (t = t.clone() before changing "
+                    "it), or compute out of place (t = t + 1, torch.where, torch.cat)."
+                )
 
     def close(self) -> None:
         """End the recording: every later call on one of its lazy values is a FoldError.
@@ -554,6 +574,8 @@ class _Recorder:
                 fargs.append(a.item())
             else:
                 fargs.append(a.unsqueeze(0))
+                if a._base is None:  # (views of one tensor share its version: not checked)
+                    self.aliases.append((a, a._version, self.example))
             return _meta(a.shape, dtype, device)
         if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
             if _identity_keyed(a):

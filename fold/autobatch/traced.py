@@ -309,6 +309,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         return _untraceable(key, "recording", err)
     leaves, spec = _flatten(out)
     try:
+        rec.check_aliases()  # (recording per example then names the example)
         if any(c[0].kind is _PER_EXAMPLE for c in trace.calls):
             with _call_programs():
                 values = trace.run(inputs, n)
