@@ -1356,6 +1356,38 @@ def test_a_tensor_changed_in_place_after_a_recorded_call_took_it_is_an_error(mon
     assert_same(masked, list(lin.parameters()), xs)
 
 
+def test_known_values_changed_in_place_are_read_as_changed(monkeypatch):
+    """A tensor made of Python values inside the function (``torch.tensor(3)``) is known
+    while recording and passed or read as that value; changed in place (``t.add_(1)``,
+    ``t[0] = 7``, a step counter) its value is the changed tensor's from then on, read back
+    and passed to recorded calls (before, reads and calls kept the value it was made of: a
+    silent wrong answer).  A call that took it before the change keeps what it took.
+    Values and gradients equal eager's, per example and in batched rounds."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    torch.manual_seed(0)
+    lin = nn.Linear(2, 2)
+
+    def fn(x):
+        step = torch.tensor(3)
+        step.add_(1)
+        scale = torch.tensor(2.0)
+        scale.mul_(3)
+        mask = torch.tensor([1.0, 2.0])
+        # (Sums: a product would save the tensor for backward, and eager code could not
+        # change it afterwards.)
+        before = lin(x) + mask
+        mask[0] = 7.0
+        after = lin(x) + mask
+        h = lin(x) * int(step) + float(scale) + (lin(x) + scale) + before + after
+        if float(h.detach().sum()) > 1e9:  # a read: what follows is recorded in a round
+            h = h * 2
+        scale.add_(1)
+        return h + scale + lin(x) * float(scale)
+
+    xs = [torch.randn(2) for _ in range(3)]
+    assert_same(fn, list(lin.parameters()), xs)
+
+
 @pytest.mark.parametrize("read", [False, True], ids=["no-read", "after-a-read"])
 def test_random_calls_on_the_same_value_draw_their_own_numbers(read, monkeypatch):
     """Calls on the same arguments are one node (they are taken as pure), but a call that

@@ -5,6 +5,7 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from array import array
@@ -546,8 +547,10 @@ class Known:
         read (copied into its column, see ``fold.ops.literal_value``), so sharing it is
         safe, and a parser's masks make a tensor per distinct mask, not per step."""
         v = self.value
-        if type(v) is not tuple or self._made is not None:  # (its tensor may have changed)
-            return self.tensor().unsqueeze(0)
+        if type(v) is not tuple or self._made is not None:
+            # (Its tensor may change in place later, while the call waits for its round:
+            # a copy of it as it is now.)
+            return self.tensor().unsqueeze(0).clone()
         m = self.meta
         if self._plain:
             key: Any = (m, v)
@@ -614,10 +617,24 @@ class Known:
     __hash__ = object.__hash__
 
     def __getattr__(self, name: str) -> Any:  # tensor methods and attributes: on the tensor
-        return getattr(self.tensor(), name)
+        got = getattr(self.tensor(), name)
+        if name[-1:] == "_" and name[:1] != "_" and callable(got):  # add_, zero_, fill_
+            return functools.partial(_in_place, self, got)
+        return got
 
-    def __copy__(self) -> Known:
-        return self  # immutable
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tensor()[key] = value
+        self._changed()
+
+    def _changed(self) -> None:
+        """Its tensor was changed in place (``t.add_(1)``, ``t[0] = 5``): from now on its
+        value is the tensor's, not the Python value it was made of."""
+        self.number = self._plain = False
+
+    def __copy__(self) -> Known:  # (either may be changed in place later)
+        if self._made is None:
+            return Known(self.value, self.meta, self.number, None, self._plain)
+        return Known(None, self.meta, False, self._made.clone())
 
     def __deepcopy__(self, memo: Any) -> Any:
         return self.tensor().clone()
@@ -627,6 +644,13 @@ class Known:
 
 
 _TENSOR = torch.tensor  # torch's own, as fold found it at import
+
+
+def _in_place(known: Known, method: Any, *args: Any, **kwargs: Any) -> Any:
+    """An in-place method of a known value's tensor: run, then the value is the tensor's."""
+    out = method(*args, **kwargs)
+    known._changed()
+    return out
 
 
 # (meta, the numbers, or their bits) -> the batch-of-one row of a known flat list (see
