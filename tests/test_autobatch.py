@@ -296,6 +296,53 @@ def test_rows_of_a_tensor_changed_in_place_are_read_again():
         torch.testing.assert_close(g, w)
 
 
+def test_torch_functions_reach_lazy_values_directly_only_during_a_call():
+    """While autobatch runs, torch.cat, torch.softmax and kin hand a call on lazy values
+    straight to the recorder (torch's argument parsing costs 1-2 us a call); after it, they
+    are torch's own again.  A wrapper another library put over torch.cat before the call
+    is kept and sees every call; a torch-function mode on during the call sees the calls on
+    lazy values, as it would without autobatch's wrappers.  Values equal eager's."""
+    from torch.overrides import TorchFunctionMode
+
+    found = {name: getattr(torch, name) for name in ("cat", "stack", "softmax", "tanh")}
+    during = {}
+    lin = nn.Linear(2, 2)
+
+    def fn(x):
+        during.update({name: getattr(torch, name) for name in found})
+        h = lin(x)
+        return torch.softmax(torch.cat([h, torch.tanh(h)]), 0) + torch.stack([h, h]).sum()
+
+    xs = [torch.randn(2) for _ in range(3)]
+    want = torch.stack([fn(x) for x in xs])
+    torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)
+    assert all(during[name] is not f and during[name].__wrapped__ is f for name, f in found.items())
+    assert all(getattr(torch, name) is f for name, f in found.items())
+
+    seen = []
+
+    def counting_cat(*args, **kwargs):
+        seen.append(len(args[0]))
+        return found["cat"](*args, **kwargs)
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is found["cat"] and type(args[0][0]) is Lazy:  # an example's call
+                seen.append("mode")
+            return func(*args, **(kwargs or {}))
+
+    torch.cat = counting_cat
+    try:
+        torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)
+        assert torch.cat is counting_cat and seen[:3] == [2, 2, 2]  # (then fold's own)
+    finally:
+        torch.cat = found["cat"]
+    seen.clear()
+    with Counting():
+        torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)
+    assert seen == ["mode"] * 3 and torch.cat is found["cat"]
+
+
 def test_nothing_installed_outlives_the_call_and_other_wrappers_are_kept():
     """autobatch's wrappers over nn.Module.__call__ and torch.tensor exist only while a call
     runs. A counting wrapper another library installs after one call sees every module call

@@ -97,6 +97,11 @@ class _World:
             self.lazies = [a, b, c]
             per = common._PER_EXAMPLE
             T = torch.Tensor
+            # The torch functions themselves: while autobatch's wrappers are installed (as
+            # here), torch.cat is a wrapper that passes torch's own function on.
+            torch_fn = {
+                f: getattr(f, "__wrapped__", f) for f in (torch.cat, torch.stack, torch.tanh)
+            }
             self.calls = [
                 (T.chunk, "torch", (c, 2)),
                 (T.__mul__, "torch", (a, 0.5)),
@@ -105,10 +110,10 @@ class _World:
                 (T.__mul__, "torch", (a, 2)),
                 (T.sum, "torch", (a, 0, True)),
                 (torch.nan_to_num, "torch", (a, 1.5, None)),
-                (torch.cat, "torch", ([a, b],)),
-                (torch.stack, "torch", ((a, b, c[:3]),)),
+                (torch_fn[torch.cat], "torch", ([a, b],)),
+                (torch_fn[torch.stack], "torch", ((a, b, c[:3]),)),
                 (torch.add, "torch", (a, b)),
-                (torch.tanh, "torch", (c,)),
+                (torch_fn[torch.tanh], "torch", (c,)),
                 (torch.Tensor.__mul__, "torch", (a, a)),
                 (_pair, per, (a, b)),
                 (_pair, per, (c, c)),
