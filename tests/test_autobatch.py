@@ -297,27 +297,32 @@ def test_rows_of_a_tensor_changed_in_place_are_read_again():
 
 
 def test_torch_functions_reach_lazy_values_directly_only_during_a_call():
-    """While autobatch runs, torch.cat, torch.softmax and kin hand a call on lazy values
-    straight to the recorder (torch's argument parsing costs 1-2 us a call); after it, they
-    are torch's own again.  A wrapper another library put over torch.cat before the call
+    """While autobatch runs, torch.cat, torch.softmax, F.softmax and kin hand a call on lazy
+    values straight to the recorder (torch's argument parsing costs 1-2 us a call, a
+    functional's 4-6); after it, they are torch's own again.  A wrapper another library put over torch.cat before the call
     is kept and sees every call; a torch-function mode on during the call sees the calls on
     lazy values, as it would without autobatch's wrappers.  Values equal eager's."""
     from torch.overrides import TorchFunctionMode
 
     found = {name: getattr(torch, name) for name in ("cat", "stack", "softmax", "tanh")}
+    found_f = {name: getattr(F, name) for name in ("softmax", "relu")}
     during = {}
     lin = nn.Linear(2, 2)
 
     def fn(x):
         during.update({name: getattr(torch, name) for name in found})
+        during.update({"F." + name: getattr(F, name) for name in found_f})
         h = lin(x)
-        return torch.softmax(torch.cat([h, torch.tanh(h)]), 0) + torch.stack([h, h]).sum()
+        c = torch.cat([h, torch.tanh(h)], dim=0)
+        return torch.softmax(c, 0) + torch.stack([h, h]).sum() + F.softmax(F.relu(c), dim=0)
 
     xs = [torch.randn(2) for _ in range(3)]
     want = torch.stack([fn(x) for x in xs])
     torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)
-    assert all(during[name] is not f and during[name].__wrapped__ is f for name, f in found.items())
+    found_all = {**found, **{"F." + name: f for name, f in found_f.items()}}
+    assert all(during[k] is not f and during[k].__wrapped__ is f for k, f in found_all.items())
     assert all(getattr(torch, name) is f for name, f in found.items())
+    assert all(getattr(F, name) is f for name, f in found_f.items())
 
     seen = []
 

@@ -34,8 +34,9 @@ class _Patches:
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
     as_tensor: Any = None  # torch.as_tensor as found
-    # name -> the torch function as found, where _DIRECT_TORCH's wrapper is installed
-    direct: dict[str, Any] = {}
+    # (module, name) -> the torch function as found, where _DIRECT_TORCH's wrapper is
+    # installed
+    direct: dict[tuple[Any, str], Any] = {}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -129,10 +130,11 @@ def _installed() -> Any:
             p.as_tensor = torch.as_tensor
             torch.as_tensor = _recording_as_tensor
             p.direct = {}
-            for name, wrapper in _DIRECT_WRAPPERS.items():
-                if getattr(torch, name) is wrapper.__wrapped__:  # (as fold found it)
-                    p.direct[name] = wrapper.__wrapped__
-                    setattr(torch, name, wrapper)
+            for key, wrapper in _DIRECT_WRAPPERS.items():
+                where, name = key
+                if getattr(where, name) is wrapper.__wrapped__:  # (as fold found it)
+                    p.direct[key] = wrapper.__wrapped__
+                    setattr(where, name, wrapper)
         p.users += 1
     try:
         yield
@@ -146,21 +148,41 @@ def _installed() -> Any:
                     torch.tensor = p.tensor
                 if torch.as_tensor is _recording_as_tensor:
                     torch.as_tensor = p.as_tensor
-                for name, found in p.direct.items():
-                    if getattr(torch, name) is _DIRECT_WRAPPERS[name]:
-                        setattr(torch, name, found)
+                for (where, name), found in p.direct.items():
+                    if getattr(where, name) is _DIRECT_WRAPPERS[where, name]:
+                        setattr(where, name, found)
                 p.direct = {}
                 p.module_call = p.inner = p.tensor = p.as_tensor = p.token = None
 
 
 # Torch functions that per-example code calls on lazy values at every step (a decoder's
-# torch.cat and torch.softmax): while autobatch runs, each is a wrapper that hands a call
-# whose first argument (or the first element of its first, a list) is lazy straight to
+# torch.cat and F.softmax): while autobatch runs, each is a wrapper that hands a call whose
+# first argument (or the first element of its first, a list) is lazy straight to
 # Lazy.__torch_function__, as torch's dispatch would, without the argument parsing that
-# finds it (recording torch.cat([h, c]) took 3.7 us, h.tanh() 0.9).  Any other call, and
-# any call while a torch-function mode is on or torch functions are disabled, goes to the
-# function itself.
+# finds it (recording torch.cat([h, c]) took 3.7 us, F.softmax(h, 0) 6.1, h.tanh() 0.9).
+# A functional's arguments reach the recorder as given (torch's own path spells out every
+# keyword: F.softmax(h, 0) as dim=0, _stacklevel=3, dtype=None; the same call either way).
+# Any other call, and any call while a torch-function mode is on or torch functions are
+# disabled, goes to the function itself.
 _DIRECT_TORCH = ("cat", "stack", "softmax", "log_softmax", "tanh", "sigmoid", "relu", "exp")
+_DIRECT_FUNCTIONAL = (
+    "softmax",
+    "log_softmax",
+    "relu",
+    "gelu",
+    "silu",
+    "leaky_relu",
+    "elu",
+    "dropout",
+    "linear",
+    "normalize",
+)
+
+
+# Of those, the functions whose second parameter is ``dim``: ``f(x, dim=d)`` reaches the
+# recorder as ``f(x, d)``, the same call, which the recorder's fast path takes (it takes
+# no keywords).
+_DIM_SECOND = frozenset(("cat", "stack", "softmax", "log_softmax"))
 
 
 def _direct_wrapper(fn: Any) -> Any:
@@ -169,6 +191,7 @@ def _direct_wrapper(fn: Any) -> Any:
     modes_on = torch._C._is_torch_function_mode_enabled
     disabled = torch._C._is_torch_function_all_disabled
     enabled = torch._C._is_torch_function_enabled
+    dim_second = fn.__name__ in _DIM_SECOND
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
@@ -180,6 +203,8 @@ def _direct_wrapper(fn: Any) -> Any:
                 and enabled()
                 and not disabled()
             ):
+                if dim_second and len(args) == 1 and len(kwargs) == 1 and "dim" in kwargs:
+                    return dispatch(fn, types, (a, kwargs["dim"]), {})
                 return dispatch(fn, types, args, kwargs)
         return fn(*args, **kwargs)
 
@@ -187,7 +212,11 @@ def _direct_wrapper(fn: Any) -> Any:
     return call
 
 
-_DIRECT_WRAPPERS = {name: _direct_wrapper(getattr(torch, name)) for name in _DIRECT_TORCH}
+_DIRECT_WRAPPERS = {
+    (where, name): _direct_wrapper(getattr(where, name))
+    for where, names in ((torch, _DIRECT_TORCH), (torch.nn.functional, _DIRECT_FUNCTIONAL))
+    for name in names
+}
 
 
 class _PythonOf(dict):  # type: ignore[type-arg]
