@@ -123,8 +123,9 @@ How a call is recorded (the choices the contract leaves open):
   ``nn.Module.__call__`` is a wrapper that records module calls while autobatch records and
   passes every other call through, and ``torch.tensor`` one that records data holding lazy
   values (``torch.tensor([a, b])`` of recorded scalars: their stack, detached, in the dtype
-  torch infers); ``torch.cat``, ``stack``, ``softmax`` and kin hand a call on lazy values
-  straight to ``Lazy.__torch_function__`` (``patches._DIRECT_TORCH``).  All are put back
+  torch infers); ``torch.cat``, ``stack``, ``softmax``, ``F.softmax``, ``F.relu`` and kin
+  hand a call on lazy values straight to ``Lazy.__torch_function__``
+  (``patches._DIRECT_TORCH``, ``_DIRECT_FUNCTIONAL``).  All are put back
   when the call returns; a wrapper another library installs over them meanwhile is never
   dropped (see ``_Patches``).  Installing costs about
   45 us per call.  A module's op runs the module as ``nn.Module.__call__`` does (forward and
