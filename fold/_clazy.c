@@ -358,6 +358,19 @@ note_alias(PyObject *rec, PyObject *a)
     return out;
 }
 
+/* A leaf tensor that requires grad (a parameter ``W`` in ``W @ h``, shared by every call;
+   the slow path's _part makes it part of the op by identity, no node): the tensor itself,
+   after a marker, as in a list below.  1 where put in ``k``, 0 where there is no room. */
+static int
+shared_tensor(Key *k, PyObject *a)
+{
+    if (k->nk + 2 > MAX_ITEMS)
+        return 0;
+    key_item(k, g_tensor_type);
+    key_item(k, a);
+    return 1;
+}
+
 /* A per-example tensor of one or more dims that is no leaf needing a gradient (an eager
    result inside the function: a row of an earlier round, a cat of them, a torch.zeros) and
    no row of a tensor autobatch iterates over (rec._rows): as the slow path's _part, a
@@ -368,9 +381,9 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
 {
     if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
         return 0;
-    int shared = leaf_with_grad(a); /* a parameter: keyed by identity, on the slow path */
+    int shared = leaf_with_grad(a);
     if (shared != 0)
-        return shared < 0 ? -1 : 0;
+        return shared < 0 ? -1 : shared_tensor(k, a);
     PyObject *rows = PyObject_GetAttr(rec, s_rows);
     if (rows == NULL)
         return -1;
@@ -679,6 +692,15 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             k->items[k->nk++] = device;
             Py_INCREF(a);
             Py_XSETREF(k->number, a);
+        }
+        else if (PyObject_TypeCheck(a, (PyTypeObject *)g_tensor_type)) {
+            /* A tensor subclass: an nn.Parameter is shared (see shared_tensor); any other
+               takes the slow path. */
+            int shared = leaf_with_grad(a);
+            if (shared <= 0)
+                return shared;
+            if (!shared_tensor(k, a))
+                return 0;
         }
         else
             return 0;

@@ -102,6 +102,7 @@ class _World:
             torch_fn = {
                 f: getattr(f, "__wrapped__", f) for f in (torch.cat, torch.stack, torch.tanh)
             }
+            linear = getattr(nn.functional.linear, "__wrapped__", nn.functional.linear)
             self.calls = [
                 (T.chunk, "torch", (c, 2)),
                 (T.__mul__, "torch", (a, 0.5)),
@@ -114,6 +115,9 @@ class _World:
                 (torch_fn[torch.stack], "torch", ((a, b, c[:3]),)),
                 (torch.add, "torch", (a, b)),
                 (torch_fn[torch.tanh], "torch", (c,)),
+                # A parameter argument: shared by every call, keyed by identity.
+                (T.__matmul__, "torch", (self.lin.weight, a)),
+                (linear, "torch", (a, self.lin.weight, self.lin.bias)),
                 (torch.Tensor.__mul__, "torch", (a, a)),
                 (_pair, per, (a, b)),
                 (_pair, per, (c, c)),
