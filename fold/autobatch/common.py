@@ -171,3 +171,20 @@ def _rng_restore(states: list[torch.Tensor]) -> None:
     torch.random.set_rng_state(states[0])
     if len(states) > 1:
         torch.cuda.set_rng_state(states[1])
+
+
+def _is_inplace(fn: Any) -> bool:
+    """Whether torch function or method ``fn`` changes its first argument in place: a name
+    ending in one underscore (``add_``, ``copy_``, ``nn.init.normal_``), an augmented
+    assignment operator (``__iadd__``), or ``__setitem__``."""
+    name = getattr(fn, "__name__", None)
+    if type(name) is not str:
+        return False
+    if name.startswith("__") and name.endswith("__"):
+        return name == "__setitem__" or (name.startswith("__i") and name[3:-2] in _AUGMENTED)
+    return name.endswith("_") and not name.endswith("__")
+
+
+_AUGMENTED = frozenset(
+    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
+)

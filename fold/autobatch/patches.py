@@ -189,8 +189,7 @@ def _direct_wrapper(fn: Any) -> Any:
     dispatch = Lazy.__torch_function__
     types = (Lazy,)
     modes_on = torch._C._is_torch_function_mode_enabled
-    disabled = torch._C._is_torch_function_all_disabled
-    enabled = torch._C._is_torch_function_enabled
+    enabled = torch._C._is_torch_function_enabled  # (False where all are disabled, too)
     dim_second = fn.__name__ in _DIM_SECOND
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -201,7 +200,6 @@ def _direct_wrapper(fn: Any) -> Any:
                 (t is Lazy or ((t is list or t is tuple) and a and type(a[0]) is Lazy))
                 and not modes_on()
                 and enabled()
-                and not disabled()
             ):
                 if dim_second and len(args) == 1 and len(kwargs) == 1 and "dim" in kwargs:
                     return dispatch(fn, types, (a, kwargs["dim"]), {})

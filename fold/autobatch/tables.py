@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
+from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP, _is_inplace
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
 from fold.autobatch.values import _Meta
 from fold.errors import FoldError
@@ -478,23 +478,6 @@ def _polymorphic_module(module: nn.Module) -> bool:
     if isinstance(module, nn.Sequential):
         return all(_polymorphic_module(m) for m in module)
     return isinstance(module, _POLYMORPHIC_MODULES)
-
-
-def _is_inplace(fn: Any) -> bool:
-    """Whether torch function or method ``fn`` changes its first argument in place: a name
-    ending in one underscore (``add_``, ``copy_``, ``nn.init.normal_``), an augmented
-    assignment operator (``__iadd__``), or ``__setitem__``."""
-    name = getattr(fn, "__name__", None)
-    if type(name) is not str:
-        return False
-    if name.startswith("__") and name.endswith("__"):
-        return name == "__setitem__" or (name.startswith("__i") and name[3:-2] in _AUGMENTED)
-    return name.endswith("_") and not name.endswith("__")
-
-
-_AUGMENTED = frozenset(
-    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
-)
 
 
 class _InplaceTable(dict):  # type: ignore[type-arg]

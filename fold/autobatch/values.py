@@ -19,7 +19,15 @@ from fold.errors import FoldError, describe
 
 if TYPE_CHECKING:  # the recorder uses this module: names for annotations only
     from fold.autobatch.recorder import _Recorder
-from fold.autobatch.common import _BATCHED, _C, _LOCAL, _MISS, _any_autocast, _fn_name
+from fold.autobatch.common import (
+    _BATCHED,
+    _C,
+    _LOCAL,
+    _MISS,
+    _any_autocast,
+    _fn_name,
+    _is_inplace,
+)
 
 
 class _Meta:
@@ -618,7 +626,7 @@ class Known:
 
     def __getattr__(self, name: str) -> Any:  # tensor methods and attributes: on the tensor
         got = getattr(self.tensor(), name)
-        if name[-1:] == "_" and name[:1] != "_" and callable(got):  # add_, zero_, fill_
+        if _is_inplace(got):  # add_, zero_, fill_
             return functools.partial(_in_place, self, got)
         return got
 
