@@ -202,6 +202,9 @@ class Executor:
         # Literal columns of several lengths made PaddedRows, by source and rows (see
         # fold.ops.padded_rows_of)
         self._padded: dict[Any, PaddedRows] = {}
+        # The same across applies, where the caller sets a dict of its own (autobatch's
+        # rounds: fold.run.run_groups; see padded_rows_of's ``kept``).
+        self.kept_columns: dict[Any, Any] | None = None
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
         self._fns: dict[Any, Callable[..., Any]] = {}
         self._values: Values | None = None  # made when a group or an output reads rows
@@ -530,7 +533,11 @@ class Executor:
                 continue
             picked = [r[j] for r in rows]
             if any_shape(k) and not _one_shape(picked):  # (an op that takes PaddedRows)
-                v = padded_rows_of(picked, self.device, self._padded) if self.models == 1 else None
+                v = (
+                    padded_rows_of(picked, self.device, self._padded, self.kept_columns)
+                    if self.models == 1
+                    else None
+                )
                 if v is None:
                     raise _NotWhole
                 ragged = True

@@ -104,6 +104,11 @@ class PaddedOutputs:
         self.outputs = outputs
 
 
+# PaddedRows.mask's masks, (rows, length) bools, by the dtype and bytes of the rows' lengths, the
+# length and the device (at most 16; emptied when full).
+_MASKS: dict[tuple[str, bytes, int, torch.device], torch.Tensor] = {}
+
+
 class PaddedRows:
     """Rows whose values differ in length along ONE dim (attention scores over memories of
     several lengths), held as one tensor padded to the longest: row ``i``'s value is
@@ -149,12 +154,20 @@ class PaddedRows:
         )
 
     def mask(self) -> torch.Tensor:
-        """True past each row's length, shaped to broadcast against ``data``."""
+        """True past each row's length, shaped to broadcast against ``data``.  Made once per
+        lengths, length and device of the last few (``_MASKS``): a decoder's steps mask
+        scores over the same memories round after round."""
         if self._mask is None:
             data, dim = self.data, self.dim
             big = data.shape[dim]
-            lengths = torch.from_numpy(self.lengths).to(data.device)
-            past = torch.arange(big, device=data.device) >= lengths[:, None]  # (rows, big)
+            key = (self.lengths.dtype.str, self.lengths.tobytes(), big, data.device)
+            past = _MASKS.get(key)
+            if past is None:
+                lengths = torch.from_numpy(self.lengths).to(data.device)
+                past = torch.arange(big, device=data.device) >= lengths[:, None]  # (rows, big)
+                if len(_MASKS) >= 16:
+                    _MASKS.clear()
+                _MASKS[key] = past
             shape = [data.shape[0]] + [1] * (data.dim() - 1)
             shape[dim] = big
             self._mask = past.view(shape)
@@ -355,13 +368,29 @@ def _rows_in(column: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray, np.n
 
 
 def padded_rows_of(
-    column: list[torch.Tensor], device: torch.device, made: dict[Any, PaddedRows]
+    column: list[torch.Tensor],
+    device: torch.device,
+    made: dict[Any, PaddedRows],
+    kept: dict[Any, Any] | None = None,
 ) -> PaddedRows | None:
     """A literal column of batch-of-one tensors (1, L_i, ...) that differ in dim 1 alone
     as ``PaddedRows`` (zeros past each length): the rows of one marked padded tensor where
     they are (``rows_of_padded``: a decoder's memories in a later round; ``made`` holds
     those made already, so that the columns of one memory in several groups read one
-    copy), else padded together (``padded_literals``); None for any other column."""
+    copy), else padded together (``padded_literals``); None for any other column.
+
+    Rows that are a run of the padded tensor's rows in order (every example still decoding)
+    are a view of it, not a copy.  ``kept`` (a dict the caller keeps across applies:
+    autobatch's rounds) holds the columns of rows made before, by the identity of their
+    views: a decoder's later rounds read the same memories, the same view objects (see
+    ``fold.autobatch.recorder``), so a round finds them there, unless the padded tensor was
+    changed in place since (its version)."""
+    key = None
+    if kept is not None:
+        key = tuple(map(id, column))
+        entry = kept.get(key)
+        if entry is not None and entry[1]._version == entry[2]:
+            return entry[3]
     found = _rows_in(column)
     if found is None:
         t = padded_literals(column, device)
@@ -369,12 +398,26 @@ def padded_rows_of(
             return None
         return PaddedRows(t, 1, np.array(zero_past(t)[1], np.int64), zero=True)  # type: ignore[index]
     b, rows, lengths = found
-    key = (id(b), rows.tobytes())  # (b lives while the column's views do)
-    got = made.get(key)
+    made_key = (id(b), rows.tobytes())  # (b lives while the column's views do)
+    got = made.get(made_key)
     if got is None:
-        index = torch.from_numpy(rows).to(b.device)
-        t = b.narrow(1, 0, int(lengths.max())).index_select(0, index)
+        longest = int(lengths.max())
+        first = int(rows[0])
+        if rows[-1] - first == len(rows) - 1 and (np.diff(rows) == 1).all():
+            t = b.narrow(0, first, len(rows)).narrow(1, 0, longest)  # a view: rows in order
+        else:
+            index = torch.from_numpy(rows).to(b.device)
+            t = b.narrow(1, 0, longest).index_select(0, index)
         if t.device != device:
             t = t.to(device, non_blocking=True)
-        got = made[key] = PaddedRows(t, 1, lengths, zero=True)
+        got = made[made_key] = PaddedRows(t, 1, lengths, zero=True)
+    if key is not None:
+        if len(kept) >= _KEPT_COLUMNS:  # type: ignore[arg-type]
+            kept.clear()  # type: ignore[union-attr]
+        # The column itself keeps its views alive, so that no other tensor takes their ids.
+        kept[key] = (column, b, b._version, got)  # type: ignore[index]
     return got
+
+
+# The most columns a ``kept`` dict of ``padded_rows_of`` holds (emptied when full).
+_KEPT_COLUMNS = 16

@@ -129,20 +129,25 @@ def _apply(
     ]
 
 
-def run_groups(fold: Any, obj: Any) -> list[tuple[int, tuple[torch.Tensor, ...], Any, Any]]:
+def run_groups(
+    fold: Any, obj: Any, kept: dict[Any, Any] | None = None
+) -> list[tuple[int, tuple[torch.Tensor, ...], Any, Any]]:
     """Run every node of ``fold`` and return its groups as they ran: per group its signature
     id, its outputs, the node ids of their rows (an array; a whole plan's
     ``SignatureNodes``: every node of the signature, in node order) and per output the first
     of those rows (None: all 0; a part of a padded call's output of all parts).  For a caller that needs
     every node's value (autobatch's rounds): each is a row of its group's output, read
     where it lies, where ``apply`` would gather the rows of the lists it is given.  No
-    memory limits; the cyclic garbage collector paused, as in ``apply``."""
+    memory limits; the cyclic garbage collector paused, as in ``apply``.  ``kept``: a dict
+    the caller keeps from one call to the next, for the literal columns of padded rows that
+    later calls read again (``fold.ops.padded_rows_of``)."""
     with collector_paused():
         arrays = fold.snapshot()
         arrays.facts = facts_of(obj)
         plan = plan_of(arrays, fold.strategy)
         ex = Executor(arrays, obj)
         ex.groups = []
+        ex.kept_columns = kept
         try:
             ex.run(plan)
         finally:

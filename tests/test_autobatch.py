@@ -2993,3 +2993,70 @@ def test_padded_rows_read_rows_masks_and_parts():
     assert [p.tolist() for p in positions] == [[2], [0, 3], [1]]
     assert [tuple(p.shape) for p in parts] == [(1, 1, 2), (2, 2, 2), (1, 3, 2)]
     assert torch.equal(parts[1], data[[0, 3], :2])
+
+
+def test_padded_rows_of_earlier_rows_are_views_in_order_and_kept_across_calls():
+    """``padded_rows_of`` on rows of a marked padded tensor (a decoder's memories, read in a
+    later round): every row in order is a view of it (no copy), a subset an index copy;
+    with a ``kept`` dict, the same column (the same view objects) is found there on the next
+    call, unless the padded tensor was changed in place since; the mask of the same lengths
+    is made once."""
+    from fold.ops import _MASKS, mark_zero_past, padded_rows_of
+
+    lengths = [2, 4, 3]
+    b = mark_zero_past(torch.zeros(3, 4, 2), 1, lengths)
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            b[i, :n] = torch.randn(n, 2)
+    views = [b.narrow(0, i, 1).narrow(1, 0, n) for i, n in enumerate(lengths)]
+    kept: dict = {}
+    whole = padded_rows_of(views, b.device, {}, kept)
+    assert whole.data.data_ptr() == b.data_ptr() and whole.data._base is b  # a view
+    assert whole.lengths.tolist() == lengths and torch.equal(whole.data, b)
+    assert padded_rows_of(list(views), b.device, {}, kept) is whole  # kept: the same views
+    some = padded_rows_of([views[2], views[0]], b.device, {}, kept)
+    assert some.data._base is None and torch.equal(some.data, b[[2, 0], :3])  # a copy
+    with torch.no_grad():
+        b.add_(1.0)  # changed in place: what was kept of it is not used
+    again = padded_rows_of(list(views), b.device, {}, kept)
+    assert again is not whole and torch.equal(again.data, b)
+    _MASKS.clear()
+    m1 = PaddedRows(torch.zeros(3, 4), 1, np.array(lengths, np.int64)).mask()
+    m2 = PaddedRows(torch.ones(3, 4, 5), 1, np.array(lengths, np.int64)).mask()
+    assert len(_MASKS) == 1 and m1.shape == (3, 4) and m2.shape == (3, 4, 1)
+    assert m1.tolist() == [[False, False, True, True], [False] * 4, [False] * 3 + [True]]
+
+
+def test_decoder_rounds_read_the_memories_padded_once(monkeypatch):
+    """Every round of a decoder over memories of several lengths reads the same memories:
+    they are found padded from the first round that read them on (``_rows_in`` runs once per
+    column of them, not per round), values, decisions and gradients equal eager (float64)."""
+    from fold import ops as fold_ops
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    torch.manual_seed(3)
+    enc, cell = nn.GRU(3, 4).double(), nn.GRUCell(4, 4).double()
+    params = [*enc.parameters(), *cell.parameters()]
+
+    def fn(x):
+        mem, h = enc(x)
+        h, ctx = h[0], mem.mean(0)
+        for _ in range(5):
+            h = cell(ctx, h)
+            ctx = torch.softmax(mem @ h, 0) @ mem
+            if float(h.detach().sum()) > 100:  # a read: a round per step, never true
+                break
+        return ctx
+
+    xs = [torch.randn(n, 3, dtype=torch.float64) for n in (4, 2, 6, 5, 3)]
+    calls = []
+    real = fold_ops._rows_in
+    with monkeypatch.context() as m:
+        m.setattr(fold_ops, "_rows_in", lambda c: calls.append(len(c)) or real(c))
+        with torch.no_grad():
+            got = fold.autobatch(fn, xs)
+    # Once where the first step's mean reads the encoder's rows, once where the second
+    # round's attention reads them; not once per round (five rounds read them).
+    assert calls == [5, 5], calls
+    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
+    assert_same(fn, params, xs)

@@ -227,6 +227,9 @@ class _Session:
         self.rounds = 0
         self.eager = False  # the paused examples finish as eager code (see above)
         self.devices: dict[_Op, torch.device | None] = {}  # per op, see _device
+        # Literal columns of padded rows the rounds made (a decoder's memories, read by every
+        # step; ``fold.ops.padded_rows_of``), for the later rounds that read them again.
+        self.columns: dict[Any, Any] = {}
 
     def records(self) -> bool:
         """Whether the current round records (a value of an earlier round may be used)."""
@@ -304,7 +307,7 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
     try:
         with _call_programs():
-            groups = run_groups(f, obj)
+            groups = run_groups(f, obj, rec.session.columns if rec.session is not None else None)
     except FoldError as err:
         cause = err.__cause__
         if isinstance(cause, _OpFailed):
@@ -417,6 +420,7 @@ def _record(
         rec.close()
         # The session and its recorders refer to each other: no cycle left for the collector.
         session.current = None
+        session.columns.clear()
         installed.__exit__(None, None, None)
     if not results:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")

@@ -404,19 +404,7 @@ class _Op:
         shapes: list[Any] = [
             list(v.data.shape[1:]) if type(v) is PaddedRows else tuple(v.shape[1:]) for v in values
         ]
-        # The rows' shapes, one per distinct combination of their lengths.
-        if len(ragged) == 1:
-            lengths = values[ragged[0]].lengths
-            uniq, inv = np.unique(lengths, return_inverse=True)
-            combos = [(x,) for x in uniq.tolist()]
-        else:
-            stacked = np.stack([values[j].lengths for j in ragged])
-            bound = int(stacked.max()) + 1
-            key = np.zeros(stacked.shape[1], np.int64)
-            for row in stacked:
-                key = key * bound + row
-            _, first, inv = np.unique(key, return_index=True, return_inverse=True)
-            combos = [tuple(c) for c in stacked[:, first].T.tolist()]
+        combos, inv = _combinations([values[j].lengths for j in ragged])
         held = padded = 0
         for j in ragged:
             v = values[j]
@@ -584,6 +572,36 @@ class _Padded:
         k = self.dim
         extent = np.array([v.shape[k] for v in self.column for _ in range(v.shape[0])], np.int64)
         return PaddedRows(self.base, k, extent).filled(value)
+
+
+# _combinations' results by the lengths' dtypes and bytes (at most 64; emptied when full): a
+# decoder's steps read memories of the same lengths round after round.
+_COMBINATIONS: dict[tuple[Any, ...], tuple[list[tuple[int, ...]], np.ndarray]] = {}
+
+
+def _combinations(lengths: list[np.ndarray]) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """The distinct combinations of the rows' lengths (one array per ragged column), sorted,
+    and per row the index of its combination."""
+    key = tuple((x.dtype.str, x.tobytes()) for x in lengths)
+    got = _COMBINATIONS.get(key)
+    if got is not None:
+        return got
+    if len(lengths) == 1:
+        uniq, inv = np.unique(lengths[0], return_inverse=True)
+        combos = [(x,) for x in uniq.tolist()]
+    else:
+        stacked = np.stack(lengths)
+        bound = int(stacked.max()) + 1
+        code = np.zeros(stacked.shape[1], np.int64)
+        for row in stacked:
+            code = code * bound + row
+        _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+        combos = [tuple(c) for c in stacked[:, first].T.tolist()]
+    inv.flags.writeable = False  # shared by every call with these lengths
+    if len(_COMBINATIONS) >= 64:
+        _COMBINATIONS.clear()
+    got = _COMBINATIONS[key] = (combos, inv)
+    return got
 
 
 def _lowest(dtype: torch.dtype) -> Any:
