@@ -139,6 +139,22 @@ def literal_column(op: Any, pos: int, kind: Any, values: Any) -> Any:
     return number_column(op, pos, kind, values)
 
 
+class _Chained:
+    """The handles of several memos, one after another, with their number (for
+    ``handles_array``)."""
+
+    __slots__ = ("memos", "total")
+
+    def __init__(self, memos: list[dict[Any, int]], total: int) -> None:
+        self.memos, self.total = memos, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Any:
+        return itertools.chain.from_iterable([m.values() for m in self.memos])
+
+
 class GraphArrays:
     """A snapshot of a recorded graph, read through arrays; what schedulers and the executor
     take (it satisfies :class:`fold.scheduler.GraphView`).
@@ -228,14 +244,15 @@ class GraphArrays:
             if len(self._memos) == 1:  # one signature: node ids are its positions
                 h = handles_array(self._memos[0].values())
                 per_node = (np.zeros(n, np.int64), np.arange(n), depth_of(h))
-            else:
+            else:  # every signature's handles in one array, then three scatters
                 sig, pos, depth = (np.empty(n, np.int64) for _ in range(3))
-                for sid, memo in enumerate(self._memos):
-                    h = handles_array(memo.values())
-                    ids = node_id(h)
-                    sig[ids] = sid
-                    pos[ids] = np.arange(len(h))
-                    depth[ids] = depth_of(h)
+                counts = np.asarray(self.count, np.int64)
+                total = int(counts.sum())
+                h = handles_array(_Chained(self._memos, total))
+                ids = node_id(h)
+                sig[ids] = np.repeat(np.arange(len(counts)), counts)
+                pos[ids] = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+                depth[ids] = depth_of(h)
                 per_node = (sig, pos, depth)
             depth = per_node[2]
             if depth.size and depth.min() < 0:  # made from a forged (negative) handle
@@ -379,6 +396,27 @@ class GraphArrays:
                 self._check_handles(sid, entry[2], entry[3][0])
             self._columns[sid] = entry
         return entry
+
+    def node_columns(self, sid: int) -> np.ndarray:
+        """The node arguments' handles of signature ``sid``'s nodes as one int64 array, one
+        column per node position, positions after one another (column-major: column c is
+        ``[c * count : (c + 1) * count]``), not checked (see ``columns``)."""
+        entry = self._columns[sid]
+        if entry is not None:
+            return np.ascontiguousarray(entry[2].T).ravel()
+        kinds = self.signatures[sid][1]
+        if packed(kinds):
+            if len(kinds) == 1:  # one column: the keys as they are
+                return np.frombuffer(b"".join(self._memos[sid]), dtype=np.int64)
+            return np.ascontiguousarray(packed_matrix(self._memos[sid], len(kinds)).T).ravel()
+        rows = self.rows(sid)
+        return np.concatenate(
+            [
+                handles_array(list(map(itemgetter(j), rows)))
+                for j, k in enumerate(kinds)
+                if k == NODE
+            ]
+        )
 
     def _check_handles(self, sid: int, hmat: np.ndarray, ids: np.ndarray) -> None:
         """Node arguments are handles this Fold made: a handle forged from an int (a

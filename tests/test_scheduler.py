@@ -587,3 +587,68 @@ def test_lockstep_runs_a_shift_reduce_batch_a_transition_at_a_time() -> None:
     assert groups["lockstep"] < min(groups["depth"], groups["agenda"])
     assert groups["auto"] == groups["lockstep"]
     assert reduces < longest
+
+
+def _plan_form(plan):
+    """A plan as plain values: per step, per group its key, size and inputs."""
+    if plan is None:
+        return None
+
+    def rows(r):
+        if r is None or type(r) is slice:
+            return r
+        return tuple(np.asarray(r).tolist())
+
+    def source(x):
+        from fold.scheduler.plan import Pieces
+
+        if x is None:
+            return None
+        if type(x) is Pieces:
+            return ("pieces", tuple(source(p) for p in x.parts), rows(x.order))
+        return (x.sid, x.out, x.nsplit, rows(x.rows))
+
+    return (
+        plan.whole,
+        [
+            [
+                (g.key, len(g.nodes), None if g.inputs is None else tuple(map(source, g.inputs)))
+                for g in step.groups
+            ]
+            for step in plan.steps
+        ],
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_signature_schedule_of_all_columns_at_once_equals_signature_by_signature(seed) -> None:
+    """The signature plan made of every node column at once (``_fused_schedule``) is the
+    plan made signature by signature, on random recorded graphs: node arguments from earlier
+    signatures, split outputs, shared nodes (memoised calls), rows in and out of order,
+    columns reading several signatures, literal tensors and ints, and graphs whose
+    signatures read themselves (no plan)."""
+    from fold.scheduler.signature import _fused_schedule, _per_signature
+
+    rng = random.Random(seed)
+    f = fold.Fold()
+    made: dict[int, list] = {}  # per op index, the values it made (whole or split outputs)
+    nops = rng.randint(2, 6)
+    loops = rng.random() < 0.2
+    for _ in range(rng.randint(4, 60)):
+        k = rng.randrange(nops)
+        earlier = [v for o, vs in made.items() if o < k or (loops and o == k) for v in vs]
+        args = []
+        for _ in range(rng.randint(1, 3)):
+            what = rng.random()
+            if earlier and what < 0.7:
+                args.append(rng.choice(earlier))
+            elif what < 0.85:
+                args.append(rng.randrange(3))
+            else:
+                args.append(torch.zeros(1, 2))
+        node = f.add(f"op{k}_{len(args)}", *args)
+        outs = list(node.split(2)) if rng.random() < 0.3 else [node]
+        made.setdefault(k, []).extend(outs)
+    a = f.snapshot()
+    nsig = len(a.count)
+    assert _plan_form(_fused_schedule(a, nsig)) == _plan_form(_per_signature(a, nsig))

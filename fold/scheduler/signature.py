@@ -31,6 +31,7 @@ from fold._encoding import (
     LOW_MASK,
     NODE,
     any_shape,
+    depth_of,
     list_handles,
     node_id,
     out_index,
@@ -49,9 +50,9 @@ def _levels(nsig: int, pairs: np.ndarray) -> np.ndarray | None:
     + reader, distinct): 0 where it reads no node, else 1 + the highest level of the
     signatures it reads; None where some signature reads itself, directly or through
     others.  A walk over the signatures (not the nodes)."""
-    levels = np.zeros(nsig, np.int64)
     if not len(pairs):
-        return levels
+        return np.zeros(nsig, np.int64)
+    levels = [0] * nsig
     waiting = [0] * nsig  # per signature, the signatures it reads that have no level yet
     after: list[list[int]] = [[] for _ in range(nsig)]
     for s, d in zip((pairs // nsig).tolist(), (pairs % nsig).tolist()):
@@ -70,7 +71,7 @@ def _levels(nsig: int, pairs: np.ndarray) -> np.ndarray | None:
             waiting[d] -= 1
             if not waiting[d]:
                 ready.append(d)
-    return levels if done == nsig else None
+    return np.array(levels, np.int64) if done == nsig else None
 
 
 def signature_levels(a: GraphView) -> np.ndarray | None:
@@ -92,6 +93,16 @@ def signature_schedule(a: GraphView) -> Plan | None:
     if not hasattr(a, "columns"):
         levels = signature_levels(a)
         return None if levels is None else plan_by_level(levels[a.sig], a.sig, nsig)
+    if not any(LIST in kinds for _, kinds in a.signatures):
+        fused = _fused_schedule(a, nsig)
+        if fused is not _SLOW:
+            return fused  # type: ignore[return-value]
+    return _per_signature(a, nsig)
+
+
+def _per_signature(a: Any, nsig: int) -> Plan | None:
+    """``signature_schedule`` of a recorded graph, signature by signature (list arguments;
+    handles to check)."""
     # Recorded columns: what each signature reads, from its handles (no edge list), and
     # per node column its sources, each signature's columns at once.
     sig, pos = a.sig, a.pos
@@ -118,6 +129,92 @@ def signature_schedule(a: GraphView) -> Plan | None:
         return None
     plan = _whole_plan(a, levels, reads) if whole else None
     return plan if plan is not None else plan_by_level(levels[sig], sig, nsig)
+
+
+_SLOW = object()
+
+
+def _fused_schedule(a: Any, nsig: int) -> Plan | None | object:
+    """``signature_schedule`` of a graph without list arguments, every node column of every
+    signature at once: the columns one after another in one array, each step of the
+    per-signature path one array operation over all of them (an autobatch round plans a
+    dozen signatures, and numpy's cost per call was most of its planning).  The same plan as
+    the per-signature path (tests/test_scheduler.py compares them); ``_SLOW`` where a
+    handle is not one this graph made (that path names it)."""
+    sig, pos, depth = a.sig, a.pos, a.depth
+    reading = [s for s, (_op, kinds) in enumerate(a.signatures) if NODE in kinds]
+    if not reading:
+        levels = np.zeros(nsig, np.int64)
+        return (
+            _assemble(a, levels, {}) if _shapes_allow(a) else plan_by_level(levels[sig], sig, nsig)
+        )
+    counts = a.count
+    widths = [sum(k == NODE for k in a.signatures[s][1]) for s in reading]
+    handles = np.concatenate([a.node_columns(s) for s in reading])
+    # One segment per node column: its signature's count of handles.
+    seg_sig = np.repeat(np.asarray(reading, np.int64), widths)
+    seg_len = np.asarray(counts, np.int64)[seg_sig]
+    ends = np.cumsum(seg_len)
+    starts = ends - seg_len
+    ids = node_id(handles)
+    if (handles < 0).any() or (ids >= a.n).any() or (depth_of(handles) != depth[ids]).any():
+        return _SLOW
+    src = sig[ids]
+    rows = pos[ids]
+    low = handles & LOW_MASK
+    key = src * (LOW_MASK + 1) + low  # (signature, output of which split)
+    single = np.logical_and.reduceat(key == np.repeat(key[starts], seg_len), starts)
+    ok = np.empty(len(rows), bool)
+    np.equal(rows[1:] - rows[:-1], 1, out=ok[:-1])
+    ok[ends - 1] = True  # a column's last row has no next in it
+    steps = np.logical_and.reduceat(ok, starts)
+    # (read, reader) pairs: a column of one source gives one, any other each of its rows'.
+    pairs = [src[starts] * nsig + seg_sig]
+    if not single.all():
+        mixed = np.repeat(~single, seg_len)
+        pairs.append(src[mixed] * nsig + np.repeat(seg_sig, seg_len)[mixed])
+    levels = _levels(nsig, distinct(np.concatenate(pairs)))
+    if levels is None:
+        return None
+    if not _shapes_allow(a):
+        return plan_by_level(levels[sig], sig, nsig)
+    inputs: dict[int, list[Input | Pieces | None]] = {}
+    seg = 0
+    for s in reading:
+        kinds = a.signatures[s][1]
+        got: list[Input | Pieces | None] = [None] * len(kinds)
+        n = counts[s]
+        for j in (j for j, k in enumerate(kinds) if k == NODE):
+            lo = int(starts[seg])
+            if not single[seg]:
+                hi = lo + n
+                got[j] = _pieces(src[lo:hi], rows[lo:hi], low[lo:hi], key[lo:hi])
+            else:
+                first, bits, source = int(rows[lo]), int(low[lo]), int(src[lo])
+                if steps[seg]:  # a contiguous run: the output whole, or a view of it
+                    run = None if n == counts[source] else slice(first, first + n)
+                    got[j] = Input(source, out_index(bits), split_count(bits), run)
+                else:
+                    column = rows[lo : lo + n].copy()
+                    got[j] = Input(source, out_index(bits), split_count(bits), column)
+            seg += 1
+        inputs[s] = got
+    return _assemble(a, levels, inputs)
+
+
+def _assemble(a: Any, levels: np.ndarray, inputs: dict[int, list[Any]]) -> Plan:
+    """The whole plan of per-signature ``inputs`` (none for a signature that reads no node),
+    its groups by level."""
+    by_level: dict[int, list[Group]] = {}
+    for sid, (_op, kinds) in enumerate(a.signatures):
+        got = inputs.get(sid)
+        group = Group(
+            sid,
+            SignatureNodes(sid, a.count[sid]),
+            tuple(got) if got is not None else (None,) * len(kinds),
+        )
+        by_level.setdefault(int(levels[sid]), []).append(group)
+    return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
 
 
 def _shapes_allow(a: Any) -> bool:
