@@ -1227,6 +1227,21 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         if (out != g_miss)
             return out;
         Py_DECREF(out);
+        /* A value of an earlier round (``mem @ q`` with a decoder's memory at every step):
+           the recorder of the round recording now holds the entry, as the slow path
+           records it there. */
+        PyObject *cur = current_recorder();
+        if (cur == NULL && PyErr_Occurred())
+            return NULL;
+        if (cur != NULL && cur != LAZY(args[0])->rec) {
+            out = fast_now(cur, self->func, g_torch_kind, args, n);
+            Py_DECREF(cur);
+            if (out != g_miss)
+                return out;
+            Py_DECREF(out);
+        }
+        else
+            Py_XDECREF(cur);
         out = eager_now(self->func, args, n);
         if (out != g_miss)
             return out;
