@@ -520,7 +520,7 @@ class Executor:
         a = self.arrays
         op, kinds = a.signatures[sid]
         n = len(members)
-        rows = a.rows(sid)
+        rows = None  # the recorded arguments, read where a literal column needs them
         values: list[Any] = []
         plans: list[Any] = []
         ragged = False
@@ -531,6 +531,8 @@ class Executor:
                 values.append(v)
                 plans.append((Arg.INPUT, None))
                 continue
+            if rows is None:
+                rows = a.rows(sid)
             picked = [r[j] for r in rows]
             if any_shape(k) and not _one_shape(picked):  # (an op that takes PaddedRows)
                 v = (

@@ -221,6 +221,11 @@ def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple
     return outs
 
 
+# torch.tensor as fold found it: an autobatch call wraps torch.tensor while it records (a
+# known value), and its rounds convert their number columns here, recording nothing.
+_TENSOR = torch.tensor
+
+
 def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
     """One argument column of literals as a tensor on ``device``: batch-of-one tensors (kind a
     (shape, dtype) tuple) concatenated, or numbers (a numpy array; floats in the default
@@ -235,7 +240,7 @@ def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
             return column[0].to(device, non_blocking=True, copy=True)
     else:
         dtype = torch.get_default_dtype() if kind == FLOAT else None
-        t = torch.tensor(column, dtype=dtype)
+        t = _TENSOR(column, dtype=dtype)
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
