@@ -22,6 +22,7 @@ __all__ = [
     "bad_split",
     "check_outputs",
     "device_of",
+    "forget_masks",
     "literal_output",
     "literal_value",
     "op_failed",
@@ -105,8 +106,14 @@ class PaddedOutputs:
 
 
 # PaddedRows.mask's masks, (rows, length) bools, by the dtype and bytes of the rows' lengths, the
-# length and the device (at most 16; emptied when full).
+# length and the device (at most 16; emptied when full, and by forget_masks).
 _MASKS: dict[tuple[str, bytes, int, torch.device], torch.Tensor] = {}
+
+
+def forget_masks() -> None:
+    """Drop the masks ``PaddedRows.mask`` keeps (an autobatch call does when it ends, so that
+    no device memory outlives it)."""
+    _MASKS.clear()
 
 
 class PaddedRows:

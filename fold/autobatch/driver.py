@@ -26,7 +26,7 @@ from fold.autobatch.common import (
     _RNN,
     _VMAP,
 )
-from fold.autobatch.ops import _Op, _op_device, _OpFailed
+from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import (
     _KW_PARTS,
@@ -47,6 +47,7 @@ from fold.autobatch.traced import (
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, describe
 from fold.graph import Fold
+from fold.ops import forget_masks
 from fold.run import collector_paused, run_groups
 from fold.scheduler.auto import facts_of
 from fold.scheduler.chain import SignatureNodes
@@ -421,6 +422,8 @@ def _record(
         # The session and its recorders refer to each other: no cycle left for the collector.
         session.current = None
         session.columns.clear()
+        forget_masks()
+        forget_combinations()
         installed.__exit__(None, None, None)
     if not results:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")

@@ -574,9 +574,15 @@ class _Padded:
         return PaddedRows(self.base, k, extent).filled(value)
 
 
-# _combinations' results by the lengths' dtypes and bytes (at most 64; emptied when full): a
-# decoder's steps read memories of the same lengths round after round.
+# _combinations' results by the lengths' dtypes and bytes (at most 64; emptied when full, and
+# when an autobatch call ends): a decoder's steps read memories of the same lengths round
+# after round.
 _COMBINATIONS: dict[tuple[Any, ...], tuple[list[tuple[int, ...]], np.ndarray]] = {}
+
+
+def forget_combinations() -> None:
+    """Drop what ``_combinations`` keeps."""
+    _COMBINATIONS.clear()
 
 
 def _combinations(lengths: list[np.ndarray]) -> tuple[list[tuple[int, ...]], np.ndarray]:
