@@ -93,7 +93,7 @@ def signature_schedule(a: GraphView) -> Plan | None:
     if not hasattr(a, "columns"):
         levels = signature_levels(a)
         return None if levels is None else plan_by_level(levels[a.sig], a.sig, nsig)
-    if not any(LIST in kinds for _, kinds in a.signatures):
+    if hasattr(a, "node_columns") and not any(LIST in kinds for _, kinds in a.signatures):
         fused = _fused_schedule(a, nsig)
         if fused is not _SLOW:
             return fused  # type: ignore[return-value]
