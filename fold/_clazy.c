@@ -328,12 +328,12 @@ key_release(Key *k)
     k->nk = k->nn = 0;
 }
 
-/* As the slow path's _part: (tensor, its version, the example) in ``rec.aliases``, for a
-   tensor (not a view: views of one tensor share its version) whose literal row is a view
-   of it (a change in place before its round runs is an error there, not a silent change
-   of the recorded call's argument).  0, -1 on error. */
+/* As the slow path's _part: (tensor, its version, the example, the call's fn and kind) in
+   ``rec.aliases``, for a tensor (not a view: views of one tensor share its version) whose
+   literal row is a view of it (a change in place before its round runs is an error there,
+   naming the call, not a silent change of the recorded call's argument).  0, -1 on error. */
 static int
-note_alias(PyObject *rec, PyObject *a)
+note_alias(PyObject *rec, PyObject *a, PyObject *fn, PyObject *kind)
 {
     PyObject *base = PyObject_GetAttr(a, s_base);
     if (base == NULL)
@@ -348,7 +348,7 @@ note_alias(PyObject *rec, PyObject *a)
     if (PyList_CheckExact(aliases)) {
         PyObject *version = PyObject_GetAttr(a, s_version);
         PyObject *example = version ? PyObject_GetAttr(rec, s_example) : NULL;
-        PyObject *entry = example ? PyTuple_Pack(3, a, version, example) : NULL;
+        PyObject *entry = example ? PyTuple_Pack(5, a, version, example, fn, kind) : NULL;
         out = entry == NULL || PyList_Append(aliases, entry) < 0 ? -1 : 0;
         Py_XDECREF(entry);
         Py_XDECREF(example);
@@ -397,7 +397,7 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     PyObject *dtype = shape ? PyObject_GetAttr(a, s_dtype) : NULL;
     PyObject *device = dtype ? PyObject_GetAttr(a, s_device) : NULL;
     PyObject *row = device ? PyObject_CallMethodOneArg(a, s_unsqueeze, g_small[0]) : NULL;
-    if (row == NULL || note_alias(rec, a) < 0) {
+    if (row == NULL || note_alias(rec, a, k->items[0], k->items[1]) < 0) { /* fn, kind */
         Py_XDECREF(row);
         Py_XDECREF(shape);
         Py_XDECREF(dtype);

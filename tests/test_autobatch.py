@@ -1375,7 +1375,8 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
 def test_a_tensor_changed_in_place_after_a_recorded_call_took_it_is_an_error(monkeypatch):
     """A recorded call runs with its round, later: an eager tensor it took as an argument
     and that the function then changes in place would reach it changed (it silently read
-    the new value).  That is a FoldError naming the example and the fix, on every path.  A
+    the new value).  That is a FoldError naming the example, the call and the fix, on every
+    path.  A
     tensor changed after the round that read it ran (a mask updated after each read) is
     fine: values and gradients equal eager's."""
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
@@ -1392,9 +1393,23 @@ def test_a_tensor_changed_in_place_after_a_recorded_call_took_it_is_an_error(mon
 
     for kw in ({}, {"per_example": True}, {"stack": False}):
         with pytest.raises(
-            fold.FoldError, match=r"example 0: a tensor of shape \(3, 3\) was changed"
+            fold.FoldError,
+            match=r"example 0: a tensor of shape \(3, 3\) was changed in place after a "
+            r"recorded call \(Tensor.__matmul__\)",
         ):
             fold.autobatch(changed, xs, **kw)
+
+    def changed_later(x, i):  # (example 2 only: the C path took its call where it has one)
+        w = torch.ones(3, 3)
+        a = lin(w)
+        if i == 2:
+            w.add_(1)
+        return a.sum(0) + lin(x)
+
+    with pytest.raises(
+        fold.FoldError, match=r"example 2: .* after a recorded call \(Linear call\) took it"
+    ):
+        fold.autobatch(changed_later, xs, list(range(4)))
 
     def masked(x):
         mask, out = torch.ones(3), []

@@ -236,9 +236,10 @@ class _Recorder:
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
         # node -> its row of values as a batch-of-one literal of a later round, made once
         self.literals: dict[Any, torch.Tensor] = {}
-        # (tensor, its version, example) per eager tensor (not a view) a call took as a
-        # literal row (a view of it): see check_aliases.
-        self.aliases: list[tuple[torch.Tensor, int, int]] = []
+        # (tensor, its version, example, the call's fn and kind) per eager tensor (not a
+        # view) a call took as a literal row (a view of it): see check_aliases.
+        self.aliases: list[tuple[torch.Tensor, int, int, Any, str]] = []
+        self._calling: tuple[Any, str] = (None, "torch")
         # id(output) -> (output, output.tolist()): the numbers 0-dim integer reads take.
         self.numbers: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         self.device: torch.device | None = None
@@ -260,14 +261,15 @@ class _Recorder:
         the old one.  Only tensors that are no view are checked: the views of one tensor
         share its version counter, so a change to one row would look like a change to all
         (a row of a tensor autobatch iterates over is read as it is when used, see rows)."""
-        for t, version, example in self.aliases:
+        for t, version, example, fn, kind in self.aliases:
             if t._version != version:
                 raise FoldError(
                     f"autobatch: example {example}: a tensor of shape {tuple(t.shape)} was "
-                    "changed in place after a recorded call took it as an argument; the call "
-                    "runs later, in its round, and would read the changed value where eager "
-                    "code read the old one. Fix: change a copy (t = t.clone() before changing "
-                    "it), or compute out of place (t = t + 1, torch.where, torch.cat)."
+                    f"changed in place after a recorded call ({_fn_name(fn, kind)}) took it "
+                    "as an argument; the call runs later, in its round, and would read the "
+                    "changed value where eager code read the old one. Fix: change a copy "
+                    "(t = t.clone() before changing it), or compute out of place (t = t + 1, "
+                    "torch.where, torch.cat)."
                 )
 
     def close(self) -> None:
@@ -370,6 +372,7 @@ class _Recorder:
             parts[0] = (_BY_ID, id(fn))  # the op holds fn: the id stays its own
         append = parts.append
         lazies = 0
+        self._calling = (fn, kind)  # (for check_aliases, as _part notes a tensor)
         by_value = _VALUE_ARGS.get(fn) if kind == "torch" else None
         for i, a in enumerate(args):
             if type(a) is Lazy and a.rec is self:
@@ -575,7 +578,7 @@ class _Recorder:
             else:
                 fargs.append(a.unsqueeze(0))
                 if a._base is None:  # (views of one tensor share its version: not checked)
-                    self.aliases.append((a, a._version, self.example))
+                    self.aliases.append((a, a._version, self.example, *self._calling))
             return _meta(a.shape, dtype, device)
         if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
             if _identity_keyed(a):
