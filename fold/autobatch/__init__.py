@@ -97,7 +97,8 @@ How a call is recorded (the choices the contract leaves open):
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
   In-place ops on Lazy values are FoldErrors.  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
-  updated while its call waits for its round): the call would read the changed value.
+  updated while its call waits for its round): the call would read the changed value; the
+  error names the example and the call.
   Changed after a read, once the round that used it has run, it is fine.
 - A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
   ``dtype``, ``device``, ``ndim`` and ``size()``.
