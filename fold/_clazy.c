@@ -60,6 +60,7 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
+static PyObject *s_row_literal;
 static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
     *s_version, *s_example, *s_base;
 
@@ -474,7 +475,7 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     Py_INCREF(src);
     Py_INCREF(row);
     Py_DECREF(values);
-    *literal = PyObject_CallMethodObjArgs(src, s_narrow, g_small[0], row, g_small[1], NULL);
+    *literal = PyObject_CallMethodObjArgs(old, s_row_literal, src, row, NULL); /* as _part */
     Py_DECREF(src);
     Py_DECREF(row);
     if (*literal != NULL && PyDict_CheckExact(kept) && PyDict_SetItem(kept, node, *literal) < 0)
@@ -1644,11 +1645,11 @@ PyInit__clazy(void)
     for (int i = 0; i < 24; i++)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
-    PyObject **more[] = {&s_token,    &s_eager,   &s_record, &s_module_kind,
-                         &s_literals, &s_aliases, &s_version, &s_example, &s_base};
+    PyObject **more[] = {&s_token,    &s_eager,   &s_record,  &s_module_kind, &s_literals,
+                         &s_aliases,  &s_version, &s_example, &s_base,        &s_row_literal};
     const char *more_names[] = {"token",    "eager",   "record",   "module", "literals",
-                                "aliases",  "_version", "example", "_base"};
-    for (int i = 0; i < 9; i++)
+                                "aliases",  "_version", "example", "_base",  "row_literal"};
+    for (int i = 0; i < 10; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

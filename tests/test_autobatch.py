@@ -3075,3 +3075,30 @@ def test_decoder_rounds_read_the_memories_padded_once(monkeypatch):
     assert calls == [5, 5], calls
     torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
     assert_same(fn, params, xs)
+
+
+def test_earlier_rows_come_from_one_split_from_the_second_row_on():
+    """``_Recorder.row_literal``: the first row asked of an earlier round's output is a
+    narrow, every later one a view from one ``split`` of it (the same values, storage and
+    gradients as narrows); a tensor subclass or ``PaddedRows`` is narrowed."""
+    rec = recorder._Recorder()
+    src = torch.randn(4, 3, requires_grad=True) * 1.0
+    first = rec.row_literal(src, 2)
+    second = rec.row_literal(src, 0)
+    third = rec.row_literal(src, 3)
+    assert first.grad_fn.name().startswith(("Slice", "Narrow"))
+    assert second.grad_fn is third.grad_fn and "Split" in second.grad_fn.name()
+    for view, row in ((first, 2), (second, 0), (third, 3)):
+        assert view.shape == (1, 3) and torch.equal(view, src[row : row + 1])
+        assert view.data_ptr() == src[row].data_ptr()
+    w = torch.randn(3, 3)
+    (grad,) = torch.autograd.grad(((first + second * 2 + third * 3) * w).sum(), src)
+    want = torch.zeros(4, 3)
+    want[2], want[0], want[3] = w.sum(0), 2 * w.sum(0), 3 * w.sum(0)
+    torch.testing.assert_close(grad, want)
+    other = torch.randn(4, 3)  # another tensor: its own first narrow
+    assert torch.equal(rec.row_literal(other, 1), other[1:2])
+    param = nn.Parameter(torch.randn(2, 3))
+    assert rec.row_literal(param, 1).grad_fn.name().startswith(("Slice", "Narrow"))
+    padded = PaddedRows(torch.arange(12.0).view(3, 4), 1, np.array([2, 4, 1], np.int64))
+    assert torch.equal(rec.row_literal(padded, 0), torch.tensor([[0.0, 1.0]]))

@@ -236,6 +236,8 @@ class _Recorder:
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
         # node -> its row of values as a batch-of-one literal of a later round, made once
         self.literals: dict[Any, torch.Tensor] = {}
+        # id(output) -> (output, None, or all its rows as views): see row_literal.
+        self._row_views: dict[int, tuple[torch.Tensor, Any]] = {}
         # (tensor, its version, example, the call's fn and kind) per eager tensor (not a
         # view) a call took as a literal row (a view of it): see check_aliases.
         self.aliases: list[tuple[torch.Tensor, int, int, Any, str]] = []
@@ -253,6 +255,25 @@ class _Recorder:
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
+
+    def row_literal(self, src: Any, row: int) -> Any:
+        """Row ``row`` of ``src`` (an output of this recorder's round) as the batch-of-one
+        view a later round's call takes (``_part``; the C path calls this too).  The first
+        row asked of a tensor is a ``narrow``; from the second on, every row of it comes from
+        one ``split`` (a decoder's state: the next step reads every example's row).  A split
+        costs about a third of as many narrows, and in backward it is one node, where each
+        narrow makes a gradient of the whole output."""
+        if type(src) is not torch.Tensor:  # (PaddedRows, a tensor subclass)
+            return src.narrow(0, row, 1)
+        got = self._row_views.get(id(src))
+        if got is None or got[0] is not src:
+            self._row_views[id(src)] = (src, None)
+            return src.narrow(0, row, 1)
+        views = got[1]
+        if views is None:
+            views = src.split(1)
+            self._row_views[id(src)] = (src, views)
+        return views[row]
 
     def check_aliases(self) -> None:
         """A FoldError where an eager tensor that a recorded call took as an argument (a
@@ -539,7 +560,7 @@ class _Recorder:
                     literal = kept.get(a.node)
                     if literal is None:
                         src, row = a.rec.values[a.node]
-                        literal = kept[a.node] = src.narrow(0, row, 1)
+                        literal = kept[a.node] = a.rec.row_literal(src, row)
                     fargs.append(literal)
                     return a.meta
                 raise _foreign(self.example)
