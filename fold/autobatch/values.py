@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fold.errors import FoldError, describe
+from fold.ops import _TENSOR  # torch.tensor as fold found it at import
 
 if TYPE_CHECKING:  # the recorder uses this module: names for annotations only
     from fold.autobatch.recorder import _Recorder
@@ -649,9 +650,6 @@ class Known:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return (_TENSOR, (self.tensor().tolist(),), None)
-
-
-_TENSOR = torch.tensor  # torch's own, as fold found it at import
 
 
 def _in_place(known: Known, method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -186,17 +186,10 @@ def _fused_schedule(a: Any, nsig: int) -> Plan | None | object:
         n = counts[s]
         for j in (j for j, k in enumerate(kinds) if k == NODE):
             lo = int(starts[seg])
-            if not single[seg]:
-                hi = lo + n
-                got[j] = _pieces(src[lo:hi], rows[lo:hi], low[lo:hi], key[lo:hi])
-            else:
-                first, bits, source = int(rows[lo]), int(low[lo]), int(src[lo])
-                if steps[seg]:  # a contiguous run: the output whole, or a view of it
-                    run = None if n == counts[source] else slice(first, first + n)
-                    got[j] = Input(source, out_index(bits), split_count(bits), run)
-                else:
-                    column = rows[lo : lo + n].copy()
-                    got[j] = Input(source, out_index(bits), split_count(bits), column)
+            cut = slice(lo, lo + n)
+            got[j] = _column_input(
+                counts, src[cut], rows[cut], low[cut], key[cut], single[seg], steps[seg]
+            )
             seg += 1
         inputs[s] = got
     return _assemble(a, levels, inputs)
@@ -235,30 +228,44 @@ def _whole_plan(a: Any, levels: np.ndarray, reads: list[Any]) -> Plan | None:
         # Literal tensors of several shapes: the executor runs them in parts (or whole,
         # where the op takes rows of several lengths at once: ``ragged_call``).
         return None
-    by_level: dict[int, list[Group]] = {}
+    inputs: dict[int, list[Input | Pieces | None]] = {}
     for sid, (_op, kinds) in enumerate(a.signatures):
-        inputs: list[Input | Pieces | None] = [None] * len(kinds)
-        if reads[sid] is not None:
-            node_js, hmat, src, rows = reads[sid]
-            low = hmat & LOW_MASK
-            key = src * (LOW_MASK + 1) + low  # (signature, output of which split)
-            single = (key == key[0]).all(axis=0).tolist()
-            steps = (np.diff(rows, axis=0) == 1).all(axis=0).tolist()
-            for c, j in enumerate(node_js):
-                if not single[c]:
-                    inputs[j] = _pieces(src[:, c], rows[:, c], low[:, c], key[:, c])
-                    continue
-                s, bits, first = int(src[0, c]), int(low[0, c]), int(rows[0, c])
-                if steps[c]:  # a contiguous run: the output whole, or a view of it
-                    n = len(rows)
-                    run = None if n == a.count[s] else slice(first, first + n)
-                    inputs[j] = Input(s, out_index(bits), split_count(bits), run)
-                else:
-                    column = np.ascontiguousarray(rows[:, c])
-                    inputs[j] = Input(s, out_index(bits), split_count(bits), column)
-        group = Group(sid, SignatureNodes(sid, a.count[sid]), tuple(inputs))
-        by_level.setdefault(int(levels[sid]), []).append(group)
-    return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
+        if reads[sid] is None:
+            continue
+        node_js, hmat, src, rows = reads[sid]
+        low = hmat & LOW_MASK
+        key = src * (LOW_MASK + 1) + low  # (signature, output of which split)
+        single = (key == key[0]).all(axis=0).tolist()
+        steps = (np.diff(rows, axis=0) == 1).all(axis=0).tolist()
+        got: list[Input | Pieces | None] = [None] * len(kinds)
+        for c, j in enumerate(node_js):
+            got[j] = _column_input(
+                a.count, src[:, c], rows[:, c], low[:, c], key[:, c], single[c], steps[c]
+            )
+        inputs[sid] = got
+    return _assemble(a, levels, inputs)
+
+
+def _column_input(
+    counts: list[int],
+    src: np.ndarray,
+    rows: np.ndarray,
+    low: np.ndarray,
+    key: np.ndarray,
+    single: bool,
+    step: bool,
+) -> Input | Pieces:
+    """One node column of a whole plan, from its members' source signatures, rows in them,
+    low handle bits and (signature, output) keys: the output it reads whole, a run of it,
+    its rows, or where it reads several outputs, their ``Pieces``."""
+    if not single:
+        return _pieces(src, rows, low, key)
+    source, bits, first = int(src[0]), int(low[0]), int(rows[0])
+    if step:  # a contiguous run: the output whole, or a view of it
+        n = len(rows)
+        run = None if n == counts[source] else slice(first, first + n)
+        return Input(source, out_index(bits), split_count(bits), run)
+    return Input(source, out_index(bits), split_count(bits), rows.copy())
 
 
 def _pieces(src: np.ndarray, rows: np.ndarray, low: np.ndarray, key: np.ndarray) -> Pieces:
