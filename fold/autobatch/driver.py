@@ -290,11 +290,14 @@ except ImportError:  # pragma: no cover  (a dependency; without it reads stay er
 
 # The average group size of a round below which the examples still paused finish as eager
 # code: a group's fixed cost (its gathers, the op's dispatch, the executor's bookkeeping) is
-# about what that many eager calls of its op on one example cost beyond recording them
-# (a group call 150-250 us, an eager call of a small op about 11 us, recording it about 3.5;
-# CPU, benchmarks/control_flow.py: 16-32 gave the same figures within noise).  A padded
-# call over values of several lengths counts as one group.
-EAGER_GROUP = 24
+# about what that many eager calls of its op on one example cost beyond recording them.
+# Re-timed on 2026-11-26 (a ninth session), after attention's matrix-vector products took
+# torch's fast kernel: 8 against 24, four interleaved runs of 9-15 calls each, one thread,
+# medians: the parser 0.92-0.96, decode-long 0.94-1.00, decode-limit 0.97-0.99, the biased
+# decode 1.00-1.03; 0 (every round batched) made the biased decode 1.38x slower, its last
+# rounds a handful of examples.  A padded call over values of several lengths counts as
+# one group.
+EAGER_GROUP = 8
 
 
 def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
