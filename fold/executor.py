@@ -45,6 +45,7 @@ from fold.ops import (
     literal_value,
     op_failed,
     padded_literals,
+    padded_pieces,
     padded_rows_of,
     resolve_op,
     rows_of_padded,
@@ -199,6 +200,9 @@ class Executor:
         # registered yet (only an output list that is no whole output needs them).
         self._by_sig: dict[int, tuple[torch.Tensor, ...]] = {}
         self._unindexed: list[tuple[tuple[torch.Tensor, ...], Any]] = []
+        # The signature of each slot that names part of a signature's nodes (see
+        # fold.scheduler.plan.Group), for errors.
+        self._slot_sig: dict[int, int] = {}
         # Literal columns of several lengths made PaddedRows, by source and rows (see
         # fold.ops.padded_rows_of)
         self._padded: dict[Any, PaddedRows] = {}
@@ -252,7 +256,7 @@ class Executor:
             for s, step in enumerate(plan.steps):
                 for g, group in enumerate(step.groups):
                     try:
-                        self._run_inputs(s, group.nodes, group.key, group.inputs)
+                        self._run_inputs(s, group.nodes, group.key, group.inputs, group.slot)
                     except _NotWhole:
                         # Pieces of a column differ in shape: the rest on the general
                         # gathers, which run such a group in parts.
@@ -513,10 +517,16 @@ class Executor:
         return t if self.models == 1 else t.repeat_interleave(self.models, 0)
 
     def _run_inputs(
-        self, step: int, members: Any, sid: int, inputs: tuple[Input | None, ...]
+        self,
+        step: int,
+        members: Any,
+        sid: int,
+        inputs: tuple[Input | None, ...],
+        slot: int | None = None,
     ) -> None:
-        """A group of a whole plan: all of signature ``sid``'s nodes, each node column an
-        earlier group's output as it is (``inputs``); the literal columns as recorded."""
+        """A group of a whole plan: all of signature ``sid``'s nodes (or, with a ``slot``,
+        those of ``members``, an array of node ids), each node column an earlier group's
+        output as it is (``inputs``); the literal columns as recorded."""
         a = self.arrays
         op, kinds = a.signatures[sid]
         n = len(members)
@@ -533,6 +543,8 @@ class Executor:
                 continue
             if rows is None:
                 rows = a.rows(sid)
+                if slot is not None:
+                    rows = [rows[i] for i in a.pos[members].tolist()]
             picked = [r[j] for r in rows]
             if any_shape(k) and not _one_shape(picked):  # (an op that takes PaddedRows)
                 v = (
@@ -554,9 +566,13 @@ class Executor:
         else:
             outs = self._call(step, op, values, plans, n, False)
         self._measure(sid, outs, n)
-        self._by_sig[sid] = outs
+        if slot is None:
+            slot = sid
+        else:
+            self._slot_sig[slot] = sid
+        self._by_sig[slot] = outs
         self._unindexed.append((outs, members))
-        if self.groups is not None:  # (all the signature's nodes, in order)
+        if self.groups is not None:  # (the nodes of members, in order)
             self.groups.append((sid, outs, members, None))
 
     def _call_ragged(
@@ -598,14 +614,18 @@ class Executor:
         if type(src) is Pieces:
             parts = [self._input(p) for p in src.parts]
             if any(type(p) is PaddedRows for p in parts):
-                raise _NotWhole
+                # (rows of one op's groups of several lengths: one PaddedRows of them all)
+                joined = padded_pieces(parts)
+                if joined is None:
+                    raise _NotWhole
+                return joined.rows(src.order, self._index(src.order))
             first = parts[0]
             if any(p.shape[1:] != first.shape[1:] or p.dtype != first.dtype for p in parts):
                 raise _NotWhole
             return torch.cat(parts, 0).index_select(0, self._index(src.order))
         outs = self._by_sig[src.sid]
         if len(outs) != (src.nsplit or 1):
-            nid = node_id(self.arrays.first_handle(src.sid))
+            nid = node_id(self.arrays.first_handle(self._slot_sig.get(src.sid, src.sid)))
             raise bad_split(self.arrays, nid, src.nsplit, len(outs))
         out = outs[src.out]
         rows = src.rows
@@ -954,11 +974,9 @@ class Executor:
     def _index_rows(self) -> None:
         """Register the rows of a whole plan's groups, for outputs read by rows."""
         for outs, members in self._unindexed:
-            ids = members.ids(self.arrays)
-            if type(outs[0]) is PaddedRows:  # (ragged ops have one output)
-                rows, parts = outs[0].parts()
-                nodes = [ids[r] for r in rows]
-                self.values.add_parts([parts], nodes, np.concatenate(nodes))
+            ids = members.ids(self.arrays) if type(members) is SignatureNodes else members
+            if any(type(o) is PaddedRows for o in outs):
+                self.values.add_padded(outs, ids)
                 continue
             self.values.add_sources(outs, False, ids)
         self._unindexed.clear()

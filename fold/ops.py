@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from fold._encoding import FLOAT
@@ -202,6 +203,46 @@ class PaddedRows:
             part = self.data.index_select(0, index)
             values.append(part.narrow(self.dim, 0, int(sorted_lengths[lo])))
         return rows, values
+
+
+def padded_pieces(parts: list[Any]) -> PaddedRows | None:
+    """Rows of several outputs, some of them ``PaddedRows``, as ONE ``PaddedRows`` (their
+    rows one part after another): each part padded with zeros to the widest along the one
+    dim the rows differ in (an embedding of sentences of several lengths, whose one-word
+    sentences ran as an op of their own).  Zeros past every row where each part has them
+    (a tensor part has no padding).  None where the parts differ in another dim, in dtype
+    or device, or the PaddedRows parts in their ragged dim."""
+    ragged = [p for p in parts if type(p) is PaddedRows]
+    if not ragged:
+        return None
+    dim, first = ragged[0].dim, ragged[0].data
+    if any(p.dim != dim for p in ragged):
+        return None
+    datas = [p.data if type(p) is PaddedRows else p for p in parts]
+    for t in datas:
+        if (
+            t.dim() != first.dim()
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or any(t.shape[k] != first.shape[k] for k in range(1, t.dim()) if k != dim)
+        ):
+            return None
+    width = max(t.shape[dim] for t in datas)
+    padded = []
+    for t in datas:
+        short = width - t.shape[dim]
+        if short:
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, short]
+            t = F.pad(t, pad)
+        padded.append(t)
+    lengths = np.concatenate(
+        [
+            p.lengths if type(p) is PaddedRows else np.full(p.shape[0], p.shape[dim], np.int64)
+            for p in parts
+        ]
+    )
+    zero = all(p.zero for p in ragged)
+    return PaddedRows(torch.cat(padded, 0), dim, lengths, zero)
 
 
 def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ import torch
 from fold._encoding import decode, node_id, out_index, split_count, wanted_outputs
 from fold.arrays import GraphArrays, distinct
 from fold.errors import FoldError, op_name
-from fold.ops import bad_split
+from fold.ops import PaddedRows, bad_split
 
 __all__ = ["How", "Recipe", "Values"]
 
@@ -525,6 +525,22 @@ class Values:
             else:
                 self._count(seen, self.add_output(k, out, members))
         self.nout[members] = len(outputs)
+
+    def add_padded(self, outs: tuple[Any, ...], members: np.ndarray) -> None:
+        """Register the outputs of a whole plan's group some of which are ``PaddedRows`` (a
+        ragged call's: attention scores over memories of several lengths, an RNN's outputs
+        over sentences of several lengths beside its final states): such an output by its
+        rows of each length (``PaddedRows.parts``, a source per length), any other whole."""
+        self._grow(len(outs))
+        seen: dict[int, int] = {}
+        for k, out in enumerate(outs):
+            if type(out) is PaddedRows:
+                rows, parts = out.parts()
+                for c in {self.add_output(k, t, members[r]) for t, r in zip(parts, rows)}:
+                    self._count(seen, c)
+            else:
+                self._count(seen, self.add_output(k, out, members))
+        self.nout[members] = len(outs)
 
     def _count(self, seen: dict[int, int], c: int) -> None:
         """One more output of class ``c`` per node (``seen``: per class, so far for the

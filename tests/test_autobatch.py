@@ -1319,6 +1319,88 @@ def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
     assert_same_lists(got, want, [*rnn.parameters(), *emb.parameters()])
 
 
+@pytest.mark.parametrize(
+    "make, state",
+    [
+        (lambda: nn.LSTM(3, 4, bidirectional=True), False),
+        (lambda: nn.GRU(3, 4, num_layers=2), True),
+        (lambda: nn.LSTM(3, 4, batch_first=True), True),
+        (lambda: nn.RNN(3, 4, nonlinearity="relu"), False),
+    ],
+    ids=["lstm-bi", "gru-2-state", "lstm-batch-first-state", "rnn"],
+)
+def test_an_rnn_over_padded_rows_runs_whole_in_one_packed_call(monkeypatch, make, state):
+    """A tagger's encoder written per sentence (an embedding of its words, an RNN over
+    them) over sentences of several lengths: the embedding runs as one padded call, and the
+    RNN takes its padded output (``PaddedRows``) as ONE packed call of the whole group, its
+    outputs padded rows in turn; no group runs in parts (one per length), so the round is a
+    whole plan.  Per-sentence outputs (each its own length, stack=False), final states and
+    gradients equal eager per sentence (float64); with a given initial state too."""
+    from fold.autobatch import ops
+
+    torch.manual_seed(6)
+    emb, rnn, init = nn.Embedding(20, 3).double(), make().double(), nn.Linear(3, 4).double()
+    dirs, layers = 2 if rnn.bidirectional else 1, rnn.num_layers
+    whole, parts = [], []
+    real_rows, real_parts = ops._Op._packed_rows, ops._Op._packed
+    monkeypatch.setattr(
+        ops._Op, "_packed_rows", lambda self, v: whole.append(real_rows(self, v)) or whole[-1]
+    )
+    monkeypatch.setattr(
+        ops._Op, "_packed", lambda self, p: parts.append(self.name) or real_parts(self, p)
+    )
+
+    def fn(ids):
+        x = emb(ids)  # (L, 3)
+        if not state:
+            out, h = rnn(x)
+        else:
+            h0 = torch.tanh(init(x[0])).expand(layers * dirs, 4).contiguous()
+            out, h = rnn(x, (h0, h0 * 0.5) if isinstance(rnn, nn.LSTM) else h0)
+        last = h[0] if isinstance(h, tuple) else h
+        return out * 2, last + 1
+
+    sentences = [torch.randint(0, 20, (n,)) for n in (3, 5, 1, 5, 4, 2, 6)]
+    want = [fn(w) for w in sentences]
+    got = fold.autobatch(fn, sentences, stack=False)
+    assert len(whole) == 1 and type(whole[0][0]) is PaddedRows and parts == []
+    params = [*emb.parameters(), *rnn.parameters(), *(init.parameters() if state else ())]
+    assert_same_lists(got, want, params)
+    with torch.no_grad():
+        again = fold.autobatch(fn, sentences, stack=False)
+    for g, w in zip(again, want):
+        for a, b in zip(g, w):
+            assert not a.requires_grad
+            torch.testing.assert_close(a, b)
+
+
+def test_a_whole_rnn_groups_outputs_are_read_by_the_general_gathers_after_it(monkeypatch):
+    """An RNN's group over sentences of several lengths runs whole (its outputs padded rows,
+    its final states one tensor), then a call that takes no padded rows (``torch.flip`` of
+    the outputs) sends the rest of the round to the general gathers: every output of the
+    RNN's group, the padded one by its rows of each length and the states whole, is
+    registered for them.  Values and gradients equal eager (float64)."""
+    from fold import executor
+
+    torch.manual_seed(7)
+    emb, lstm = nn.Embedding(20, 3).double(), nn.LSTM(3, 4).double()
+    indexed = []
+    real = executor.Executor._index_rows
+    monkeypatch.setattr(
+        executor.Executor, "_index_rows", lambda self: indexed.append(1) or real(self)
+    )
+
+    def fn(ids):
+        out, (h, c) = lstm(emb(ids))
+        return torch.flip(out, [0]) * 2, h + c
+
+    sentences = [torch.randint(0, 20, (n,)) for n in (3, 5, 2, 5, 4, 6)]
+    want = [fn(w) for w in sentences]
+    got = fold.autobatch(fn, sentences, stack=False)
+    assert indexed
+    assert_same_lists(got, want, [*emb.parameters(), *lstm.parameters()])
+
+
 def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tensors_else(
     monkeypatch,
 ):
@@ -1661,14 +1743,40 @@ def test_padded_calls_read_an_earlier_padded_calls_outputs_in_place(monkeypatch)
     assert any(type(t) is ops._Padded for t in taken) and None in taken
 
 
+def _spy_padded_calls(monkeypatch):
+    """The names of the ops run as one padded call, in parts (``_pad_run``: the general
+    gathers' path) or whole (``_ragged_run``: a whole plan's), as they run."""
+    from fold.autobatch import ops
+
+    names = []
+    for how in ("_pad_run", "_ragged_run"):
+        real = getattr(ops._Op, how)  # (an op's padded_call is bound when made: patch here)
+        monkeypatch.setattr(
+            ops._Op, how, lambda self, v, real=real: names.append(self.name) or real(self, v)
+        )
+    return names
+
+
+def _general_gathers(monkeypatch):
+    """Rounds on the general gathers where their signatures read themselves, as before
+    such rounds were split by depth into a whole plan (``signature_schedule``'s ``split``):
+    for the tests of the gathers' padded parts, which rounds still take where no whole plan
+    can be made (a column that mixes shapes, an op that takes no padded rows)."""
+    from fold.scheduler import auto
+
+    real = auto.signature_schedule
+    monkeypatch.setattr(auto, "signature_schedule", lambda a, split=False: real(a))
+
+
 def test_padded_outputs_of_one_shape_are_one_source_for_all_lengths(monkeypatch):
-    """Over memories of several lengths, a padded call whose output has one shape for every
-    length (a mean over the memory, a context ``weights @ mem``, a packed GRU's final state)
+    """On the general gathers, over memories of several lengths, a padded call whose output
+    has one shape for every length (a mean over the memory, a context ``weights @ mem``, a packed GRU's final state)
     registers that output as one tensor of all the parts' rows; outputs whose shape follows
     the length (the GRU's states, the scores, the weights) stay one per length.  Later
     groups read both; values and gradients equal eager (float64)."""
     from fold.values import Values
 
+    _general_gathers(monkeypatch)  # (its ``+`` reads itself through the attention)
     registered = []
     real = Values.add_parts
     monkeypatch.setattr(
@@ -1700,26 +1808,29 @@ def test_padded_outputs_of_one_shape_are_one_source_for_all_lengths(monkeypatch)
 
 
 def test_a_packed_rnn_reads_an_embeddings_padded_output_in_place(monkeypatch):
-    """An LSTM over each sentence's embedded words (sentences of several lengths): the packed
-    call takes the embedding's padded output as it is, not a pad per length; values and
-    gradients equal eager (float64)."""
+    """An LSTM over each sentence's embedded words (sentences of several lengths), in a
+    round the general gathers run (its linear layer applied twice reads itself, and no
+    split plan is made here): the packed call takes the embedding's padded output as it is,
+    not a pad per length; values and gradients equal eager (float64)."""
     from fold.autobatch import ops
 
+    _general_gathers(monkeypatch)
     torch.manual_seed(4)
     emb, lstm = nn.Embedding(20, 3).double(), nn.LSTM(3, 4, bidirectional=True).double()
+    lin = nn.Linear(8, 8).double()
     taken = []
     real = ops._tiled_base
     monkeypatch.setattr(ops, "_tiled_base", lambda c, b: taken.append(real(c, b)) or taken[-1])
 
     def fn(ids):
         states, (h, _) = lstm(emb(ids))
-        return states.sum(0) + h.flatten()
+        return lin(lin(states.sum(0))) + h.flatten()
 
     sentences = [torch.randint(0, 20, (n,)) for n in (3, 5, 2, 5, 4, 1, 3)]
     want = torch.stack([fn(w) for w in sentences])
     got = fold.autobatch(fn, sentences)
     torch.testing.assert_close(got, want)
-    params = [*emb.parameters(), *lstm.parameters()]
+    params = [*emb.parameters(), *lstm.parameters(), *lin.parameters()]
     assert_same_grads(got, want, params)
     assert any(type(t) is ops._Padded for t in taken)
 
@@ -1730,16 +1841,11 @@ def test_encoder_rows_of_several_lengths_run_padded(monkeypatch):
     index run as one padded call (not a group per length); a cat whose varying value is not
     last (the root after the states), and a negative index, keep a group per length.
     Values and gradients equal eager (float64)."""
-    from fold.autobatch import ops
 
     torch.manual_seed(5)
     lin = nn.Linear(2, 3).double()
     root = nn.Parameter(torch.randn(1, 3, dtype=torch.float64))
-    padded = []
-    real = ops._Op._pad_run  # (an op's padded_call is bound when the op is made: patch below)
-    monkeypatch.setattr(
-        ops._Op, "_pad_run", lambda self, parts: padded.append(self.name) or real(self, parts)
-    )
+    padded = _spy_padded_calls(monkeypatch)
 
     def fn(x):
         states = torch.tanh(lin(x))  # (L, 3)
@@ -2766,13 +2872,14 @@ def test_random_programs_over_values_of_several_lengths_match_eager(finish, monk
     have run)."""
     from fold.autobatch import ops
 
-    real = ops._Op._pad_run
+    for how in ("_pad_run", "_ragged_run"):  # in parts or whole
+        real = getattr(ops._Op, how)
 
-    def counting(self, parts):
-        _RAGGED_PADDED_RUNS[0] += 1
-        return real(self, parts)
+        def counting(self, v, real=real):
+            _RAGGED_PADDED_RUNS[0] += 1
+            return real(self, v)
 
-    monkeypatch.setattr(ops._Op, "_pad_run", counting)
+        monkeypatch.setattr(ops._Op, how, counting)
     steps, lengths, reads = program
     torch.manual_seed(0)
     old = torch.get_default_dtype()
@@ -2789,15 +2896,10 @@ def test_random_programs_over_values_of_several_lengths_ran_padded_calls(monkeyp
     """The menu of the property test above runs as padded calls (the test is not vacuous):
     counted over the property test's examples where it ran first, and on one fixed program
     here (attention over memories of three lengths: every op of it one padded call)."""
-    from fold.autobatch import ops
 
     if _RAGGED_PADDED_RUNS[0]:
         assert _RAGGED_PADDED_RUNS[0] > 10
-    names = []
-    real = ops._Op._pad_run
-    monkeypatch.setattr(
-        ops._Op, "_pad_run", lambda self, parts: names.append(self.name) or real(self, parts)
-    )
+    names = _spy_padded_calls(monkeypatch)
     menu = RaggedMenu()
     xs = [torch.randn(n, 3) for n in (2, 4, 5)]
     fold.autobatch(lambda x: menu.run([(2, 0, 0), (4, 0, 0)], x, False), xs)
@@ -2988,18 +3090,62 @@ def test_attention_over_earlier_memories_runs_whole_as_padded_rows(monkeypatch):
     want = [fn(x, k) for x, k in zip(xs, steps)]
     got = fold.autobatch(fn, xs, steps, stack=False)
     assert_same_lists(got, want, params)
-    # The first round (the encoder, packed, and the first step) runs in parts; the three
-    # attention ops of every round after it ran whole (memories of an earlier round).
-    assert sorted(parts) == sorted(
-        ["Tensor.mean", "Tensor.__matmul__", "torch.softmax"] + ["Tensor.__matmul__"]
-    ), parts
+    # No round runs in parts: the first one's encoder runs as one packed call on the
+    # sources padded together (its outputs PaddedRows), and the mean and the three attention
+    # ops of every round as one call each, the first round's too.
+    assert parts == [], parts
+    assert sum(n.startswith("Tensor.mean") for n in ragged) == 1, ragged
     for name in ("Tensor.__matmul__", "torch.softmax"):
-        assert sum(n.startswith(name) for n in ragged) >= 3, ragged
+        assert sum(n.startswith(name) for n in ragged) >= 4, ragged
     with torch.no_grad():
         again = fold.autobatch(fn, xs, steps, stack=False)
     for g, w in zip(again, want):
         for a, b in zip(g, w):
             torch.testing.assert_close(a, b)
+
+
+def test_a_decoders_first_round_runs_whole_though_its_cat_reads_itself(monkeypatch):
+    """A greedy decoder as people write it: a GRU encoder over each source (several
+    lengths), then per step ``torch.cat`` of the token's embedding and the context before
+    the cell and ``torch.cat`` of the state and the context after it (one op: in the first
+    round, which holds the encoder and the first step, that op reads itself through the
+    cell).  Every round runs as a whole plan, the first too (the cat and the cell split by
+    depth, see ``signature_schedule``): no group runs in parts.  Tokens, per-example logits
+    and gradients equal eager (float64), every round batched."""
+    from fold.autobatch import ops
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    torch.manual_seed(8)
+    emb, enc = nn.Embedding(6, 4).double(), nn.GRU(4, 4).double()
+    cell, attn, out = nn.GRUCell(8, 4).double(), nn.Linear(4, 4).double(), nn.Linear(8, 6).double()
+    params = [*emb.parameters(), *enc.parameters(), *cell.parameters(), *attn.parameters()]
+    params += list(out.parameters())
+    parts = []
+    for name in ("_pad_run", "_packed"):
+        real = getattr(ops._Op, name)
+        monkeypatch.setattr(
+            ops._Op, name, lambda self, p, real=real: parts.append(self.name) or real(self, p)
+        )
+
+    def fn(src, steps):
+        mem, h = enc(emb(src))
+        h, ctx, tok, logits = h[0], mem.mean(0), 1, []
+        for _ in range(steps):
+            h = cell(torch.cat([emb(torch.tensor(tok)), ctx]), h)
+            ctx = torch.softmax(mem @ attn(h), 0) @ mem
+            o = out(torch.cat([h, ctx]))
+            logits.append(o)
+            tok = int(o.argmax())  # a read: a round per step
+            if tok == 0:
+                break
+        return (torch.stack(logits),)
+
+    srcs = [torch.randint(1, 6, (n,)) for n in (4, 2, 6, 5, 3, 6, 2)]
+    steps = [3, 1, 4, 2, 4, 3, 2]
+    want = [fn(s, k) for s, k in zip(srcs, steps)]
+    got = fold.autobatch(fn, srcs, steps, stack=False)
+    assert parts == [], parts
+    assert_same_lists(got, want, params)
 
 
 def test_padded_rows_read_rows_masks_and_parts():
@@ -3023,6 +3169,31 @@ def test_padded_rows_read_rows_masks_and_parts():
     assert [p.tolist() for p in positions] == [[2], [0, 3], [1]]
     assert [tuple(p.shape) for p in parts] == [(1, 1, 2), (2, 2, 2), (1, 3, 2)]
     assert torch.equal(parts[1], data[[0, 3], :2])
+
+
+def test_padded_pieces_join_padded_rows_and_tensors_of_one_ragged_dim():
+    """``padded_pieces``: PaddedRows and tensors whose rows differ in the PaddedRows' one
+    ragged dim, as one PaddedRows (each part zero-padded to the widest, rows in part order,
+    their lengths kept: a tensor part's rows all of its extent), zeros past the rows where
+    every PaddedRows part has them; None where no part is PaddedRows, or the parts differ
+    in another dim, in dtype, or in their ragged dim."""
+    from fold.ops import padded_pieces
+
+    a = PaddedRows(torch.randn(2, 4, 3), 1, np.array([4, 2], np.int64), zero=False)
+    b = torch.randn(3, 1, 3)  # three rows of length 1 (an op of their own)
+    c = PaddedRows(torch.randn(1, 5, 3), 1, np.array([5], np.int64), zero=True)
+    joined = padded_pieces([a, b, c])
+    assert joined.dim == 1 and joined.lengths.tolist() == [4, 2, 1, 1, 1, 5]
+    assert tuple(joined.data.shape) == (6, 5, 3) and not joined.zero
+    for i, want in enumerate([a[0], a[1], b[0], b[1], b[2], c[0]]):
+        assert torch.equal(joined[i], want)
+    assert bool((joined.data[2:5, 1:] == 0).all())  # the tensor part padded with zeros
+    assert padded_pieces([b, c]).zero
+    assert padded_pieces([b, b]) is None  # no PaddedRows
+    assert padded_pieces([a, torch.randn(3, 1, 2)]) is None  # another dim differs
+    assert padded_pieces([a, b.half()]) is None  # another dtype
+    other = PaddedRows(torch.randn(2, 4, 3), 2, np.array([3, 2], np.int64))
+    assert padded_pieces([a, other]) is None  # another ragged dim
 
 
 def test_padded_rows_of_earlier_rows_are_views_in_order_and_kept_across_calls():

@@ -251,6 +251,78 @@ def _same_as_unfold(model: nn.Module, record) -> fold.Fold:
     return folded
 
 
+class _Cycle(_Branches):
+    """A ``pair`` before a ``cell`` and another after it: one op, as a decoder's first step
+    calls one ``torch.cat`` before its cell and one after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin4 = nn.Linear(8, 4)
+
+    def cell(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin4(x))
+
+
+def test_signature_plan_split_by_depth_where_signatures_read_themselves() -> None:
+    """``pair`` reads ``cell``, which reads ``pair``: no plan of one group per signature.
+    With ``split``, the signatures on the cycle are grouped by depth (``pair`` at two
+    depths, named by slots past the signatures), the others kept whole (``leaf``, ``head``):
+    a whole plan, each group reading only groups of earlier steps, whose run gives Unfold's
+    values and gradients (float64)."""
+    from fold.executor import Executor
+
+    torch.manual_seed(3)
+    model = _Cycle().double()
+    words = [(3, 1), (4, 1), (5, 9), (2, 6), (5, 3)]
+
+    def record(f):
+        outs = []
+        for a, b in words:
+            x, y = f.add("leaf", a), f.add("leaf", b)
+            h = f.add("cell", f.add("pair", x, y))
+            outs.append(f.add("head", f.add("pair", h, y)))
+        return outs
+
+    f = fold.Fold()
+    outs = record(f)
+    a = f.snapshot()
+    assert signature_schedule(a) is None
+    plan = signature_schedule(a, split=True)
+    assert plan is not None and plan.whole
+    nsig = len(a.count)
+    names = {sid: op for sid, (op, _) in enumerate(a.signatures)}
+    step_of: dict[int, int] = {}
+    seen = []
+    for s, step in enumerate(plan.steps):
+        for g in step.groups:
+            slot = g.key if g.slot is None else g.slot
+            assert (g.slot is None) == (names[g.key] in ("leaf", "head"))
+            assert g.slot is None or g.slot >= nsig
+            for src in g.inputs:
+                if src is not None:
+                    for part in getattr(src, "parts", (src,)):
+                        assert step_of[part.sid] < s  # an earlier step's group
+            step_of[slot] = s
+            seen.extend(a.ids(g.key) if g.slot is None else g.nodes)
+    assert sorted(int(x) for x in seen) == list(range(a.n))  # every node once
+    assert sorted(len(g.nodes) for st in plan.steps for g in st.groups if g.slot) == [5, 5, 5]
+    results = []
+    for how in ("split", "unfold"):
+        model.zero_grad()
+        if how == "split":
+            ex = Executor(a, model)
+            ex.run(plan)
+            h = ex.output("nodes", outs, 0)
+        else:
+            u = fold.Unfold(model)
+            (h,) = u.apply(model, [record(u)])
+        (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
+        results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for x, y in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(x, y)
+
+
 class _Widths(nn.Module):
     def __init__(self) -> None:
         super().__init__()

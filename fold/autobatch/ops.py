@@ -316,6 +316,46 @@ class _Op:
             start += k
         return PaddedOutputs([seqs, *hs])
 
+    def _packed_ragged(self, values: list[Any]) -> tuple[Any, ...] | None:
+        """``ragged_call`` of an RNN's sequence group: a whole group whose sequences arrive
+        as ``PaddedRows`` (an embedding of each example's tokens, run as one padded call) as
+        ONE packed call, as ``_packed`` runs a group's parts, with no parts: the outputs as
+        ``PaddedRows`` of the same lengths (zeros past each), the final states one tensor.
+        None where the sequences are no ``PaddedRows`` along their time dim, a state is, or
+        a sequence is empty (pack refuses it): the caller then runs the group in parts."""
+        return self._recorded(
+            self._packed_rows, values, [v.data if type(v) is PaddedRows else v for v in values]
+        )
+
+    def _packed_rows(self, values: list[Any]) -> tuple[Any, ...] | None:
+        args, _ = _fill((self.args, self.kwargs), values)
+        x = args[0]
+        if type(x) is not PaddedRows or x.dim != 1 or x.data.dim() != 3:
+            return None
+        states = args[1] if len(args) > 1 else None
+        parts = states if type(states) in (tuple, list) else (states,)
+        if any(type(s) is PaddedRows for s in parts) or any(
+            type(a) is PaddedRows for a in args[2:]
+        ):
+            return None
+        lengths = x.lengths
+        if not len(lengths) or int(lengths.min()) == 0:
+            return None
+        longest = int(lengths.max())
+        packed = pack_padded_sequence(
+            x.data, torch.from_numpy(lengths), batch_first=True, enforce_sorted=False
+        )
+        hx = None
+        if states is not None:  # (n, layers, H) each, as the parts give them
+            hx = tuple(s.transpose(0, 1).contiguous() for s in parts)
+            if type(states) not in (tuple, list):
+                hx = hx[0]
+        out, h = self.call(packed, hx)
+        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0].contiguous()
+        mark_zero_past(out, 1, lengths.tolist())
+        hs = h if type(h) is tuple else (h,)
+        return (PaddedRows(out, 1, lengths, zero=True), *[t.transpose(0, 1) for t in hs])
+
     def _padded_parts(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
         """``padded_call`` of a group op (``padding`` set): the parts of a group, each of one
         shape (attention scores over memories of one length), as ONE call on the values

@@ -963,6 +963,7 @@ def _group_sequences(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     if first is None:
         first = _SEQUENCE_OPS[group] = op
         op.padded_call = op._packed_parts
+        op.ragged_call = op._packed_ragged
     op.fold_op = first
 
 

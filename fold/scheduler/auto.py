@@ -32,10 +32,13 @@ The rule:
 
 0. where an op of the graph that takes literal rows of several lengths at once
    (fold.autobatch's ops that pad, ``ragged_call``) is given rows of several lengths
-   (attention over memories of several lengths), plan one
-   group per signature as a whole plan (see step 3), where the columns allow one: no plan
-   has fewer groups, and each such group runs as one call on its rows padded, where the
-   general gathers would run it in parts, one per length;
+   (attention over memories of several lengths, an encoder over sentences of several
+   lengths), plan one group per signature as a whole plan (see step 3), where the columns
+   allow one: no plan has fewer groups, and each such group runs as one call on its rows
+   padded, where the general gathers would run it in parts, one per length.  Signatures
+   that read themselves (a decoder's first round, whose ``cat`` before its cell and after it
+   are one op) are split by depth there, the rest kept whole (``signature_schedule`` with
+   ``split``);
 1. plan by depth (cheap: a sort, about 0.5 ms for 5k nodes);
 2. if that plan has one group per signature, no schedule can have fewer, and depth reads
    every column from its source in order where one exists: take it (trees with list
@@ -257,7 +260,7 @@ def auto_schedule(a: GraphView) -> Plan:
         # over memories of several lengths: ``ragged_call``): one group per signature as a
         # whole plan, where the columns allow one; each such group is then one call on its
         # rows padded, not a call in parts as the general gathers make it.
-        whole = signature_schedule(a)
+        whole = signature_schedule(a, split=True)
         if whole is not None and whole.whole:
             return whole
     plan = depth_schedule(a)

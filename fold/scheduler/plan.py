@@ -85,7 +85,8 @@ class ArrayGraph:
 
 class Input(NamedTuple):
     """A node argument column that is one output of an earlier group of a whole plan:
-    output ``out`` of the group of signature ``sid``, from handles of ``split(nsplit)``
+    output ``out`` of the group of signature ``sid`` (or of slot ``sid``, see
+    :class:`Group`), from handles of ``split(nsplit)``
     (0: used whole); row for row, or where ``rows`` is given, those rows of it: an int64
     array, one entry per member (one ``index_select``), or a slice of a contiguous run (a
     view)."""
@@ -115,11 +116,17 @@ class Group:
     arguments where there are any.  ``inputs``, set by a planner that knows them, gives per
     argument position the :class:`Input` its column is (None at literal positions); the
     executor then takes those outputs as they are instead of gathering rows.
+
+    ``slot``: in a whole plan whose signatures that read themselves are split by depth
+    (``fold.scheduler.signature``), the number its :class:`Input` readers name this group's
+    outputs by, where it holds part of its signature's nodes (an int64 array of their ids,
+    in order); None: the signature id, the group holding all of its nodes.
     """
 
     key: Any
     nodes: Any  # Sequence[int] | numpy.ndarray
     inputs: tuple[Input | Pieces | None, ...] | None = None
+    slot: int | None = None
 
 
 @dataclass(slots=True, eq=False)

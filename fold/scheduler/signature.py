@@ -83,10 +83,16 @@ def signature_levels(a: GraphView) -> np.ndarray | None:
     return _levels(nsig, distinct(sig[src] * nsig + sig[dst]) if len(src) else src)
 
 
-def signature_schedule(a: GraphView) -> Plan | None:
+def signature_schedule(a: GraphView, split: bool = False) -> Plan | None:
     """Every signature's nodes as one group, the groups in order of the signatures' levels
     (see above): a whole plan where the recorded columns allow one; None where a signature
-    reads itself, or where nobatch nodes give nodes group keys of their own."""
+    reads itself, or where nobatch nodes give nodes group keys of their own.
+
+    With ``split``, where signatures read themselves (a decoder's first round: the ``cat``
+    before its cell and the one after it are one op) and the graph has no list arguments,
+    the signatures on such cycles are split by depth and the others kept whole: a whole
+    plan still (see ``_split_schedule``), for a round whose ops take rows of several lengths
+    at once, which the general gathers would run in parts."""
     if a.n == 0 or a.keys() is not None:
         return None
     nsig = len(a.count)
@@ -94,7 +100,7 @@ def signature_schedule(a: GraphView) -> Plan | None:
         levels = signature_levels(a)
         return None if levels is None else plan_by_level(levels[a.sig], a.sig, nsig)
     if hasattr(a, "node_columns") and not any(LIST in kinds for _, kinds in a.signatures):
-        fused = _fused_schedule(a, nsig)
+        fused = _fused_schedule(a, nsig, split)
         if fused is not _SLOW:
             return fused  # type: ignore[return-value]
     return _per_signature(a, nsig)
@@ -134,7 +140,7 @@ def _per_signature(a: Any, nsig: int) -> Plan | None:
 _SLOW = object()
 
 
-def _fused_schedule(a: Any, nsig: int) -> Plan | None | object:
+def _fused_schedule(a: Any, nsig: int, split: bool = False) -> Plan | None | object:
     """``signature_schedule`` of a graph without list arguments, every node column of every
     signature at once: the columns one after another in one array, each step of the
     per-signature path one array operation over all of them (an autobatch round plans a
@@ -173,8 +179,11 @@ def _fused_schedule(a: Any, nsig: int) -> Plan | None | object:
     if not single.all():
         mixed = np.repeat(~single, seg_len)
         pairs.append(src[mixed] * nsig + np.repeat(seg_sig, seg_len)[mixed])
-    levels = _levels(nsig, distinct(np.concatenate(pairs)))
+    found = distinct(np.concatenate(pairs))
+    levels = _levels(nsig, found)
     if levels is None:
+        if split and _shapes_allow(a):
+            return _split_schedule(a, nsig, _cyclic(nsig, found), reading, widths)
         return None
     if not _shapes_allow(a):
         return plan_by_level(levels[sig], sig, nsig)
@@ -193,6 +202,106 @@ def _fused_schedule(a: Any, nsig: int) -> Plan | None | object:
             seg += 1
         inputs[s] = got
     return _assemble(a, levels, inputs)
+
+
+def _cyclic(nsig: int, pairs: np.ndarray) -> np.ndarray:
+    """Per signature, whether it lies on a cycle of the graph of signatures ``pairs`` (read
+    * nsig + reader): reads itself, directly or through others.  Those are the signatures
+    that both reach and are reached by one they read (a walk over the signatures)."""
+    after: list[list[int]] = [[] for _ in range(nsig)]
+    before: list[list[int]] = [[] for _ in range(nsig)]
+    for s, d in zip((pairs // nsig).tolist(), (pairs % nsig).tolist()):
+        after[s].append(d)
+        before[d].append(s)
+
+    def reach(start: list[int], edges: list[list[int]]) -> set[int]:
+        seen: set[int] = set()
+        todo = list(start)
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(edges[x])
+        return seen
+
+    out = np.zeros(nsig, bool)
+    for s in range(nsig):
+        if not out[s] and s in reach(after[s], after):  # s reaches itself
+            cycle = reach(after[s], after) & reach(before[s], before)
+            out[list(cycle)] = True
+    return out
+
+
+def _split_schedule(
+    a: Any, nsig: int, cyclic: np.ndarray, reading: list[int], widths: list[int]
+) -> Plan | None:
+    """The whole plan of a graph whose ``cyclic`` signatures read themselves: each of those
+    signatures' nodes grouped by depth, each other signature whole; a group of part of a
+    signature's nodes is named by a slot (see :class:`~fold.scheduler.plan.Group`) from
+    ``nsig`` on.  Its groups read only groups of lower levels: along an edge a split group's
+    depth grows, and no whole signature lies on a cycle."""
+    sig, pos, depth = a.sig, a.pos, a.depth
+    n = a.n
+    vid = sig.copy()  # per node its group's slot
+    split = cyclic[sig]
+    pieces = sig[split] * (int(depth.max()) + 1) + depth[split]
+    uniq, inv = np.unique(pieces, return_inverse=True)
+    vid[split] = nsig + inv
+    nv = nsig + len(uniq)
+    vcount = np.bincount(vid, minlength=nv)
+    order = np.argsort(vid, kind="stable")  # per slot its nodes, in node order
+    first = np.cumsum(vcount) - vcount
+    posv = np.empty(n, np.int64)
+    posv[order] = np.arange(n) - np.repeat(first, vcount)
+    slot_sig = np.concatenate([np.arange(nsig), uniq // (int(depth.max()) + 1)])
+    counts = vcount.tolist()
+    columns = {s: (a.node_columns(s), w) for s, w in zip(reading, widths)}
+    inputs: dict[int, list[Input | Pieces | None]] = {}
+    members: dict[int, np.ndarray] = {}
+    found = []
+    for v in np.flatnonzero(vcount).tolist():
+        s = int(slot_sig[v])
+        ids = order[first[v] : first[v] + counts[v]]
+        members[v] = ids
+        if s not in columns:
+            continue
+        flat, width = columns[s]
+        cols = flat.reshape(width, a.count[s])
+        if v >= nsig:
+            cols = cols[:, pos[ids]]
+        kinds = a.signatures[s][1]
+        got: list[Input | Pieces | None] = [None] * len(kinds)
+        for c, j in enumerate(j for j, k in enumerate(kinds) if k == NODE):
+            h = cols[c]
+            src_ids = node_id(h)
+            src, rows, low = vid[src_ids], posv[src_ids], h & LOW_MASK
+            key = src * (LOW_MASK + 1) + low
+            got[j] = _column_input(
+                counts,
+                src,
+                rows,
+                low,
+                key,
+                bool((key == key[0]).all()),
+                bool((rows[1:] - rows[:-1] == 1).all()),
+            )
+            found.append(distinct(src) * nv + v)
+        inputs[v] = got
+    levels = _levels(nv, distinct(np.concatenate(found)) if found else np.zeros(0, np.int64))
+    if levels is None:  # (cannot be: see above; the caller then plans by depth)
+        return None
+    by_level: dict[int, list[Group]] = {}
+    for v, ids in members.items():
+        s = int(slot_sig[v])
+        got = inputs.get(v)
+        group = Group(
+            s,
+            SignatureNodes(s, counts[v]) if v < nsig else ids,
+            tuple(got) if got is not None else (None,) * len(a.signatures[s][1]),
+            None if v < nsig else v,
+        )
+        by_level.setdefault(int(levels[v]), []).append(group)
+    return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
 
 
 def _assemble(a: Any, levels: np.ndarray, inputs: dict[int, list[Any]]) -> Plan:
