@@ -308,12 +308,14 @@ def test_torch_functions_reach_lazy_values_directly_only_during_a_call():
     found_f = {name: getattr(F, name) for name in ("softmax", "relu")}
     during = {}
     lin = nn.Linear(2, 2)
+    root = nn.Parameter(torch.randn(4))
 
     def fn(x):
         during.update({name: getattr(torch, name) for name in found})
         during.update({"F." + name: getattr(F, name) for name in found_f})
         h = lin(x)
         c = torch.cat([h, torch.tanh(h)], dim=0)
+        c = c + torch.cat([root[:2], h])  # a parameter first, the lazy value after it
         return torch.softmax(c, 0) + torch.stack([h, h]).sum() + F.softmax(F.relu(c), dim=0)
 
     xs = [torch.randn(2) for _ in range(3)]

@@ -157,9 +157,10 @@ def _installed() -> Any:
 
 # Torch functions that per-example code calls on lazy values at every step (a decoder's
 # torch.cat and F.softmax): while autobatch runs, each is a wrapper that hands a call whose
-# first argument (or the first element of its first, a list) is lazy straight to
-# Lazy.__torch_function__, as torch's dispatch would, without the argument parsing that
-# finds it (recording torch.cat([h, c]) took 3.7 us, F.softmax(h, 0) 6.1, h.tanh() 0.9).
+# first argument (or any element of its first, a list: torch.cat([self.root, states])) is
+# lazy straight to Lazy.__torch_function__, as torch's dispatch would, without the argument
+# parsing that finds it (recording torch.cat([h, c]) took 3.7 us, F.softmax(h, 0) 6.1,
+# h.tanh() 0.9).
 # A functional's arguments reach the recorder as given (torch's own path spells out every
 # keyword: F.softmax(h, 0) as dim=0, _stacklevel=3, dtype=None; the same call either way).
 # Any other call, and any call while a torch-function mode is on or torch functions are
@@ -197,7 +198,7 @@ def _direct_wrapper(fn: Any) -> Any:
             a = args[0]
             t = type(a)
             if (
-                (t is Lazy or ((t is list or t is tuple) and a and type(a[0]) is Lazy))
+                (t is Lazy or ((t is list or t is tuple) and _holds_lazy_value(a)))
                 and not modes_on()
                 and enabled()
             ):
@@ -208,6 +209,16 @@ def _direct_wrapper(fn: Any) -> Any:
 
     functools.update_wrapper(call, fn)
     return call
+
+
+def _holds_lazy_value(a: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a list argument holds a lazy value (``torch.cat([self.root, states])``, a
+    parameter first: torch's own dispatch finds the lazy value after parsing every argument,
+    about 3 us a call)."""
+    for x in a:
+        if type(x) is Lazy:
+            return True
+    return False
 
 
 _DIRECT_WRAPPERS = {
