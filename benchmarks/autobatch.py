@@ -15,6 +15,9 @@
 - Per-sample MNIST as a Dataset yields it (a list of per-sample tensors):
   ``fold.autobatch(lambda x: model(x)[0], samples)`` then the loss, against the step on
   DataLoader-collated batches.
+- A BiLSTM encoder written per sentence (the parser's of examples/autobatch_parser.py) over
+  64 sentences of the bundled treebank, forward+backward and forward alone, against the
+  sentences padded and packed by hand (one BiLSTM call).
 - Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
 - Recording cost per lazy op, at growing graph sizes (it must stay linear).
 
@@ -369,6 +372,92 @@ def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+def encoder_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """A tagger's or parser's encoder written for ONE sentence (``Parser.encode`` of
+    examples/autobatch_parser.py: an embedding and a BiLSTM over the sentence, a root row
+    before it) over ``--sentences`` sentences of the bundled treebank: ``fold.autobatch``
+    (``stack=False``: each sentence's states, its own length) against the hand-batched
+    encoder (the sentences padded and packed, one BiLSTM call, unpacked), forward and
+    backward of the sum of every state, and the forward alone under ``torch.no_grad()``;
+    eager per sentence too.  Values and gradients are checked against eager first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from autobatch_parser import DATA, Parser, read
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
+
+    raw = read(DATA / "dev.conllu")[: args.sentences]
+    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
+
+    def hand(model: Parser) -> torch.Tensor:
+        lengths = torch.tensor([len(w) for w in words])
+        packed = pack_padded_sequence(
+            model.embed(pad_sequence(words)), lengths, enforce_sorted=False
+        )
+        states = pad_packed_sequence(model.lstm(packed)[0])[0]  # zeros past each length
+        return states.sum() + model.root.sum() * len(words)
+
+    def auto(model: Parser) -> torch.Tensor:
+        encoded = fold.autobatch(lambda w: model.encode(w), words, stack=False)
+        return torch.stack([e.sum() for e in encoded]).sum()
+
+    def eager(model: Parser) -> torch.Tensor:
+        return torch.stack([model.encode(w).sum() for w in words]).sum()
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = Parser(len(vocab) + 1)
+        grads = []
+        for f in (eager, auto, hand):
+            model.zero_grad()
+            loss = f(model)
+            loss.backward()
+            used = [*model.embed.parameters(), *model.lstm.parameters(), model.root]
+            grads.append((loss.detach(), [p.grad.clone() for p in used]))
+        for loss, gs in grads[1:]:
+            torch.testing.assert_close(loss, grads[0][0])
+            for a, b in zip(gs, grads[0][1]):
+                torch.testing.assert_close(a, b)
+    finally:
+        torch.set_default_dtype(old)
+    torch.manual_seed(0)
+    model = Parser(len(vocab) + 1)
+
+    def train(f):  # type: ignore[no-untyped-def]
+        def step() -> None:
+            model.zero_grad()
+            f(model).backward()
+
+        return step
+
+    def infer(f):  # type: ignore[no-untyped-def]
+        def step() -> None:
+            with torch.no_grad():
+                f(model)
+
+        return step
+
+    rows = []
+    for how, wrap in (("forward+backward", train), ("forward, no_grad", infer)):
+        contenders = {"autobatch": wrap(auto), "hand, packed": wrap(hand)}
+        if args.eager_reps:
+            contenders["eager per sentence"] = wrap(eager)
+        times = interleaved(contenders, args.reps)
+        base = median(times["hand, packed"])
+        rows += [
+            {
+                "pass": how,
+                "method": k,
+                "median_ms": 1e3 * median(v),
+                "vs_hand": median(v) / base,
+                "reps": len(v),
+            }
+            for k, v in times.items()
+        ]
+    return rows
+
+
 def main() -> None:
     ap = parser(__doc__, device=False)
     ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
@@ -377,13 +466,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--eager-reps", type=int, default=3)
     ap.add_argument("--mnist-batch", type=int, default=32)
-    ap.add_argument(
-        "--only", choices=["trees", "phases", "mnist", "mnist-list", "recording"], nargs="+"
-    )
+    ap.add_argument("--sentences", type=int, default=64, help="for the encoder")
+    every = ["trees", "phases", "mnist", "mnist-list", "encoder", "recording"]
+    ap.add_argument("--only", choices=every, nargs="+")
     args = ap.parse_args()
     setup(args)
     out: dict = {"args": vars(args)}
-    parts = args.only or ["trees", "phases", "mnist", "mnist-list", "recording"]
+    parts = args.only or every
     if "trees" in parts:
         out["trees"] = tree_rows(args)
         print(f"TreeLSTM, {args.trees} trees, forward+backward, {args.threads} thread(s)")
@@ -405,6 +494,10 @@ def main() -> None:
         out["mnist_list"] = mnist_list_rows(args)
         print(f"\nPer-sample MNIST from a list of {args.mnist_batch} samples, one training step")
         print(table(out["mnist_list"], ["method", "median_ms", "vs_collated", "reps"]))
+    if "encoder" in parts:
+        out["encoder"] = encoder_rows(args)
+        print(f"\nA BiLSTM encoder written per sentence, {args.sentences} sentences")
+        print(table(out["encoder"], ["pass", "method", "median_ms", "vs_hand", "reps"]))
     if "recording" in parts:
         out["recording"] = recording_rows(args)
         print("\nRecording alone, per example a Linear then a chain of tanh and * 0.5")

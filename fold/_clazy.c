@@ -60,7 +60,7 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
-static PyObject *s_row_literal;
+static PyObject *s_row_literal, *s_row_of;
 static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
     *s_version, *s_example, *s_base;
 
@@ -1122,7 +1122,9 @@ session_row(PyObject *a, PyObject *session)
     }
     Py_INCREF(entry);
     Py_DECREF(values);
-    row = PyObject_GetItem(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+    /* as values._value_of: its recorder's row_of */
+    row = PyObject_CallMethodObjArgs(old, s_row_of, PyTuple_GET_ITEM(entry, 0),
+                                     PyTuple_GET_ITEM(entry, 1), NULL);
     Py_DECREF(entry);
     if (row != NULL && PyDict_SetItem(rows, node, row) < 0)
         Py_CLEAR(row);
@@ -1646,10 +1648,12 @@ PyInit__clazy(void)
         if ((*strs[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     PyObject **more[] = {&s_token,    &s_eager,   &s_record,  &s_module_kind, &s_literals,
-                         &s_aliases,  &s_version, &s_example, &s_base,        &s_row_literal};
+                         &s_aliases,  &s_version, &s_example, &s_base,        &s_row_literal,
+                         &s_row_of};
     const char *more_names[] = {"token",    "eager",   "record",   "module", "literals",
-                                "aliases",  "_version", "example", "_base",  "row_literal"};
-    for (int i = 0; i < 10; i++)
+                                "aliases",  "_version", "example", "_base",  "row_literal",
+                                "row_of"};
+    for (int i = 0; i < 11; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

@@ -3290,3 +3290,41 @@ def test_earlier_rows_come_from_one_split_from_the_second_row_on():
     assert rec.row_literal(param, 1).grad_fn.name().startswith(("Slice", "Narrow"))
     padded = PaddedRows(torch.arange(12.0).view(3, 4), 1, np.array([2, 4, 1], np.int64))
     assert torch.equal(rec.row_literal(padded, 0), torch.tensor([[0.0, 1.0]]))
+
+
+def test_rows_of_a_rounds_output_come_from_one_split_from_the_second_row_on():
+    """``_Recorder.row_of`` (an example's result, or its value in the eager finish): the
+    first row asked of an output is an index, every later one a row of one ``split``, a
+    ``PaddedRows`` row cut to its length; values, storage and gradients are the index's.
+    Per-sentence results of an encoder (stack=False) so reach their output through one
+    backward node, and equal eager (float64)."""
+    rec = recorder._Recorder()
+    src = torch.randn(4, 3, requires_grad=True) * 1.0
+    first, second, third = rec.row_of(src, 2), rec.row_of(src, 0), rec.row_of(src, 3)
+    assert "Split" not in str(first.grad_fn.next_functions)
+    assert second.grad_fn.next_functions[0][0] is third.grad_fn.next_functions[0][0]
+    assert "Split" in second.grad_fn.next_functions[0][0].name()
+    for row, r in ((first, 2), (second, 0), (third, 3)):
+        assert (
+            row.shape == (3,) and torch.equal(row, src[r]) and row.data_ptr() == src[r].data_ptr()
+        )
+    w = torch.randn(3)
+    (grad,) = torch.autograd.grad(((first + second * 2 + third * 3) * w).sum(), src)
+    want = torch.zeros(4, 3)
+    want[2], want[0], want[3] = w, 2 * w, 3 * w
+    torch.testing.assert_close(grad, want)
+    data = torch.arange(24.0).view(3, 4, 2)
+    padded = PaddedRows(data, 1, np.array([2, 4, 1], np.int64))
+    rows = [rec.row_of(padded, i) for i in (1, 0, 2)]
+    for row, i, n in zip(rows, (1, 0, 2), (4, 2, 1)):
+        assert torch.equal(row, data[i, :n])
+
+    torch.manual_seed(9)
+    emb, lstm = nn.Embedding(20, 3).double(), nn.LSTM(3, 4).double()
+    sentences = [torch.randint(0, 20, (n,)) for n in (3, 5, 2, 5, 4)]
+    got = fold.autobatch(lambda w: lstm(emb(w))[0], sentences, stack=False)
+    splits = {g.grad_fn.next_functions[0][0] for g in got[1:]}  # (narrow, select, split)
+    splits = {s.next_functions[0][0] for s in splits}
+    assert len(splits) == 1 and "Split" in next(iter(splits)).name()
+    want = [lstm(emb(w))[0] for w in sentences]
+    assert_same_lists([(g,) for g in got], [(w,) for w in want], list(lstm.parameters()))

@@ -332,7 +332,7 @@ def _value_of(x: Lazy) -> torch.Tensor | None:
     got = rec.rows_of.get(node)
     if got is None:  # one view per value, however often it is read (a parser's encoder rows)
         src, row = values[node]
-        got = rec.rows_of[node] = src[row]
+        got = rec.rows_of[node] = rec.row_of(src, row)
     return got
 
 
