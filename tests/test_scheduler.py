@@ -236,13 +236,15 @@ def test_one_group_per_signature_gives_unfolds_values_and_gradients() -> None:
     assert len(f.last_run) == 4  # leaf, pad, pair, head: one group each
 
 
-def _same_as_unfold(model: nn.Module, record) -> fold.Fold:
-    """``record`` applied by a Fold and by Unfold: values and gradients equal; the Fold."""
+def _same_as_unfold(model: nn.Module, record, run=None) -> fold.Fold:
+    """``record`` applied by a Fold (or run by ``run(fold, nodes)``) and by Unfold: values
+    and gradients equal; the Fold."""
     results = []
     folded = fold.Fold()
     for f in (folded, fold.Unfold(model)):
         model.zero_grad()
-        (h,) = f.apply(model, [record(f)])
+        outs = record(f)
+        h = run(f, outs) if run is not None and f is folded else f.apply(model, [outs])[0]
         (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
         results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0])
@@ -283,44 +285,34 @@ def test_signature_plan_split_by_depth_where_signatures_read_themselves() -> Non
             outs.append(f.add("head", f.add("pair", h, y)))
         return outs
 
-    f = fold.Fold()
-    outs = record(f)
-    a = f.snapshot()
-    assert signature_schedule(a) is None
-    plan = signature_schedule(a, split=True)
-    assert plan is not None and plan.whole
-    nsig = len(a.count)
-    names = {sid: op for sid, (op, _) in enumerate(a.signatures)}
-    step_of: dict[int, int] = {}
-    seen = []
-    for s, step in enumerate(plan.steps):
-        for g in step.groups:
-            slot = g.key if g.slot is None else g.slot
-            assert (g.slot is None) == (names[g.key] in ("leaf", "head"))
-            assert g.slot is None or g.slot >= nsig
-            for src in g.inputs:
-                if src is not None:
-                    for part in getattr(src, "parts", (src,)):
-                        assert step_of[part.sid] < s  # an earlier step's group
-            step_of[slot] = s
-            seen.extend(a.ids(g.key) if g.slot is None else g.nodes)
-    assert sorted(int(x) for x in seen) == list(range(a.n))  # every node once
-    assert sorted(len(g.nodes) for st in plan.steps for g in st.groups if g.slot) == [5, 5, 5]
-    results = []
-    for how in ("split", "unfold"):
-        model.zero_grad()
-        if how == "split":
-            ex = Executor(a, model)
-            ex.run(plan)
-            h = ex.output("nodes", outs, 0)
-        else:
-            u = fold.Unfold(model)
-            (h,) = u.apply(model, [record(u)])
-        (h * torch.arange(1.0, 1 + h.numel(), dtype=h.dtype).view(h.shape)).sum().backward()
-        results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
-    torch.testing.assert_close(results[0][0], results[1][0])
-    for x, y in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(x, y)
+    def run(f, outs):
+        a = f.snapshot()
+        assert signature_schedule(a) is None
+        plan = signature_schedule(a, split=True)
+        assert plan is not None and plan.whole
+        nsig = len(a.count)
+        names = {sid: op for sid, (op, _) in enumerate(a.signatures)}
+        step_of: dict[int, int] = {}
+        seen = []
+        for s, step in enumerate(plan.steps):
+            for g in step.groups:
+                slot = g.key if g.slot is None else g.slot
+                assert (g.slot is None) == (names[g.key] in ("leaf", "head"))
+                assert g.slot is None or g.slot >= nsig
+                for src in g.inputs:
+                    if src is not None:
+                        for part in getattr(src, "parts", (src,)):
+                            assert step_of[part.sid] < s  # an earlier step's group
+                step_of[slot] = s
+                seen.extend(a.ids(g.key) if g.slot is None else g.nodes)
+        assert sorted(int(x) for x in seen) == list(range(a.n))  # every node once
+        sizes = sorted(len(g.nodes) for st in plan.steps for g in st.groups if g.slot)
+        assert sizes == [5, 5, 5]  # pair at two depths, cell at one
+        ex = Executor(a, model)
+        ex.run(plan)
+        return ex.output("nodes", outs, 0)
+
+    _same_as_unfold(model, record, run)
 
 
 class _Widths(nn.Module):
