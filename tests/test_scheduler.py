@@ -695,12 +695,24 @@ def test_signature_schedule_of_all_columns_at_once_equals_signature_by_signature
 
     rng = random.Random(seed)
     f = fold.Fold()
+    _random_graph(rng, f, loops=rng.random() < 0.2)
+    a = f.snapshot()
+    nsig = len(a.count)
+    assert _plan_form(_fused_schedule(a, nsig)) == _plan_form(_per_signature(a, nsig))
+
+
+def _random_graph(rng, f, loops, cycles=False, splits=None):
+    """A random graph recorded into ``f`` (a Fold or an Unfold): ops ``op{k}_{arity}`` on
+    values of earlier ops (with ``loops``, of the same op too; with ``cycles``, of any op
+    recorded so far, so that signatures read each other), ints and literal (1, 2) tensors;
+    an op's nodes split in two where ``splits`` holds its index (else at random per node).
+    Every value made, whole or split, in order."""
     made: dict[int, list] = {}  # per op index, the values it made (whole or split outputs)
+    everything = []
     nops = rng.randint(2, 6)
-    loops = rng.random() < 0.2
     for _ in range(rng.randint(4, 60)):
         k = rng.randrange(nops)
-        earlier = [v for o, vs in made.items() if o < k or (loops and o == k) for v in vs]
+        earlier = [v for o, vs in made.items() if o < k or (loops and o == k) or cycles for v in vs]
         args = []
         for _ in range(rng.randint(1, 3)):
             what = rng.random()
@@ -709,10 +721,70 @@ def test_signature_schedule_of_all_columns_at_once_equals_signature_by_signature
             elif what < 0.85:
                 args.append(rng.randrange(3))
             else:
-                args.append(torch.zeros(1, 2))
+                args.append(
+                    torch.full((1, 2), rng.random()) if splits is not None else torch.zeros(1, 2)
+                )
         node = f.add(f"op{k}_{len(args)}", *args)
-        outs = list(node.split(2)) if rng.random() < 0.3 else [node]
+        split = k in splits if splits is not None else rng.random() < 0.3
+        outs = list(node.split(2)) if split else [node]
         made.setdefault(k, []).extend(outs)
-    a = f.snapshot()
-    nsig = len(a.count)
-    assert _plan_form(_fused_schedule(a, nsig)) == _plan_form(_per_signature(a, nsig))
+        everything.extend(outs)
+    return everything
+
+
+class _Sums(nn.Module):
+    """Ops ``op{k}_{arity}`` of ``_random_graph``: a (n, 2) value of the first column of each
+    argument, two outputs for the ops in ``splits``."""
+
+    def __init__(self, splits: set) -> None:
+        super().__init__()
+        self.splits = splits
+        self.w = nn.Parameter(torch.tensor([0.5, -0.25], dtype=torch.float64))
+
+    def __getattr__(self, name: str):
+        if not name.startswith("op"):
+            return super().__getattr__(name)
+        k = int(name[2:].split("_")[0])
+
+        def op(*args):
+            n = len(args[0])
+            x = sum(a.to(torch.float64).reshape(n, -1)[:, :1] * (i + 1) for i, a in enumerate(args))
+            y = torch.tanh(x * self.w + 0.1 * k)
+            return (y, y * 2 - 1) if k in self.splits else y
+
+        return op
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_split_signature_plans_run_as_unfold_on_random_graphs(seed) -> None:
+    """Random graphs whose signatures read themselves and each other (cycles through
+    several signatures, split outputs, shared nodes, ints and literal tensors): the plan
+    with the signatures on cycles split by depth is whole, holds every node once, each group
+    reading groups of earlier steps only, and runs to Unfold's values and gradients."""
+    from fold.executor import Executor
+
+    splits = {k for k in range(6) if random.Random(seed + 1000).random() < 0.3}
+    model = _Sums(splits)
+
+    def record(f):
+        return _random_graph(random.Random(seed), f, loops=True, cycles=True, splits=splits)
+
+    def run(f, outs):
+        a = f.snapshot()
+        plan = signature_schedule(a, split=True)
+        assert plan is not None and plan.whole
+        step_of: dict[int, int] = {}
+        seen = []
+        for s, step in enumerate(plan.steps):
+            for g in step.groups:
+                for src in g.inputs:
+                    for part in getattr(src, "parts", (src,)) if src is not None else ():
+                        assert step_of[part.sid] < s
+                step_of[g.key if g.slot is None else g.slot] = s
+                seen.extend(a.ids(g.key) if g.slot is None else g.nodes)
+        assert sorted(int(x) for x in seen) == list(range(a.n))
+        ex = Executor(a, model)
+        ex.run(plan)
+        return ex.output("nodes", outs, 0)
+
+    _same_as_unfold(model, record, run)
