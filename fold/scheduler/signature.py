@@ -290,32 +290,33 @@ def _split_schedule(
     levels = _levels(nv, distinct(np.concatenate(found)) if found else np.zeros(0, np.int64))
     if levels is None:  # (cannot be: see above; the caller then plans by depth)
         return None
-    by_level: dict[int, list[Group]] = {}
-    for v, ids in members.items():
-        s = int(slot_sig[v])
-        got = inputs.get(v)
-        group = Group(
-            s,
-            SignatureNodes(s, counts[v]) if v < nsig else ids,
-            tuple(got) if got is not None else (None,) * len(a.signatures[s][1]),
-            None if v < nsig else v,
-        )
-        by_level.setdefault(int(levels[v]), []).append(group)
-    return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
+    pieces = {v: (int(slot_sig[v]), ids) for v, ids in members.items() if v >= nsig}
+    return _assemble(a, levels, inputs, pieces)
 
 
-def _assemble(a: Any, levels: np.ndarray, inputs: dict[int, list[Any]]) -> Plan:
+def _assemble(
+    a: Any,
+    levels: np.ndarray,
+    inputs: dict[int, list[Any]],
+    pieces: dict[int, tuple[int, np.ndarray]] | None = None,
+) -> Plan:
     """The whole plan of per-signature ``inputs`` (none for a signature that reads no node),
-    its groups by level."""
+    its groups by level; with ``pieces`` (slot -> its signature and node ids: the groups
+    of the signatures split by depth, see ``_split_schedule``), those in place of their
+    signatures' groups, ``inputs`` and ``levels`` by slot."""
+    split = {sid for sid, _ in pieces.values()} if pieces else set()
+    groups = [
+        (sid, sid, SignatureNodes(sid, a.count[sid]), None)
+        for sid in range(len(a.signatures))
+        if sid not in split
+    ]
+    groups += [(slot, sid, ids, slot) for slot, (sid, ids) in (pieces or {}).items()]
     by_level: dict[int, list[Group]] = {}
-    for sid, (_op, kinds) in enumerate(a.signatures):
-        got = inputs.get(sid)
-        group = Group(
-            sid,
-            SignatureNodes(sid, a.count[sid]),
-            tuple(got) if got is not None else (None,) * len(kinds),
-        )
-        by_level.setdefault(int(levels[sid]), []).append(group)
+    for key, sid, nodes, slot in groups:
+        got = inputs.get(key)
+        kinds = a.signatures[sid][1]
+        group = Group(sid, nodes, tuple(got) if got is not None else (None,) * len(kinds), slot)
+        by_level.setdefault(int(levels[key]), []).append(group)
     return Plan([Step(by_level[k]) for k in sorted(by_level)], whole=True)
 
 
