@@ -226,9 +226,11 @@ def _cyclic(nsig: int, pairs: np.ndarray) -> np.ndarray:
 
     out = np.zeros(nsig, bool)
     for s in range(nsig):
-        if not out[s] and s in reach(after[s], after):  # s reaches itself
-            cycle = reach(after[s], after) & reach(before[s], before)
-            out[list(cycle)] = True
+        if out[s]:
+            continue
+        reached = reach(after[s], after)
+        if s in reached:  # s reaches itself: its cycle's signatures also reach s
+            out[list(reached & reach(before[s], before))] = True
     return out
 
 
