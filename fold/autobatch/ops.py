@@ -289,27 +289,14 @@ class _Op:
             x = x.base
         elif x is None:
             x = torch.cat([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
-        packed = pack_padded_sequence(
-            x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
-        )
-        hx = None
+        states = None
         if len(filled[0]) > 1 and filled[0][1] is not None:  # states (n, layers, H) per part
-            states = [a[1] if type(a[1]) in (tuple, list) else (a[1],) for a in filled]
-            hx = tuple(
-                torch.cat([s[j] for s in states]).transpose(0, 1).contiguous()
-                for j in range(len(states[0]))
-            )
+            per_part = [a[1] if type(a[1]) in (tuple, list) else (a[1],) for a in filled]
+            states = tuple(torch.cat([s[j] for s in per_part]) for j in range(len(per_part[0])))
             if type(filled[0][1]) not in (tuple, list):
-                hx = hx[0]
-        out, h = self.call(packed, hx)
-        # Batch first in memory (pad_packed_sequence gives a transposed view): each part's
-        # outputs are then rows of it in order, which later padded calls read in place
-        # (``_tiled_base``), its zero padding known (``_zero_past``).
-        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0].contiguous()
-        mark_zero_past(out, 1, lengths)
-        hs = h if type(h) is tuple else (h,)
+                states = states[0]
         # The final states, of one shape for every part: one output of all the parts' rows.
-        hs = [t.transpose(0, 1) for t in hs]  # (N, layers, H)
+        out, hs = self._run_packed(x, lengths, states)
         seqs, start = [], 0
         for x, k in zip(xs, sizes):
             seqs.append(out[start : start + k, : x.shape[1]])
@@ -341,20 +328,32 @@ class _Op:
         lengths = x.lengths
         if not len(lengths) or int(lengths.min()) == 0:
             return None
-        longest = int(lengths.max())
+        out, hs = self._run_packed(x.data, lengths.tolist(), states)
+        return (PaddedRows(out, 1, lengths, zero=True), *hs)
+
+    def _run_packed(
+        self, x: torch.Tensor, lengths: list[int], states: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The RNN on ``x`` (n, L, D), padded batch first, packed by ``lengths``, from
+        ``states`` (None, or (n, layers, H), a tuple or list of them where the module takes
+        several): its outputs padded batch first, and its final states (n, layers, H).
+        The outputs batch first in memory (pad_packed_sequence gives a transposed view):
+        each example's are then rows of it in order, which later padded calls read in place
+        (``_tiled_base``), its zero padding known (``_zero_past``)."""
         packed = pack_padded_sequence(
-            x.data, torch.from_numpy(lengths), batch_first=True, enforce_sorted=False
+            x, torch.tensor(lengths), batch_first=True, enforce_sorted=False
         )
         hx = None
-        if states is not None:  # (n, layers, H) each, as the parts give them
-            hx = tuple(s.transpose(0, 1).contiguous() for s in parts)
-            if type(states) not in (tuple, list):
+        if states is not None:
+            several = type(states) in (tuple, list)
+            hx = tuple(s.transpose(0, 1).contiguous() for s in (states if several else (states,)))
+            if not several:
                 hx = hx[0]
         out, h = self.call(packed, hx)
-        out = pad_packed_sequence(out, batch_first=True, total_length=longest)[0].contiguous()
-        mark_zero_past(out, 1, lengths.tolist())
+        out = pad_packed_sequence(out, batch_first=True, total_length=max(lengths))[0].contiguous()
+        mark_zero_past(out, 1, lengths)
         hs = h if type(h) is tuple else (h,)
-        return (PaddedRows(out, 1, lengths, zero=True), *[t.transpose(0, 1) for t in hs])
+        return out, [t.transpose(0, 1) for t in hs]
 
     def _padded_parts(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
         """``padded_call`` of a group op (``padding`` set): the parts of a group, each of one
