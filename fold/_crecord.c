@@ -605,9 +605,9 @@ static PyTypeObject RecorderType = {
 
 /* ------------------------------------------------------------------------- Counter */
 
-/* Counter(): node ids 0, 1, 2, ... as itertools.count() gives them (its repr too, which
-   fold.graph.Fold._check_intact reads), and reset(), which starts them from 0 again: a
-   renewed Fold (autobatch's rounds) resets its one counter, where every recorder of the
+/* Counter(): node ids 0, 1, 2, ... as itertools.count() gives them (its repr too), how
+   many it gave as `issued` (which fold.graph.Fold._check_intact reads), and reset(), which
+   starts them from 0 again: a renewed Fold (autobatch's rounds) resets its one counter, where every recorder of the
    Fold would otherwise be rebound to a new one. */
 typedef struct {
     PyObject_HEAD
@@ -646,6 +646,17 @@ counter_repr(Counter *self)
     return PyUnicode_FromFormat("count(%zd)", self->next);
 }
 
+static PyObject *
+counter_issued(Counter *self, void *unused)
+{
+    return PyLong_FromSsize_t(self->next);
+}
+
+static PyGetSetDef counter_getset[] = {
+    {"issued", (getter)counter_issued, NULL, "how many ids it gave: the next one", NULL},
+    {NULL},
+};
+
 static PyMethodDef counter_methods[] = {
     {"reset", (PyCFunction)counter_reset, METH_NOARGS, "reset(): the next id is 0 again"},
     {NULL},
@@ -662,6 +673,7 @@ static PyTypeObject CounterType = {
     .tp_iternext = (iternextfunc)counter_iternext,
     .tp_repr = (reprfunc)counter_repr,
     .tp_methods = counter_methods,
+    .tp_getset = counter_getset,
 };
 
 static struct PyModuleDef module = {

@@ -680,7 +680,8 @@ class Fold:
         step.  Recording from several threads at once breaks that (two threads that both miss
         the memo each take an id; one is lost), and so may an exception raised between a
         recorder's steps (a KeyboardInterrupt); the Fold cannot be applied then."""
-        issued = int(repr(self._ids)[6:-1])  # "count(n)": n, the next id it gives
+        ids = self._ids  # (itertools.count's repr, "count(n)", names n, the next id it gives)
+        issued = ids.issued if type(ids) is _Counter else int(repr(ids)[6:-1])
         lists = {len(self.signatures), len(self._memos), len(self._targs), len(self._sig_ids)}
         if issued != n or len(lists) != 1:
             raise FoldError(

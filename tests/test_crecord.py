@@ -41,17 +41,18 @@ def test_c_recorder_is_built() -> None:
 
 
 def test_counter_numbers_as_itertools_count_and_resets() -> None:
-    """The C Counter a Fold's recorders share gives itertools.count()'s ids and repr (which
-    Fold._check_intact reads); reset() starts them from 0 again, for a renewed Fold."""
+    """The C Counter a Fold's recorders share gives itertools.count()'s ids and repr, how many
+    it gave as ``issued`` (which Fold._check_intact reads); reset() starts them from 0 again,
+    for a renewed Fold."""
     if graph._Counter is None:
         pytest.skip("the C recorders are off: node ids come from itertools.count()")
     import itertools
 
     c, want = graph._Counter(), itertools.count()
     assert [next(c) for _ in range(5)] == [next(want) for _ in range(5)]
-    assert repr(c) == repr(want) == "count(5)"
+    assert repr(c) == repr(want) == "count(5)" and c.issued == 5
     c.reset()
-    assert next(c) == 0 and repr(c) == "count(1)"
+    assert next(c) == 0 and repr(c) == "count(1)" and c.issued == 1
     f = fold.Fold()
     a = f.add("leaf", 1)
     f._renew()
