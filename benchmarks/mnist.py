@@ -10,7 +10,8 @@ records one ``forward`` node per image and applies the graph, plain batched call
 once on the concatenated (32, 28, 28) batch, collated once on what a DataLoader's default
 ``collate_fn`` makes of the (image, label) samples, (32, 1, 28, 28) and a label tensor; "fold, apply only" runs fold's training loop on
 graphs recorded beforehand (what recording costs is the difference); "fold, loss nodes"
-records each sample's loss as a node too (forward -> loss).  --steady-malloc: see
+records each sample's loss as a node too (forward -> loss); "floor" appends the samples to a
+list, concatenates it and calls forward once: what any per-sample recording pays at least.  --steady-malloc: see
 benchmarks/common.py, steady_malloc.  Writes benchmarks/results/mnist.json.
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median, paired_ratio, parser, setup, table, write_json  # noqa: E402
 
 import fold  # noqa: E402
+from fold.arrays import numbers_tensor  # noqa: E402
 from fold.models import MLP  # noqa: E402
 
 
@@ -101,6 +103,20 @@ def main() -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
+    def floor() -> None:
+        """What any per-sample recording must pay at least: each sample appended to a list,
+        then the list concatenated, the labels converted as fold converts them, and the
+        model's forward called once (fold's one-op path calls ``forward`` as this does)."""
+        for s in range(args.steps):
+            xs: list[torch.Tensor] = []
+            for i in range(s * b, (s + 1) * b):
+                xs.append(images[i])
+            logits = model.forward(torch.cat(xs))
+            y = numbers_tensor(labels[s * b : (s + 1) * b])
+            opt.zero_grad()
+            F.cross_entropy(logits, y).backward()
+            opt.step()
+
     def collated() -> None:  # what a DataLoader's default collate_fn makes of the samples
         for s in range(args.steps):
             x, y = default_collate(
@@ -117,6 +133,7 @@ def main() -> None:
             "fold, loss nodes": folded_loss,
             "batched": batched,
             "collated": collated,
+            "floor": floor,
         },
         args.reps,
     )
@@ -130,7 +147,15 @@ def main() -> None:
             "samples/s": b * args.steps / med[k],
             "vs_batched": med[k] / med["batched"],
         }
-        for k in ("eager", "fold", "fold, apply only", "fold, loss nodes", "batched", "collated")
+        for k in (
+            "eager",
+            "fold",
+            "fold, apply only",
+            "fold, loss nodes",
+            "batched",
+            "collated",
+            "floor",
+        )
     ]
     print(
         f"per-sample MNIST MLP training, {b} samples per step, {args.threads} thread(s), {args.reps} reps"
@@ -144,6 +169,12 @@ def main() -> None:
     print(f"fold with loss nodes / batched, median of per-round ratios: {loss_paired:.3f}")
     collated_paired = paired_ratio(times, "fold", "collated")
     print(f"fold / DataLoader-collated, median of per-round ratios: {collated_paired:.3f}")
+    floor_paired = paired_ratio(times, "fold", "floor")
+    floor_collated = paired_ratio(times, "floor", "collated")
+    print(
+        f"fold / floor (a list, its cat, one forward): {floor_paired:.3f}; "
+        f"floor / collated: {floor_collated:.3f}"
+    )
     result = {
         "args": vars(args),
         "rows": rows,
@@ -151,6 +182,8 @@ def main() -> None:
         "apply_only_vs_batched_paired": apply_paired,
         "loss_nodes_vs_batched_paired": loss_paired,
         "fold_vs_collated_paired": collated_paired,
+        "fold_vs_floor_paired": floor_paired,
+        "floor_vs_collated_paired": floor_collated,
     }
     print(f"wrote {write_json('mnist', result)}")
 

@@ -34,8 +34,18 @@ __all__ = [
 def device_of(obj: Any) -> torch.device:
     """The device of ``obj``'s first parameter (or buffer); CPU for plain objects."""
     if isinstance(obj, torch.nn.Module):
-        # The order of parameters() then buffers(), without its generator machinery (this
-        # runs on every apply).
+        # The first parameter in parameters()' order: the module's own, else (most models)
+        # its first child's own, found without the walk below (this runs on every apply).
+        for t in obj._parameters.values():
+            if t is not None:
+                return t.device
+        for m in obj._modules.values():
+            if m is not None:
+                for t in m._parameters.values():
+                    if t is not None:
+                        return t.device
+            break
+        # The order of parameters() then buffers(), without its generator machinery.
         for attr in ("_parameters", "_buffers"):
             stack = [obj]
             while stack:

@@ -81,15 +81,18 @@ def apply(
     """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`.  Runs with the cyclic
     garbage collector paused (see :func:`collector_paused`), but for a graph of one op on
     literal arguments, which makes few objects (see ``_one_call``)."""
-    specs = None
     sid = _one_sig(fold) if max_rows is None and max_bytes is None and offload is None else None
     if sid is not None:
-        specs = classify_lists(lists)
-        outs = _one_call(fold, obj, specs, sid)
+        specs = _plain_specs(lists, fold._node_type)
+        outs = (
+            _one_call(fold, obj, classify_lists(lists), sid, False)
+            if specs is None
+            else _one_call(fold, obj, specs, sid, True)
+        )
         if outs is not None:
             return outs
     with collector_paused():
-        return _apply(fold, obj, lists, max_rows, max_bytes, offload, specs)
+        return _apply(fold, obj, lists, max_rows, max_bytes, offload)
 
 
 def _apply(
@@ -99,7 +102,6 @@ def _apply(
     max_rows: int | Mapping[Any, int] | None,
     max_bytes: int | None,
     offload: str | None,
-    specs: list[tuple[str, Any]] | None = None,
 ) -> list[torch.Tensor]:
     arrays = fold.snapshot()
     if max_rows is not None or max_bytes is not None or offload is not None:
@@ -109,8 +111,7 @@ def _apply(
         if offload == "cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return _apply(fold, obj, lists, max_rows, max_bytes, None)
-    if specs is None:
-        specs = classify_lists(lists)
+    specs = classify_lists(lists)
     arrays.facts = facts_of(obj)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
@@ -174,7 +175,7 @@ def _run(
 
 
 def _one_call(
-    fold: Any, obj: Any, specs: list[tuple[str, Any]], sid: int
+    fold: Any, obj: Any, specs: list[tuple[str, Any]], sid: int, plain: bool
 ) -> list[torch.Tensor] | None:
     """A graph of one op on literal arguments alone (a per-sample loop: one ``forward`` per
     image) whose node lists are each a whole output of it: the op called once on the
@@ -182,7 +183,8 @@ def _one_call(
     (what hand-written code does: stack the samples, call the model).  None for any other
     graph.  Read from the Fold's own lists: a training step records and applies one such
     graph, and each step's snapshot would cost more than the rest of this.  ``sid``: that
-    op's signature (``_one_sig``)."""
+    op's signature (``_one_sig``); ``specs``: ``classify_lists``', or with ``plain``
+    ``_plain_specs``' (whose node lists hold this Fold's nodes alone)."""
     if fold.nobatch_ids or isinstance(obj, ModelBatched):
         return None
     op, kinds = fold.signatures[sid]
@@ -191,7 +193,6 @@ def _one_call(
     memo = fold._memos[sid]
     n = len(memo)
     fold._check_intact(n)
-    node_type = fold._node_type
     handles = None
     wanted: list[Any] = []
     arrays = None
@@ -199,7 +200,7 @@ def _one_call(
         if kind != NODES:
             wanted.append(None)
             continue
-        if set(map(type, items)) != {node_type}:
+        if not plain and set(map(type, items)) != {fold._node_type}:
             return None  # the executor names the foreign nodes
         if handles is None:
             handles = list(memo.values())
@@ -238,6 +239,30 @@ def _one_call(
             raise bad_split(fold.snapshot(), node_id(int(items[0])), src.nsplit, len(outs))
         result.append(outs[src.out])
     return result
+
+
+def _plain_specs(lists: Any, node_type: type) -> list[tuple[str, Any]] | None:
+    """``classify_lists`` of what a per-sample training step gives apply (lists of this
+    Fold's nodes, or of Python numbers of one type), in one pass over each list, the lists
+    not copied (``_one_call`` reads them at once); None for anything else, which
+    ``classify_lists`` checks."""
+    if type(lists) is not list and type(lists) is not tuple:
+        return None
+    specs: list[tuple[str, Any]] = []
+    for items in lists:
+        if type(items) is not list or not items:
+            return None
+        types = set(map(type, items))
+        if len(types) != 1:
+            return None
+        t = types.pop()
+        if t is node_type:
+            specs.append((NODES, items))
+        elif t in SCALAR_KINDS:
+            specs.append((NUMBERS, items))
+        else:
+            return None
+    return specs
 
 
 def _one_sig(fold: Any) -> int | None:

@@ -864,3 +864,31 @@ def test_literal_tensors_of_several_shapes_share_the_signature_of_an_op_with_pad
     (out,) = g.apply(None, [[g.add(plain, x) for x in xs]])
     assert len(g.snapshot().signatures) == 3
     torch.testing.assert_close(out, want)
+
+
+def test_device_of_is_the_first_parameters_in_parameters_order() -> None:
+    """``fold.ops.device_of`` (where apply puts literals and results) names the device of the
+    module's first parameter in ``parameters()``' order, through its shortcut (the module's
+    own parameters, its first child's) and its walk (deeper, then buffers); meta tensors
+    stand for a second device."""
+    from fold.ops import device_of
+
+    def first(m: torch.nn.Module) -> torch.device:
+        return next(iter([*m.parameters(), *m.buffers()])).device
+
+    meta = torch.device("meta")
+    cases = [
+        torch.nn.Linear(2, 2, device=meta),  # its own
+        torch.nn.Sequential(torch.nn.Linear(2, 2, device=meta), torch.nn.Linear(2, 2)),
+        torch.nn.Sequential(  # the first child has none of its own: its child's
+            torch.nn.Sequential(torch.nn.Linear(2, 2, device=meta)), torch.nn.Linear(2, 2)
+        ),
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2, device=meta)),
+        torch.nn.BatchNorm1d(2, affine=False, device=meta),  # buffers alone
+    ]
+    for m in cases:
+        assert device_of(m) == first(m) == meta, m
+    assert device_of(
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device=meta))
+    ) == torch.device("cpu")
+    assert device_of(torch.nn.ReLU()) == device_of(object()) == torch.device("cpu")
