@@ -8,10 +8,11 @@ Each contender does the same training step (forward, cross-entropy, backward, Ad
 same 32 images of 1x28x28: eager runs the model once per image (gradients accumulated), fold
 records one ``forward`` node per image and applies the graph, plain batched calls the model
 once on the concatenated (32, 28, 28) batch, collated once on what a DataLoader's default
-``collate_fn`` makes of the (image, label) samples, (32, 1, 28, 28) and a label tensor; "fold, apply only" runs fold's training loop on
-graphs recorded beforehand (what recording costs is the difference); "fold, loss nodes"
-records each sample's loss as a node too (forward -> loss); "floor" appends the samples to a
-list, concatenates it and calls forward once: what any per-sample recording pays at least.  --steady-malloc: see
+``collate_fn`` makes of the (image, label) samples, (32, 1, 28, 28) and a label tensor;
+"fold, apply only" runs fold's training loop on graphs recorded beforehand (what recording
+costs is the difference); "fold, loss nodes" records each sample's loss as a node too
+(forward -> loss); "floor" appends the samples to a list, concatenates it and calls forward
+once: what any per-sample recording pays at least.  --steady-malloc: see
 benchmarks/common.py, steady_malloc.  Writes benchmarks/results/mnist.json.
 """
 

@@ -607,8 +607,8 @@ static PyTypeObject RecorderType = {
 
 /* Counter(): node ids 0, 1, 2, ... as itertools.count() gives them (its repr too), how
    many it gave as `issued` (which fold.graph.Fold._check_intact reads), and reset(), which
-   starts them from 0 again: a renewed Fold (autobatch's rounds) resets its one counter, where every recorder of the
-   Fold would otherwise be rebound to a new one. */
+   starts them from 0 again: a renewed Fold (autobatch's rounds) resets its one counter,
+   where every recorder of the Fold would otherwise be rebound to a new one. */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t next;

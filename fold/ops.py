@@ -44,8 +44,9 @@ def device_of(obj: Any) -> torch.device:
                 for t in m._parameters.values():
                     if t is not None:
                         return t.device
-            break
-        # The order of parameters() then buffers(), without its generator machinery.
+                break
+        # The order of parameters() then buffers(), without its generator machinery (a child
+        # set to None, an optional layer left out, holds none).
         for attr in ("_parameters", "_buffers"):
             stack = [obj]
             while stack:
@@ -53,7 +54,7 @@ def device_of(obj: Any) -> torch.device:
                 for t in getattr(m, attr).values():
                     if t is not None:
                         return t.device
-                stack.extend(reversed(m._modules.values()))
+                stack.extend([c for c in reversed(m._modules.values()) if c is not None])
     return torch.device("cpu")
 
 

@@ -885,6 +885,7 @@ def test_device_of_is_the_first_parameters_in_parameters_order() -> None:
         ),
         torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2, device=meta)),
         torch.nn.BatchNorm1d(2, affine=False, device=meta),  # buffers alone
+        _WithNone(),  # a child set to None (an optional layer left out) first
     ]
     for m in cases:
         assert device_of(m) == first(m) == meta, m
@@ -892,3 +893,11 @@ def test_device_of_is_the_first_parameters_in_parameters_order() -> None:
         torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device=meta))
     ) == torch.device("cpu")
     assert device_of(torch.nn.ReLU()) == device_of(object()) == torch.device("cpu")
+
+
+class _WithNone(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = torch.nn.ReLU()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
+        self.skip = None  # type: ignore[assignment]  (kept in _modules, as None)
