@@ -81,18 +81,17 @@ def apply(
     """``fold.apply(obj, lists, ...)``; see :meth:`fold.Fold.apply`.  Runs with the cyclic
     garbage collector paused (see :func:`collector_paused`), but for a graph of one op on
     literal arguments, which makes few objects (see ``_one_call``)."""
+    specs = None  # classify_lists' (the general path's, not _plain_specs' uncopied lists)
     sid = _one_sig(fold) if max_rows is None and max_bytes is None and offload is None else None
     if sid is not None:
-        specs = _plain_specs(lists, fold._node_type)
-        outs = (
-            _one_call(fold, obj, classify_lists(lists), sid, False)
-            if specs is None
-            else _one_call(fold, obj, specs, sid, True)
-        )
+        plain = _plain_specs(lists, fold._node_type)
+        if plain is None:
+            specs = classify_lists(lists)
+        outs = _one_call(fold, obj, plain if specs is None else specs, sid, plain is not None)
         if outs is not None:
             return outs
     with collector_paused():
-        return _apply(fold, obj, lists, max_rows, max_bytes, offload)
+        return _apply(fold, obj, lists, max_rows, max_bytes, offload, specs)
 
 
 def _apply(
@@ -102,6 +101,7 @@ def _apply(
     max_rows: int | Mapping[Any, int] | None,
     max_bytes: int | None,
     offload: str | None,
+    specs: list[tuple[str, Any]] | None = None,
 ) -> list[torch.Tensor]:
     arrays = fold.snapshot()
     if max_rows is not None or max_bytes is not None or offload is not None:
@@ -111,7 +111,8 @@ def _apply(
         if offload == "cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return _apply(fold, obj, lists, max_rows, max_bytes, None)
-    specs = classify_lists(lists)
+    if specs is None:
+        specs = classify_lists(lists)
     arrays.facts = facts_of(obj)
     plan = plan_of(arrays, fold.strategy)
     limits = {"max_rows": max_rows, "max_bytes": max_bytes}
