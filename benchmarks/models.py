@@ -121,7 +121,7 @@ def main() -> None:
                 }
             )
     print(
-        f"LeNet x {args.images} images of 1x28x28, forward+backward, device {dev}, {args.threads} thread(s)"
+        f"{ARCHS[args.arch].__name__} x {args.images} images of 1x28x28, forward+backward, device {dev}, {args.threads} thread(s)"
     )
     print(table(rows, ["models", "method", "median_ms", "samples/s", "vs_best_baseline"]))
     name = f"models_{args.arch}" + ("" if dev == "cpu" else f"_{dev}")

@@ -1,6 +1,7 @@
 """Data-parallel TreeLSTM training: each rank records and runs its share of every batch.
 
-    torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py            # CPU (gloo) or GPUs (NCCL)
+    torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py            # GPUs (NCCL), else CPU (gloo)
+    torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py --device cpu
     torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py --epochs 4 --data path/to/sst
     python examples/ddp_tree_lstm.py                                  # one process, world of 1
 
@@ -41,9 +42,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=50, help="trees per step, over all ranks")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.003)
+    ap.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: a GPU per rank with NCCL where every local rank has one, else CPU with gloo",
+    )
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = args.device == "cuda" or (args.device == "auto" and gpus >= ranks_here)
+    if args.device == "auto" and 0 < gpus < ranks_here and os.environ.get("LOCAL_RANK") == "0":
+        print(f"{gpus} GPU(s) for {ranks_here} ranks on this machine: running on CPU with gloo")
     if "RANK" not in os.environ:  # not started by torchrun: run as a group of one process
         print("not started by torchrun: running as 1 process (launch several with")
         print("  torchrun --nproc_per_node=2 examples/ddp_tree_lstm.py)")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FoldError", "describe", "op_name"]
+__all__ = ["FoldError", "FoldOutOfMemoryError", "describe", "op_name"]
 
 
 class FoldError(ValueError):
@@ -15,6 +15,16 @@ class FoldError(ValueError):
     Messages say what was expected, what came, and the fix.  Failures inside a user op are
     chained to the original exception (``raise FoldError(...) from err``), so the original
     traceback stays available as ``err.__cause__``.
+    """
+
+
+class FoldOutOfMemoryError(FoldError, torch.OutOfMemoryError):
+    """A user op ran out of device memory during ``apply``.
+
+    It is a FoldError (its message names the op, the group and the fix: ``max_rows``,
+    ``max_bytes`` or ``offload="cpu"``) and also a ``torch.OutOfMemoryError``, so code that
+    catches out-of-memory errors around a training step (to halve its batch, say) still
+    catches it.
     """
 
 

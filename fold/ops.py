@@ -14,7 +14,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from fold._encoding import FLOAT
 from fold.arrays import GraphArrays, numbers_tensor
-from fold.errors import FoldError, describe, op_name
+from fold.errors import FoldError, FoldOutOfMemoryError, describe, op_name
 from fold.ragged import Ragged
 
 __all__ = [
@@ -95,12 +95,22 @@ def resolve_op(obj: Any, op: Any, model_dim: bool) -> Callable[..., Any]:
 
 
 def op_failed(op: Any, step: int, n: int, values: list[Any], err: Exception) -> FoldError:
-    """The FoldError for an op that raised, naming the op, step, group size and shapes."""
-    return FoldError(
+    """The FoldError for an op that raised, naming the op, step, group size and shapes (a
+    FoldOutOfMemoryError, which is also a torch.OutOfMemoryError, where the op ran out of
+    memory)."""
+    said = (
         f"apply: op {op_name(op)!r} failed at step {step} on a group of {n} node(s) "
-        f"with arguments ({', '.join(_describe(v) for v in values)}): "
-        f"{type(err).__name__}: {err}. Fix: run the same graph with fold.Unfold(obj) to "
-        "debug the op on one example; a batched op must treat dim 0 as the batch."
+        f"with arguments ({', '.join(_describe(v) for v in values)}): {type(err).__name__}: {err}"
+    )
+    if isinstance(err, torch.OutOfMemoryError):
+        return FoldOutOfMemoryError(
+            f"{said}. Fix: bound the rows an op takes at a time with apply(..., max_rows=K) "
+            "(or max_bytes=B), and keep what backward needs in host memory with "
+            "offload='cpu'; values and gradients stay the same."
+        )
+    return FoldError(
+        f"{said}. Fix: run the same graph with fold.Unfold(obj) to debug the op on one "
+        "example; a batched op must treat dim 0 as the batch."
     )
 
 

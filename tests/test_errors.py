@@ -211,6 +211,28 @@ def test_exception_inside_an_op_is_chained_and_the_fold_stays_usable() -> None:
     assert f.to_networkx().number_of_nodes() == 8
 
 
+def test_an_op_out_of_memory_names_the_limits_and_stays_an_out_of_memory_error() -> None:
+    class Small(torch.nn.Module):
+        """An op that 'runs out of memory' on more than 3 rows at a time."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if len(x) > 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return x * 2
+
+    f = fold.Fold()
+    xs = [torch.full((1, 2), float(i), dtype=torch.float64) for i in range(8)]
+    outs = [f.add("forward", x) for x in xs]
+    with pytest.raises(torch.OutOfMemoryError) as info:  # what a step's OOM handler catches
+        f.apply(Small(), [outs])
+    assert isinstance(info.value, FoldError)
+    msg = str(info.value)
+    assert "op 'forward' failed at step 0 on a group of 8 node(s)" in msg
+    assert "max_rows=K" in msg and "offload='cpu'" in msg and "Unfold" not in msg
+    (y,) = f.apply(Small(), [outs], max_rows=3)  # the fix it names
+    torch.testing.assert_close(y, torch.cat(xs) * 2, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad", ["foreign list element", "handle beyond int64"])
 def test_a_refused_call_leaves_the_fold_usable(bad: str) -> None:
     """A call refused after its pattern was seen (here in an earlier Fold) makes its

@@ -131,6 +131,8 @@ def test_ddp_example_runs_on_two_cpu_ranks() -> None:
         "examples/ddp_tree_lstm.py",
         "--epochs",
         "1",
+        "--device",
+        "cpu",
     )
     assert re.search(r"epoch 1: mean loss [\d.]+, dev root accuracy [\d.]+% \(2 ranks\)", out), out
 
