@@ -402,7 +402,7 @@ class Executor:
             if not (is_tensor_kind(k) or k == LIST):
                 plans[j] = (Arg.NUMBERS, cols[j] if whole_sig else cols[j][pos])
                 continue
-            picked = cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()]
+            picked = cols[j] if whole_sig else list(map(cols[j].__getitem__, pos.tolist()))
             if k == LIST:  # every element of the group's lists: one gather, its index array
                 # after the node columns'
                 plans[j] = (Arg.RAGGED, self._plan_list(op, j, picked, idx))
@@ -754,7 +754,7 @@ class Executor:
         labels = []
         for j, k in enumerate(kinds):
             if any_shape(k):
-                picked = cols[j] if whole_sig else [cols[j][i] for i in pos.tolist()]
+                picked = cols[j] if whole_sig else list(map(cols[j].__getitem__, pos.tolist()))
                 seen: dict[Any, int] = {}
                 labels.append(np.array([seen.setdefault(t.shape, len(seen)) for t in picked]))
         return labels

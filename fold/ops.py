@@ -307,6 +307,8 @@ def literal_value(kind: Any, column: Any, device: torch.device) -> torch.Tensor:
             t = torch.cat(column, 0)
         else:
             return column[0].to(device, non_blocking=True, copy=True)
+    elif kind != FLOAT and type(column) is np.ndarray:
+        t = torch.from_numpy(column.copy())  # ints or bools: a copy without torch's dispatch
     else:
         dtype = torch.get_default_dtype() if kind == FLOAT else None
         t = _TENSOR(column, dtype=dtype)
