@@ -1178,6 +1178,21 @@ def test_a_failure_inside_a_batched_op_is_chained_to_the_users_exception():
     assert type(e.value.__cause__) is KeyError
 
 
+def test_an_op_out_of_memory_on_a_group_stays_an_out_of_memory_error():
+    @fold.batchable(batched=True)
+    def big(x):  # "out of memory" on a group, fine on the batch of one of shape inference
+        if x.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return x
+
+    lin = nn.Linear(2, 2)
+    with pytest.raises(torch.OutOfMemoryError) as e:  # what a loop's OOM handler catches
+        fold.autobatch(lambda x: big(lin(x)) * 2, [torch.randn(2)] * 3)
+    assert isinstance(e.value, fold.FoldError)
+    assert "big" in str(e.value) and "fewer examples" in str(e.value)
+    assert type(e.value.__cause__) is torch.OutOfMemoryError
+
+
 def test_torch_tensor_of_recorded_scalars_matches_eager():
     lin = nn.Linear(3, 3)
 

@@ -45,7 +45,7 @@ from fold.autobatch.traced import (
     _traced,
 )
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
-from fold.errors import FoldError, describe
+from fold.errors import FoldError, FoldOutOfMemoryError, describe
 from fold.graph import Fold
 from fold.ops import forget_masks
 from fold.run import collector_paused, run_groups
@@ -655,9 +655,18 @@ def _explained(err: FoldError) -> FoldError:
             "float, .item(), `if t:`): use torch.where (both branches, chosen per row), or "
             "read outside the @fold.batchable function, where a read pauses the example."
         )
-    return FoldError(
+    if isinstance(orig, torch.OutOfMemoryError):
+        fix = (
+            "give autobatch fewer examples per call (the calls of a group run as one batch), "
+            "or use an explicit fold.Fold, whose apply takes max_rows= and offload='cpu'."
+        )
+    said = (
         f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "
         f"{cause.values[0].shape[0] if cause.values and isinstance(cause.values[0], torch.Tensor) else '?'} "
         f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. Fix: "
         f"{fix}"
+    )
+    # Out of memory stays catchable as such (a training loop's handler), as in apply.
+    return (
+        FoldOutOfMemoryError(said) if isinstance(orig, torch.OutOfMemoryError) else FoldError(said)
     )
