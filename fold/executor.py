@@ -667,7 +667,7 @@ class Executor:
             unknown = [
                 j
                 for j, v in enumerate(values)
-                if type(v) is Ragged and v.values.dim() == 1 and not v.values.numel()
+                if isinstance(v, Ragged) and v.values.dim() == 1 and not v.values.numel()
             ]
             if unknown:  # the lists were all empty and nothing told their elements' shape
                 raise FoldError(
@@ -681,7 +681,7 @@ class Executor:
             raise op_failed(op, step, n, values, err) from err
         outs = check_outputs(op, step, n * self.models, out, alone)
         # Shapes are kept raw; summaries format them only when asked.
-        metas = [(v.values if type(v) is Ragged else v) for v in values]
+        metas = [(v.values if isinstance(v, Ragged) else v) for v in values]
         self.report.append((step, op_name(op), n, tuple([(t.shape, t.dtype) for t in metas])))
         return outs
 

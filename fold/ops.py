@@ -61,7 +61,7 @@ def device_of(obj: Any) -> torch.device:
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return describe(t.shape, t.dtype)
-    if type(t) is Ragged:
+    if isinstance(t, Ragged):  # (a ModelRagged too: N models' lists)
         return f"Ragged of {len(t)} lists, values {describe(t.values.shape, t.values.dtype)}"
     return type(t).__name__
 

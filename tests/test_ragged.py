@@ -292,11 +292,14 @@ def _sum_graph(f: Any) -> list[Any]:
     return [f.add("node", ls[1], [a, b, c, ls[0]]), a, b, c]
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("max_rows", [None, 1])
-def test_list_arguments_with_a_batch_module_equal_n_separate_folds(max_rows) -> None:
+def test_list_arguments_with_a_batch_module_equal_n_separate_folds(max_rows, chunk) -> None:
     """One fold runs N child-sum models at once: each model's values and gradients equal
     its own fold's (float64), also in chunks of one node (max_rows=1); backprop of one
-    model's output leaves every other model's gradients exactly zero."""
+    model's output leaves every other model's gradients exactly zero.  ``chunk``: models
+    per pass, one at a time (a CPU's default) or all 3 in one pass (a GPU's: the op takes
+    the N models' lists as one ModelRagged)."""
     from fold.batched_ops import BatchModule
 
     old = torch.get_default_dtype()
@@ -306,6 +309,7 @@ def test_list_arguments_with_a_batch_module_equal_n_separate_folds(max_rows) -> 
         n = 3
         models = [SumCell() for _ in range(n)]
         bm = BatchModule.from_modules(models)
+        bm.chunk_size = chunk
         f = fold.Fold()
         (out,) = f.apply(bm, [_sum_graph(f)], max_rows=max_rows)
         assert out.shape[:2] == (n, 4)
