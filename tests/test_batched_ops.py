@@ -174,6 +174,24 @@ def test_layer_runs_like_separate_models(name: str, factory, make_inputs, chunk)
         check_model_batching(factory, make_inputs, batch=N, chunk_size=chunk, modes=modes)
 
 
+CONV_CASES = [c for c in CASES if c[0].startswith("conv") and "transpose" not in c[0]]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-model"])
+@pytest.mark.parametrize("name, factory, make_inputs", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_convolutions_grouped_or_per_model_run_like_separate_models(
+    name: str, factory, make_inputs, grouped: bool, monkeypatch
+) -> None:
+    """Both formulations of N models' convolutions: one grouped convolution (a GPU's
+    default) and N plain ones (a CPU's), each checked here on the CPU."""
+    from fold.batched_ops.layers import BatchConv
+
+    monkeypatch.setattr(BatchConv, "grouped", grouped)
+    with warnings.catch_warnings():  # torch's own warning of padding="same", even kernels
+        warnings.simplefilter("ignore", UserWarning)
+        check_model_batching(factory, make_inputs, batch=N)
+
+
 def test_check_model_batching_reports_a_broken_layer() -> None:
     class Broken(nn.Module):
         def __init__(self) -> None:

@@ -67,7 +67,13 @@ class BatchLinear(AbstractBatchModule):
 
 
 class BatchConv(AbstractBatchModule):
-    """Conv1d/2d/3d of N models as one convolution with N times the groups."""
+    """Conv1d/2d/3d of N models as one convolution with N times the groups.
+
+    ``grouped``: None (the default) runs one grouped convolution for all N models on a GPU
+    and N plain ones on a CPU (where a grouped one is slower, benchmarks/models.py); True or
+    False forces one formulation (same values)."""
+
+    grouped: bool | None = None
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__(len(modules))
@@ -98,7 +104,8 @@ class BatchConv(AbstractBatchModule):
                 self.groups,
             )
             return y
-        if xg.is_cuda:  # cuDNN runs grouped convolutions well: one call for all N models
+        grouped = xg.is_cuda if self.grouped is None else self.grouped
+        if grouped:  # cuDNN runs grouped convolutions well: one call for all N models
             w = weight.reshape(n * weight.shape[1], *weight.shape[2:])
             b = None if bias is None else bias.reshape(-1)
             y = self._conv(xg, w, b, self.stride, padding, self.dilation, n * self.groups)
