@@ -2590,6 +2590,30 @@ def test_matmul_of_two_recorded_operands_runs_batched_as_eager(shapes, grad):
     assert op_modes <= {"direct"}, op_modes
 
 
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu-forms", "gpu-forms"])
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("shapes", [((5, 4), (4,)), ((3, 5, 4), (4,)), ((4,), (2, 4, 3))])
+def test_the_forms_of_a_matmul_group_equal_per_example_matmuls(shapes, grad, cpu):
+    """Each form ``_matmul_group`` takes for a group of per-example matmuls (the CPU's, and
+    the GPU's, checked here on the CPU) equals the examples' own matmuls, values and
+    gradients (float64)."""
+    from fold.autobatch.tables import _matmul_group
+
+    n = 4
+    a = torch.randn(n, *shapes[0], dtype=torch.float64, requires_grad=grad)
+    b = torch.randn(n, *shapes[1], dtype=torch.float64, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        got = _matmul_group(a, b, cpu=cpu)
+        want = torch.stack([x @ y for x, y in zip(a, b)])
+    torch.testing.assert_close(got, want)
+    if grad:
+        w = torch.randn_like(want)
+        torch.testing.assert_close(
+            torch.autograd.grad((got * w).sum(), (a, b)),
+            torch.autograd.grad((want * w).sum(), (a, b)),
+        )
+
+
 def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
     """After a round, a torch function whose lazy arguments all come from earlier rounds
     (an index into an encoder's output, a cat of known rows) runs at once: its result is a

@@ -901,3 +901,43 @@ class _WithNone(torch.nn.Module):
         self.skip = torch.nn.ReLU()
         self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
         self.skip = None  # type: ignore[assignment]  (kept in _modules, as None)
+
+
+@pytest.mark.parametrize("models", [1, 3])
+def test_index_arrays_moved_as_one_tensor_as_on_a_gpu_give_the_same_results(models, monkeypatch):
+    """Off the CPU a group's index arrays travel as one tensor, split on the device
+    (``Values.index_tensors``); that path, taken here on the CPU, gives the states and
+    gradients of the CPU's own (float64; with N models in one pass too)."""
+    from fold.batched_ops import BatchModule
+    from fold.treebank import random_tree
+    from fold.values import Values
+
+    rng = random.Random(4)
+    trees = [random_tree(rng, rng.randint(1, 12), 60) for _ in range(16)]
+    torch.manual_seed(0)
+    nets = [TreeLSTM(60, 8).double() for _ in range(models)]
+    model: Any = nets[0]
+    if models > 1:
+        model = BatchModule.from_modules(nets)
+        model.chunk_size = models  # all models in one pass, as on a GPU
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        f = fold.Fold()
+        (h,) = f.apply(model, [[record_tree(f, t) for t in trees]])
+        h.pow(2).sum().backward()
+        return h.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, want_g = run()
+    init = Values.__init__
+
+    def off_cpu(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.on_cpu = False
+
+    monkeypatch.setattr(Values, "__init__", off_cpu)
+    got, got_g = run()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(got_g) == len(want_g)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

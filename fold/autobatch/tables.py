@@ -377,7 +377,7 @@ _REWRITES: dict[Any, Any] = {
 }
 
 
-def _matmul_group(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _matmul_group(a: torch.Tensor, b: torch.Tensor, cpu: bool | None = None) -> torch.Tensor:
     """``a @ b`` for a group whose two operands are both per example (stacked, n first):
     vectors and matrices (or stacks of matrices) as one batched call (``mem @ query`` and
     ``weights @ mem`` of attention), with the batch dim kept first.
@@ -387,13 +387,14 @@ def _matmul_group(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     matmul is 4-9x slower for ``(n, L, H) @ (n, H, 1)`` than for ``(n, 1, H) @ (n, H, L)``:
     253 against 35 us at n 64, L 30, H 128); with gradients, a product and a sum, whose
     backward avoids the slow outer products (183 against 816 us forward and backward).
-    Values equal the per-example matmul up to the order of the sum."""
+    Values equal the per-example matmul up to the order of the sum.  ``cpu``: which forms
+    to take, by ``a``'s device where None (tests take the GPU's on the CPU)."""
     da, db = a.dim() - 1, b.dim() - 1
     if da == 1 and db == 1:
         return (a * b).sum(-1)
     n = a.shape[0]
     if db == 1:  # matrices @ a vector: the vector broadcast over every matrix of a stack
-        if a.device.type != "cpu":
+        if not (a.device.type == "cpu" if cpu is None else cpu):
             return torch.matmul(a, b.reshape(n, *[1] * (da - 2), b.shape[-1], 1)).squeeze(-1)
         if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
             return (a * b.reshape(n, *[1] * (da - 1), b.shape[-1])).sum(-1)
