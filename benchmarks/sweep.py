@@ -118,7 +118,8 @@ def main() -> None:
         rows = childsum_rows(args)
         print(f"sweep of child-sum TreeLSTMs, hidden 64, 128 trees, a training step, {args.device}")
         print(table(rows, list(rows[0])))
-        write_json("sweep_childsum", {"args": vars(args), "rows": rows})
+        name = "sweep_childsum" + ("" if args.device == "cpu" else f"_{args.device}")
+        write_json(name, {"args": vars(args), "rows": rows})
     if "treelstm" not in parts:
         return
     torch.manual_seed(0)

@@ -4,9 +4,10 @@
 #     OUT=/some/folder bash scripts/gpu_checks.sh
 #
 # The GPU tests (tests/test_gpu.py: apply without host syncs, GPU values and gradients equal
-# to CPU), TreeLSTM throughput at 1-1024 trees per fold, N LeNets / MLPs as one BatchModule,
-# a sweep of N TreeLSTMs, and a batch larger than the memory allowed completed with
-# max_rows / offload.  Each step has its own time limit, so one that hangs does not take the
+# to CPU, autobatch decoding with reads, list arguments of N models as one BatchModule,
+# max_rows / offload), TreeLSTM throughput at 1-1024 trees per fold, N LeNets / MLPs as one
+# BatchModule, sweeps of N TreeLSTMs and of 8 child-sum TreeLSTMs, and a batch larger than
+# the memory allowed completed with max_rows / offload.  Each step has its own time limit, so one that hangs does not take the
 # others with it; the log and the JSON results (benchmarks/results/*_cuda.json,
 # memory_gpu.json, docs/tree_throughput_cuda.png) are copied into $OUT.
 #
@@ -37,6 +38,7 @@ step 150 "TreeLSTM throughput" python3 benchmarks/tree_throughput.py --device cu
 step 100 "LeNets" python3 benchmarks/models.py --device cuda --models 10 100 1000 --reps 5 --save
 step 80 "MLPs" python3 benchmarks/models.py --device cuda --arch mlp --models 10 100 1000 --reps 5 --save
 step 120 "TreeLSTM sweep" python3 benchmarks/sweep.py --device cuda --models 8 32 128 --reps 3 --only treelstm --save
+step 90 "child-sum sweep" python3 benchmarks/sweep.py --device cuda --only childsum --reps 3 --save
 step 60 "memory" python3 benchmarks/memory_gpu.py --device cuda --save
 cp benchmarks/results/*_cuda.json benchmarks/results/memory_gpu.json docs/tree_throughput_cuda.png "$OUT"/ 2>/dev/null
 step "${SUITE_S:-100}" "test suite with CUDA present" python3 -m pytest -q -x -p no:cacheprovider
