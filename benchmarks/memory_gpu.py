@@ -65,23 +65,43 @@ def main() -> None:
     ref_h = step().cpu()
     ref_g = {k: p.grad.cpu() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    base = peak = limit = 0
+    base = limit = 0
     if cuda:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
+
+    def measure(name: str, limits: dict) -> dict:  # type: ignore[type-arg]
+        """One setting's row: ``--reps`` timed runs, the last one's distance from the
+        reference run and its peak over the base; "out of memory" where a run ran out."""
+        row: dict = {"setting": name}  # type: ignore[type-arg]
         times = []
-        for _ in range(args.reps):
-            torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated() - base
-        unlimited = {"setting": "plain, no limit", "completed": "yes", "max rel err": 0.0}
-        unlimited |= {
-            "median_ms": 1e3 * statistics.median(times),
-            "peak MB over base": peak / 2**20,
-        }
+        try:
+            for _ in range(args.reps):
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                h = step(**limits)
+                times.append(time.perf_counter() - t0)
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            return row | {"completed": "out of memory"}
+        grads = dict(model.named_parameters())
+        err = max(
+            [rel_err(h.cpu(), ref_h)] + [rel_err(grads[k].grad.cpu(), g) for k, g in ref_g.items()]
+        )
+        row |= {"completed": "yes", "max rel err": err}
+        row["median_ms"] = 1e3 * statistics.median(times)
+        if cuda:
+            row["peak MB over base"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         model.zero_grad(set_to_none=True)
+        return row
+
+    rows = []
+    peak = 0.0
+    if cuda:  # the plain run without a limit gives the peak the limit is a fraction of
+        rows.append(measure("plain, no limit", {}))
+        peak = rows[0]["peak MB over base"] * 2**20
         torch.cuda.empty_cache()
         limit = base + int(args.fraction * peak)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -93,33 +113,7 @@ def main() -> None:
         'offload="cpu"': {"offload": "cpu"},
         f'max_rows={args.max_rows}, offload="cpu"': {"max_rows": args.max_rows, "offload": "cpu"},
     }
-    rows = [unlimited] if cuda else []
-    for name, limits in settings.items():
-        row = {"setting": name}
-        times = []
-        try:
-            for _ in range(args.reps):
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                h = step(**limits)
-                times.append(time.perf_counter() - t0)
-        except torch.OutOfMemoryError:
-            row["completed"] = "out of memory"
-            model.zero_grad(set_to_none=True)
-            rows.append(row)
-            continue
-        grads = dict(model.named_parameters())
-        err = max(
-            [rel_err(h.cpu(), ref_h)] + [rel_err(grads[k].grad.cpu(), g) for k, g in ref_g.items()]
-        )
-        row["completed"] = "yes"
-        row["max rel err"] = err
-        row["median_ms"] = 1e3 * statistics.median(times)
-        if cuda:
-            row["peak MB over base"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        rows.append(row)
+    rows += [measure(name, limits) for name, limits in settings.items()]
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         print(

@@ -655,7 +655,8 @@ def _explained(err: FoldError) -> FoldError:
             "float, .item(), `if t:`): use torch.where (both branches, chosen per row), or "
             "read outside the @fold.batchable function, where a read pauses the example."
         )
-    if isinstance(orig, torch.OutOfMemoryError):
+    out_of_memory = isinstance(orig, torch.OutOfMemoryError)
+    if out_of_memory:
         fix = (
             "give autobatch fewer examples per call (the calls of a group run as one batch), "
             "or use an explicit fold.Fold, whose apply takes max_rows= and offload='cpu'."
@@ -667,6 +668,4 @@ def _explained(err: FoldError) -> FoldError:
         f"{fix}"
     )
     # Out of memory stays catchable as such (a training loop's handler), as in apply.
-    return (
-        FoldOutOfMemoryError(said) if isinstance(orig, torch.OutOfMemoryError) else FoldError(said)
-    )
+    return FoldOutOfMemoryError(said) if out_of_memory else FoldError(said)
