@@ -34,6 +34,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <string.h>
 #include <structmember.h>
 
 #define MAX_FAST 16
@@ -54,6 +55,9 @@ static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
 static PyObject *g_default_dtype;  /* torch.get_default_dtype */
 static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
+static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set by configure_memo) */
+static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo) */
+static PyObject *s_memo, *s_rounds;
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
@@ -1013,12 +1017,136 @@ plain_arg(PyObject *a, int nested)
     return 0;
 }
 
+/* A plain argument as a memo key part, as values._memo_part makes it (a new reference): an
+   int, None or Ellipsis itself, (bool, b), (float, its bits), (slice, start, stop, step),
+   (tuple, items...) (not nested); _MISS where it is not keyed, NULL on error. */
+static PyObject *
+memo_part(PyObject *a, int nested)
+{
+    if (PyLong_CheckExact(a) || a == Py_None || a == Py_Ellipsis) {
+        Py_INCREF(a);
+        return a;
+    }
+    if (PyBool_Check(a))
+        return PyTuple_Pack(2, (PyObject *)&PyBool_Type, a);
+    if (PyFloat_CheckExact(a)) {
+        double d = PyFloat_AS_DOUBLE(a);
+        long long bits;
+        memcpy(&bits, &d, sizeof bits);
+        PyObject *b = PyLong_FromLongLong(bits);
+        if (b == NULL)
+            return NULL;
+        PyObject *t = PyTuple_Pack(2, (PyObject *)&PyFloat_Type, b);
+        Py_DECREF(b);
+        return t;
+    }
+    int slice = PySlice_Check(a);
+    if (!slice && (nested || !PyTuple_CheckExact(a)))
+        return miss();
+    Py_ssize_t k = slice ? 3 : PyTuple_GET_SIZE(a);
+    PyObject *out = PyTuple_New(k + 1);
+    if (out == NULL)
+        return NULL;
+    PyObject *head = slice ? (PyObject *)&PySlice_Type : (PyObject *)&PyTuple_Type;
+    Py_INCREF(head);
+    PyTuple_SET_ITEM(out, 0, head);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *x = slice ? (i == 0   ? ((PySliceObject *)a)->start
+                               : i == 1 ? ((PySliceObject *)a)->stop
+                                        : ((PySliceObject *)a)->step)
+                            : PyTuple_GET_ITEM(a, i);
+        PyObject *p = memo_part(x, 1);
+        if (p == NULL || p == g_miss) {
+            Py_DECREF(out);
+            return p;
+        }
+        PyTuple_SET_ITEM(out, i + 1, p);
+    }
+    return out;
+}
+
+/* The memo key of ``func`` on ``row``, the row of lazy value ``x``, with plain arguments
+   ``args`` (as values._memo_key: func, recorder, node, the row's version, the grad mode,
+   the arguments' parts); _MISS where an argument is not keyed, NULL on error. */
+static PyObject *
+memo_key(PyObject *func, PyObject *x, PyObject *row, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *key = PyTuple_New(5 + n);
+    if (key == NULL)
+        return NULL;
+    PyObject *version = PyObject_GetAttr(row, s_version);
+    PyObject *grad = version ? PyObject_CallNoArgs(g_grad_enabled) : NULL;
+    if (grad == NULL) {
+        Py_XDECREF(version);
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *head[3] = {func, LAZY(x)->rec, LAZY(x)->node};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(head[i]);
+        PyTuple_SET_ITEM(key, i, head[i]);
+    }
+    PyTuple_SET_ITEM(key, 3, version);
+    PyTuple_SET_ITEM(key, 4, grad);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = memo_part(args[i], 0);
+        if (p == NULL || p == g_miss) {
+            Py_DECREF(key);
+            return p;
+        }
+        PyTuple_SET_ITEM(key, 5 + i, p);
+    }
+    return key;
+}
+
+/* ``func(row, *args[1:])`` memoised in ``session``'s memo, as values._memoised does it. */
+static PyObject *
+memo_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *row, PyObject *session)
+{
+    PyObject *stack[MAX_FAST];
+    stack[0] = row;
+    for (Py_ssize_t i = 1; i < n; i++)
+        stack[i] = args[i];
+    PyObject *v = PyObject_CallNoArgs(g_any_autocast);
+    if (v == NULL)
+        return NULL;
+    int cast = v != Py_False;
+    Py_DECREF(v);
+    PyObject *key = cast ? miss() : memo_key(func, args[0], row, args + 1, n - 1);
+    if (key == NULL)
+        return NULL;
+    if (key == g_miss) {
+        Py_DECREF(key);
+        return PyObject_Vectorcall(func, stack, n, NULL);
+    }
+    PyObject *memo = PyObject_GetAttr(session, s_memo);
+    PyObject *out = NULL;
+    if (memo == NULL || !PyDict_CheckExact(memo)) {
+        if (memo != NULL)
+            PyErr_SetString(PyExc_TypeError, "autobatch session's memo is not a dict");
+        goto done;
+    }
+    out = PyDict_GetItemWithError(memo, key);
+    if (out != NULL || PyErr_Occurred()) {
+        Py_XINCREF(out);
+        goto done;
+    }
+    out = PyObject_Vectorcall(func, stack, n, NULL);
+    if (out != NULL && (PyObject *)Py_TYPE(out) == g_tensor_type)
+        Py_SETREF(out, PyObject_CallFunctionObjArgs(g_memo_wrap, LAZY(args[0])->rec, out, key,
+                                                    memo, NULL));
+done:
+    Py_XDECREF(memo);
+    Py_DECREF(key);
+    return out;
+}
+
 /* A method of an earlier round's value whose other arguments are plain (``enc[i]``, a
    parser's encoder rows at every step), called inside the autobatch call that made it
    while a later round records or the examples finish eagerly: as the slow path's
-   _record_method, the method on the value's row at once.  _MISS (a new reference) where
-   that does not apply or the row was not read before (the slow path makes it), NULL on
-   error. */
+   _record_method, the method on the value's row at once (memoised where it is pure, see
+   memo_call).  _MISS (a new reference) where that does not apply or the row was not read
+   before (the slow path makes it), NULL on error. */
 static PyObject *
 earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
 {
@@ -1041,18 +1169,23 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
     PyObject *cur = session && session != Py_None ? PyObject_GetAttr(session, s_current) : NULL;
     PyObject *local = cur ? PyObject_GetAttr(g_local, s_rec) : NULL;
     int ok = local != NULL && cur != Py_None && cur == local && cur != old;
-    Py_XDECREF(session);
     Py_XDECREF(cur);
     Py_XDECREF(local);
+    PyObject *out = NULL;
     if (!ok) {
-        Py_DECREF(row);
-        return PyErr_Occurred() ? NULL : miss();
+        out = PyErr_Occurred() ? NULL : miss();
     }
-    PyObject *stack[MAX_FAST];
-    stack[0] = row;
-    for (Py_ssize_t i = 1; i < n; i++)
-        stack[i] = args[i];
-    PyObject *out = PyObject_Vectorcall(func, stack, n, NULL);
+    else if (g_pure != NULL && PySet_Contains(g_pure, func) == 1) {
+        out = memo_call(func, args, n, row, session);
+    }
+    else if (!PyErr_Occurred()) {
+        PyObject *stack[MAX_FAST];
+        stack[0] = row;
+        for (Py_ssize_t i = 1; i < n; i++)
+            stack[i] = args[i];
+        out = PyObject_Vectorcall(func, stack, n, NULL);
+    }
+    Py_XDECREF(session);
     Py_DECREF(row);
     return out;
 }
@@ -1210,6 +1343,42 @@ eager_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
         return PyErr_Occurred() ? NULL : miss();
     PyObject *out = eager_call_now(func, NULL, args, n, session);
     Py_DECREF(session);
+    return out;
+}
+
+/* ``func`` on ``args`` at once where every lazy value among them (in lists and tuples too)
+   is of an earlier round of the call recording on this thread, as the slow path's
+   recorder._computed runs it (``torch.cat([enc[s0], enc[s1], enc[b0]])`` of a parser's
+   encoder rows: eager code on their rows); _MISS where that does not apply (no round has
+   run, a value of the round recording now, a known value: the slow path says), NULL on
+   error. */
+static PyObject *
+earlier_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
+{
+    if (n > MAX_FAST)
+        return miss();
+    PyObject *rec = current_recorder();
+    if (rec == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    PyObject *session = PyObject_GetAttr(rec, s_session);
+    PyObject *out = NULL;
+    if (session == NULL)
+        goto done;
+    if (session == Py_None) {
+        out = miss();
+        goto done;
+    }
+    PyObject *cur = PyObject_GetAttr(session, s_current);
+    PyObject *rounds = cur ? PyObject_GetAttr(session, s_rounds) : NULL;
+    int started = rounds == NULL ? -1 : PyObject_IsTrue(rounds);
+    Py_XDECREF(rounds);
+    Py_XDECREF(cur);
+    if (started < 0)
+        goto done;
+    out = started && cur == rec ? eager_call_now(func, NULL, args, n, session) : miss();
+done:
+    Py_XDECREF(session);
+    Py_DECREF(rec);
     return out;
 }
 
@@ -1547,6 +1716,32 @@ static PyTypeObject ModuleCallType = {
 
 /* ------------------------------------------------------------------------- torch_function */
 
+/* Whether a lazy value of the recorder recording on this thread is among ``args`` (in lists
+   and tuples too, one level): 1 where one is or no recorder records (nothing to run at
+   once), 0 where none is, -1 on error. */
+static int
+records_among(PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
+    if (rec == NULL)
+        return -1;
+    int found = rec == Py_None;
+    for (Py_ssize_t i = 0; i < n && !found; i++) {
+        PyObject *a = args[i];
+        if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            Py_ssize_t k = PySequence_Fast_GET_SIZE(a);
+            PyObject **items = PySequence_Fast_ITEMS(a);
+            for (Py_ssize_t j = 0; j < k && !found; j++)
+                found = PyObject_TypeCheck(items[j], &LazyBaseType) &&
+                        LAZY(items[j])->rec == rec;
+        }
+        else
+            found = PyObject_TypeCheck(a, &LazyBaseType) && LAZY(a)->rec == rec;
+    }
+    Py_DECREF(rec);
+    return found;
+}
+
 /* torch_function(cls, func, types, args=(), kwargs=None): Lazy.__torch_function__. */
 static PyObject *
 torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -1557,12 +1752,25 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
     if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3]) &&
         (nargs == 4 || args[4] == Py_None ||
          (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
-        PyObject *out = fast_now(NULL, args[1], g_torch_kind, &PyTuple_GET_ITEM(args[3], 0),
-                                 PyTuple_GET_SIZE(args[3]));
+        PyObject *const *call = &PyTuple_GET_ITEM(args[3], 0);
+        Py_ssize_t n = PyTuple_GET_SIZE(args[3]);
+        /* Lazy values of earlier rounds alone: at once, before the fast key (which makes
+           their literal rows) is built in vain. */
+        int current = records_among(call, n);
+        if (current < 0)
+            return NULL;
+        PyObject *out;
+        if (!current) {
+            out = earlier_now(args[1], call, n);
+            if (out != g_miss)
+                return out;
+            Py_DECREF(out);
+        }
+        out = fast_now(NULL, args[1], g_torch_kind, call, n);
         if (out != g_miss)
             return out;
         Py_DECREF(out);
-        out = eager_now(args[1], &PyTuple_GET_ITEM(args[3], 0), PyTuple_GET_SIZE(args[3]));
+        out = eager_now(args[1], call, n);
         if (out != g_miss)
             return out;
         Py_DECREF(out);
@@ -1594,7 +1802,27 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* configure_memo(pure, wrap): values._PURE_METHODS and values._memo_wrap. */
+static PyObject *
+configure_memo(PyObject *module, PyObject *args)
+{
+    PyObject *pure, *wrap;
+    if (!PyArg_ParseTuple(args, "OO", &pure, &wrap))
+        return NULL;
+    if (!PyAnySet_Check(pure)) {
+        PyErr_SetString(PyExc_TypeError, "configure_memo: pure must be a set");
+        return NULL;
+    }
+    Py_INCREF(pure);
+    Py_XSETREF(g_pure, pure);
+    Py_INCREF(wrap);
+    Py_XSETREF(g_memo_wrap, wrap);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
+    {"configure_memo", configure_memo, METH_VARARGS,
+     PyDoc_STR("configure_memo(pure methods, memo_wrap)")},
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
                "'torch', record_method, torch_function, BATCHED, torch.long, torch.bool, "
@@ -1656,6 +1884,9 @@ PyInit__clazy(void)
     for (int i = 0; i < 11; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
+    if ((s_memo = PyUnicode_InternFromString("memo")) == NULL ||
+        (s_rounds = PyUnicode_InternFromString("rounds")) == NULL)
+        return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)
             return NULL;

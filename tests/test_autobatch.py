@@ -2636,6 +2636,244 @@ def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
     assert torch.Tensor in seen
 
 
+def test_a_read_inside_no_grad_leaves_the_gradients_of_the_rest(finish):
+    """Torch's grad mode belongs to the thread, not to one example: an example that reads
+    inside ``with torch.no_grad():`` pauses with gradients off.  The rounds and the other
+    examples still run in their own modes (before, the whole result lost its gradients, and
+    an example resumed after one that paused so recorded without them).  Values and
+    gradients equal eager (float64); half the examples read under no_grad, half not."""
+    torch.manual_seed(0)
+    lin, lin2 = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+
+    def fn(x, i):
+        h = lin(x)
+        for _ in range(3):
+            if i % 2:
+                with torch.no_grad():
+                    stop = float(h.sum()) > 100  # a read with gradients off
+            else:
+                stop = float(h.detach().sum()) > 100
+            h = torch.tanh(lin2(h))
+            if stop:
+                break
+        return h
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(10)]
+    assert_same(fn, [*lin.parameters(), *lin2.parameters()], xs, list(range(10)))
+
+
+def test_a_value_first_used_under_no_grad_carries_its_gradient_later(finish):
+    """A value of an earlier round is made a row (or a literal of a later call) once and
+    kept: where that first use was under ``torch.no_grad()``, a later use with gradients on
+    still carries the gradient (before, it silently had none)."""
+    torch.manual_seed(1)
+    lin, lin2 = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+
+    def fn(x):
+        h = lin(x)
+        if float(h.detach().sum()) > 1e9:  # a read: h is an earlier round's value now
+            h = h * 2
+        with torch.no_grad():
+            a = lin2(h)  # h a literal of a call, made with gradients off
+            b = torch.cat([h, h]) * 2  # h's row, made with gradients off
+        return lin2(h) + torch.cat([h, h])[:3] + a + b[3:]
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(10)]
+    assert_same(fn, [*lin.parameters(), *lin2.parameters()], xs)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+@pytest.mark.parametrize("reads", [True, False])
+def test_enable_grad_inside_a_function_run_under_no_grad_keeps_its_gradients(stack, reads, finish):
+    """autobatch called under ``torch.no_grad()`` on a function that turns gradients back on
+    (``with torch.enable_grad():``): its calls run with gradients, and so do the gathers
+    between them and the results' stacking (before, the gathers ran without, and the
+    gradients reaching the first calls were lost).  Values and gradients equal the
+    per-example results of eager code."""
+    torch.manual_seed(2)
+    lin, lin2 = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+
+    def fn(x):
+        with torch.enable_grad():
+            h = lin(x)
+            for _ in range(3):
+                h = torch.tanh(lin2(h))
+                if reads and float(h.detach().sum()) > 100:
+                    break
+            return h
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(10)]
+    with torch.no_grad():
+        got = fold.autobatch(fn, xs, stack=stack)
+        want = [fn(x) for x in xs]
+    got = list(got)
+    params = [*lin.parameters(), *lin2.parameters()]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+        assert a.requires_grad
+    weights = [torch.randn_like(w) for w in want]
+    for a, b in zip(
+        torch.autograd.grad(sum((w * g).sum() for w, g in zip(weights, got)), params),
+        torch.autograd.grad(sum((w * g).sum() for w, g in zip(weights, want)), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("region", ["inference_mode", "autocast"])
+def test_a_read_inside_a_region_the_function_opened_is_a_fold_error(region):
+    """Inference mode and autocast belong to the thread; a read inside such a region that
+    the function opened would resume the other examples inside it: a FoldError naming the
+    example and the fix (the same region around the autobatch call works)."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        ctx = torch.inference_mode() if region == "inference_mode" else torch.autocast("cpu")
+        with ctx:
+            if float(h.detach().sum()) > 1e9:
+                h = h * 2
+        return h
+
+    xs = [torch.randn(3) for _ in range(4)]
+    with pytest.raises(fold.FoldError, match=f"example 0: .*torch.{region}.*Fix: read after"):
+        fold.autobatch(fn, xs)
+
+    def outside(x):
+        h = lin(x)
+        if float(h.detach().sum()) > 1e9:
+            h = h * 2
+        return h
+
+    ctx = torch.inference_mode() if region == "inference_mode" else torch.autocast("cpu")
+    with ctx:
+        got = fold.autobatch(outside, xs)
+        want = torch.stack([outside(x) for x in xs])
+    torch.testing.assert_close(got, want)
+
+
+def test_methods_of_earlier_rounds_values_are_made_once_and_match_eager(finish):
+    """A parser's features: ``enc[0] * 0`` and ``enc[i]`` for the positions on its stack,
+    each step, ``enc`` a value of an earlier round.  Such a method (pure, plain arguments)
+    runs at once, once per autobatch call for each value, method, arguments and grad mode:
+    the same call later gives the same lazy value, whose own methods are made once alike.
+    Values and gradients equal eager (float64); the memo holds one entry per distinct call."""
+    torch.manual_seed(0)
+    lin, mlp = nn.Linear(3, 4).double(), nn.Linear(12, 3).double()
+    made = []
+
+    def parse(x, n):
+        enc = torch.tanh(lin(x.expand(n, 3)))  # (n, 4): the encoder's output
+        stack, buffer, total = [0], list(range(1, n)), 0
+        while buffer or len(stack) > 1:
+            pad = enc[0] * 0
+            feats = [
+                enc[stack[-1]],
+                enc[stack[-2]] if len(stack) > 1 else pad,
+                enc[buffer[0]] if buffer else pad,
+            ]
+            scores = mlp(torch.cat(feats))
+            total = total + scores
+            a = int(scores.argmax())  # a read: a round per step
+            if buffer and (a == 0 or len(stack) < 2):
+                stack.append(buffer.pop(0))
+            else:
+                stack.pop(-2 if a == 1 and len(stack) > 2 else -1)
+        if common._LOCAL.rec is not None:
+            made.append(len(common._LOCAL.rec.session.memo))
+        return total
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(10)]
+    ns = [3 + i % 4 for i in range(10)]
+    assert_same(parse, [*lin.parameters(), *mlp.parameters()], xs, ns)
+    # one entry per distinct call: enc[0], enc[0] * 0, and enc[i] for each position indexed
+    assert made and max(made) <= 2 + 6 * len(xs), made
+
+
+def test_memoised_methods_keep_arguments_and_grad_modes_apart(finish):
+    """The memo of methods of earlier rounds' values keys their arguments by type and bits:
+    ``x * 0`` and ``x * 0.0`` of an integer value (long against float), ``v[1]`` and
+    ``v[True]`` (a row against a new dim), ``f * 0.0`` and ``f * -0.0`` (the sign of zero),
+    two slices, a tuple index; and the grad mode (a value made under ``no_grad`` carries no
+    gradient, the same call with gradients on does).  Each equals eager, dtype and sign bit
+    included; the same call twice gives one lazy value."""
+    torch.manual_seed(1)
+    lin = nn.Linear(3, 4).double()
+    same = []
+
+    def fn(x):
+        h = lin(x.expand(3, 3))  # (3, 4)
+        k = (h.abs() * 3).long()
+        if float(h.detach().sum()) > 1e9:  # a read: h and k are earlier rounds' values now
+            h = h * 2
+        with torch.no_grad():
+            frozen = h * 2
+        live = h * 2
+        a, b = h[1], h[1]
+        if common._LOCAL.rec is not None:
+            same.append(a is b)
+        return (
+            k * 0,
+            k * 0.0,
+            h[1],
+            h[True],
+            h * 0.0,
+            h * -0.0,
+            h[0:2],
+            h[0:3],
+            h[1, 2],
+            frozen + live,
+        )
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(8)]
+    got = fold.autobatch(fn, xs, stack=False)
+    want = [fn(x) for x in xs]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b)
+            assert torch.equal(torch.signbit(a), torch.signbit(b))
+    assert same and all(same)
+    params = list(lin.parameters())
+    gg = torch.autograd.grad(sum(g[-1].sum() for g in got), params)
+    gw = torch.autograd.grad(sum(w[-1].sum() for w in want), params)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_memoised_value_is_made_again_after_its_source_changes_in_place(finish):
+    """A row of an earlier round's value changed in place through a view that is not
+    memoised (``unbind``, under no_grad, as eager code may): the memoised methods of that
+    value are made again from the changed row, as eager code computes them; a memoised value
+    itself, like every lazy value, refuses an in-place change."""
+    lin = nn.Linear(3, 4)
+
+    def fn(x):
+        h = lin(x.expand(3, 3))
+        if float(h.sum()) > 1e9:  # a read: h is an earlier round's value now
+            h = h * 2
+        before = h * 3
+        h.unbind(0)[0].fill_(7.0)  # the row, changed in place (eager changes h so too)
+        return before, h * 3, h[0]
+
+    xs = [torch.randn(3) for _ in range(8)]
+    with torch.no_grad():
+        got = fold.autobatch(fn, xs, stack=False)
+        want = [fn(x) for x in xs]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b)
+
+    def changes(x):
+        h = lin(x.expand(3, 3))
+        if float(h.sum()) > 1e9:
+            h = h * 2
+        h[0].add_(1.0)
+        return h
+
+    with pytest.raises(fold.FoldError, match="in-place"), torch.no_grad():
+        fold.autobatch(changes, xs)
+
+
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8, torch.bool])
 def test_reads_of_integer_values_give_what_eager_reads(dtype, finish):
     """Reads of 0-dim integer and bool values (a token, an action, a stop flag), which come

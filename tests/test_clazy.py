@@ -781,3 +781,63 @@ def test_methods_of_earlier_rounds_values_take_the_fast_path(monkeypatch: Any) -
     want = torch.stack([fn(x) for x in xs])
     torch.testing.assert_close(got, want)
     _same_gradients(got, want, [*enc.parameters(), *cell.parameters(), *q.parameters()])
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(monkeypatch: Any) -> None:
+    """A pure method of an earlier round's value with plain arguments runs at once, memoised
+    (values._memoised); the C path builds the memo key the Python path builds for the same
+    call (ints, bools, floats by their bits, slices, tuples, None, Ellipsis), so the two
+    share one memo: every call below is made by C, filed under Python's key, and a second
+    call gives the same lazy value.  Values equal eager."""
+    driver = importlib.import_module("fold.autobatch.driver")
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    lin = nn.Linear(3, 4).double()
+    calls = [
+        ("__getitem__", (1,)),
+        ("__getitem__", (True,)),
+        ("__getitem__", (slice(0, 2),)),
+        ("__getitem__", ((0, slice(None, None, 2)),)),
+        ("__getitem__", ((Ellipsis, None),)),
+        ("__mul__", (0.5,)),
+        ("__mul__", (-0.0,)),
+        ("__mul__", (0,)),
+        ("view", (-1,)),
+        ("__pow__", (2,)),
+        ("sum", (0,)),
+    ]
+    by_c: list[Any] = []
+    checked: list[bool] = []
+
+    def spy(rec: Any, out: Any, key: Any, memo: Any) -> Any:
+        by_c.append(key)
+        return values._memo_wrap(rec, out, key, memo)
+
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        h = lin(x.expand(3, 3))
+        if float(h.detach().sum()) > 1e9:  # a read: h is an earlier round's value now
+            h = h * 2
+        if common._LOCAL.rec is not None:
+            values._value_of(h)  # its row made (the C path takes rows made before)
+        outs = []
+        for name, rest in calls:
+            out = getattr(h, name)(*rest)
+            outs.append(out)
+            if common._LOCAL.rec is not None:
+                memo = common._LOCAL.rec.session.memo
+                key = values._memo_key(getattr(torch.Tensor, name), h, values._value_of(h), rest)
+                checked.append(memo.get(key) is out and getattr(h, name)(*rest) is out)
+        return outs
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    C.configure_memo(values._PURE_METHODS, spy)
+    try:
+        got = fold.autobatch(fn, xs, stack=False)
+    finally:
+        C.configure_memo(values._PURE_METHODS, values._memo_wrap)
+    assert checked and all(checked), checked
+    assert len(by_c) == len(calls) * len(xs)  # every call made by the C path
+    for g, x in zip(got, xs):
+        for a, b in zip(g, fn(x), strict=True):
+            assert a.shape == b.shape and torch.equal(torch.signbit(a), torch.signbit(b))
+            torch.testing.assert_close(a, b)

@@ -4,6 +4,7 @@ example."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable
 from itertools import repeat
@@ -25,6 +26,8 @@ from fold.autobatch.common import (
     _PER_EXAMPLE,
     _RNN,
     _VMAP,
+    _any_autocast,
+    _current_mode,
 )
 from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
@@ -231,6 +234,12 @@ class _Session:
         # Literal columns of padded rows the rounds made (a decoder's memories, read by every
         # step; ``fold.ops.padded_rows_of``), for the later rounds that read them again.
         self.columns: dict[Any, Any] = {}
+        # Inference mode and autocast as the call found them: a read must find them so (see
+        # pause).
+        self.modes = _modes()
+        # Methods of earlier rounds' values run at once, made once per value, method and
+        # arguments (values._memoised): key -> the lazy value of the result.
+        self.memo: dict[Any, Any] = {}
 
     def records(self) -> bool:
         """Whether the current round records (a value of an earlier round may be used)."""
@@ -244,7 +253,22 @@ class _Session:
             return False
         if x.rec is not self.current:
             return False
+        # Torch's grad mode is the thread's, not the coroutine's: an example that reads
+        # inside ``with torch.no_grad():`` pauses with gradients off, and the rounds and the
+        # other examples must not run so (they would record, and gather, without gradients).
+        # The driver restores its own mode when the example pauses (_resume), and the
+        # example gets its mode back here when it resumes.
+        grad = torch.is_grad_enabled()
+        if _modes() != self.modes:
+            raise FoldError(
+                f"autobatch: example {x.rec.example}: a read (bool, int, float, .item(), "
+                "`if t:`) inside a torch.inference_mode() or torch.autocast() region that the "
+                "function opened itself. Reads pause the example while the others run, and "
+                "those modes belong to the thread, not to one example. Fix: read after the "
+                "region ends, or open it around the autobatch call."
+            )
         me.parent.switch(x.rec.example)  # the example paused; back here after its round
+        torch._C._set_grad_enabled(grad)
         return True
 
     def run_round(self) -> None:
@@ -310,7 +334,7 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     device = _device(rec)
     obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
     try:
-        with _call_programs():
+        with _call_programs(), _grad_for(f):
             groups = run_groups(f, obj, rec.session.columns if rec.session is not None else None)
     except FoldError as err:
         cause = err.__cause__
@@ -425,6 +449,7 @@ def _record(
         # The session and its recorders refer to each other: no cycle left for the collector.
         session.current = None
         session.columns.clear()
+        session.memo.clear()
         forget_masks()
         forget_combinations()
         installed.__exit__(None, None, None)
@@ -466,11 +491,18 @@ def _resume(session: _Session, g: Any) -> int | None:
     """Run coroutine ``g`` until it pauses at a read (the example's index) or ends (None)."""
     _LOCAL.rec = session.current
     session.running = g
+    grad = torch.is_grad_enabled()
     try:
         out = g.switch()
     finally:
         session.running = None
+        torch._C._set_grad_enabled(grad)  # (the example may have paused with it changed)
     return None if g.dead else out
+
+
+def _modes() -> tuple[Any, ...]:
+    """The thread's inference mode and autocast regions (see _Session.pause)."""
+    return (torch.is_inference_mode_enabled(), _current_mode()[1] if _any_autocast() else ())
 
 
 def _finished(result: Any, i: int, results: list[Any], specs: list[Any]) -> None:
@@ -540,7 +572,8 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
             out.append(None)
         elif all(isinstance(v, torch.Tensor) for v in col):
             where.append(None)
-            out.append(torch.stack(col))
+            with torch.enable_grad():  # results that carry gradients keep them (_grad_for)
+                out.append(torch.stack(col))
         elif all(isinstance(v, (torch.Tensor, Lazy)) for v in col):
             where.append(len(lists))
             lists.append(
@@ -564,7 +597,7 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
         device = _device(rec)
         obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
         try:
-            with _call_programs():
+            with _call_programs(), _grad_for(rec.fold):
                 values = rec.fold.apply(obj, lists)
         except FoldError as err:
             cause = err.__cause__
@@ -625,6 +658,21 @@ def _device(rec: _Recorder) -> torch.device | None:
 
 def _same(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _grad_for(f: Fold) -> Any:
+    """Gradients on while ``f`` runs where one of its calls was recorded with them on and
+    they are off now: the gathers between its groups run in the mode on now, and a call
+    recorded inside ``torch.enable_grad()`` in a function that autobatch runs under
+    ``torch.no_grad()`` must get its inputs' gradients, as eager code gives them (each call
+    runs in the mode it was recorded in, see ``_Op._recorded``)."""
+    if torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    for op, _ in f.signatures:
+        mode = op.recorded_in if type(op) is _Op else None
+        if mode is None or mode[0]:
+            return torch.enable_grad()
+    return contextlib.nullcontext()
 
 
 def _explained(err: FoldError) -> FoldError:

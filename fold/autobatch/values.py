@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 import sys
 from array import array
 from collections.abc import Callable
@@ -437,11 +438,89 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 if t not in _PLAIN and not (t is tuple and all(type(x) in _PLAIN for x in a)):
                     break
             else:
-                return func(_value_of(args[0]), *args[1:])
+                row = _value_of(args[0])
+                if func in _PURE_METHODS and not _any_autocast():
+                    return _memoised(session, func, args[0], row, args[1:])
+                return func(row, *args[1:])
     return rec.record(func, "torch", args, kwargs)
 
 
 _PLAIN = frozenset((int, float, bool, type(None), slice, type(Ellipsis)))
+
+# The methods of an earlier round's value that run at once memoised (see _memoised): pure and
+# deterministic, so a call on the same value with the same plain arguments gives the same
+# value.  A parser indexes its encoder's rows with the positions on its stack at every step
+# (``enc[stack[-1]]``, ``enc[0] * 0``), most of them positions it indexed a step before.
+_PURE_METHODS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "__getitem__ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ "
+        "__rtruediv__ __neg__ __pow__ __rpow__ view reshape flatten squeeze unsqueeze t "
+        "transpose permute narrow select expand contiguous sum mean"
+    ).split()
+)
+
+
+def _memoised(session: Any, func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
+    """``func(row, *rest)`` for a method of ``x``, a value of an earlier round (its row
+    ``row``), with plain arguments ``rest``: at once, as eager code runs it, but made once
+    per autobatch call for each value, method, arguments and grad mode (and version of the
+    row: an in-place change to what it views makes it anew); the result is a lazy value of
+    ``x``'s round, whose methods memoise alike (``enc[0] * 0``).  The C path
+    (fold/_clazy.c, ``earlier_method``) builds the same key and shares the memo."""
+    key = _memo_key(func, x, row, rest)
+    if key is None:
+        return func(row, *rest)
+    got = session.memo.get(key)
+    if got is None:
+        out = func(row, *rest)
+        if type(out) is not torch.Tensor:
+            return out
+        got = _memo_wrap(x.rec, out, key, session.memo)
+    return got
+
+
+def _memo_key(func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
+    parts = [func, x.rec, x.node, row._version, torch.is_grad_enabled()]
+    for a in rest:
+        p = _memo_part(a, False)
+        if p is _MISS:
+            return None
+        parts.append(p)
+    return tuple(parts)
+
+
+def _memo_part(a: Any, nested: bool) -> Any:
+    """An argument as a memo key part: equal parts for equal arguments only (1, True and 1.0
+    apart; -0.0 apart from 0.0, by its bits); _MISS for one that is not keyed."""
+    t = type(a)
+    if t is int or a is None or a is Ellipsis:
+        return a
+    if t is bool:
+        return (bool, a)
+    if t is float:
+        return (float, _DOUBLE_BITS.unpack(_DOUBLE.pack(a))[0])
+    if t is slice:
+        parts = (_memo_part(a.start, True), _memo_part(a.stop, True), _memo_part(a.step, True))
+        return _MISS if _MISS in parts else (slice, *parts)
+    if t is tuple and not nested:
+        parts = tuple(_memo_part(x, True) for x in a)
+        return _MISS if _MISS in parts else (tuple, *parts)
+    return _MISS
+
+
+_DOUBLE, _DOUBLE_BITS = struct.Struct("<d"), struct.Struct("<q")
+
+
+def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any]) -> Lazy:
+    """``out``, a method's result on a value of ``rec``'s round, as a lazy value of that
+    round (a node of its own, after the round's: its row ``out``), kept in ``memo`` under
+    ``key``."""
+    node = -1 - len(memo)  # (the round's nodes are handles, >= 0)
+    rec.values[node] = (out.unsqueeze(0), 0)
+    rec.rows_of[node] = out
+    got = memo[key] = Lazy(node, _meta(out.shape, out.dtype, out.device), rec)
+    return got
 
 
 def _unfilled(what: str) -> FoldError:
@@ -457,7 +536,7 @@ def _method(func: Any) -> Callable[..., Any]:
         return _C.Method(func)  # its fast path, then _record_method
 
     def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
-        return self.rec.record(func, "torch", (self, *args), kwargs)
+        return _record_method(func, (self, *args), kwargs)
 
     method.__name__ = func.__name__
     return method
@@ -734,3 +813,4 @@ if _C is not None:
         torch.get_default_dtype,
         Known,
     )
+    _C.configure_memo(_PURE_METHODS, _memo_wrap)
