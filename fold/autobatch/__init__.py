@@ -92,8 +92,11 @@ How a call is recorded (the choices the contract leaves open):
   emptied for each round, its recorders and fast tables kept, see ``Fold._renew``), and
   each paused example resumes with its value (see ``driver._Session``).  A torch function
   whose lazy arguments all come from earlier rounds runs at once, as eager code (an index
-  into an encoder's output); module and ``@batchable`` calls of such values are recorded,
-  the values literal rows of the round.  Inside a
+  into an encoder's output); a pure method of such a value with plain arguments (``enc[i]``,
+  ``enc[0] * 0``) runs at once, memoised per call: its result is a lazy value of that round
+  (``values._memoised``); module and ``@batchable`` calls of such values are recorded,
+  the values literal rows of the round.  Grad mode is restored per example across pauses
+  (``driver._Session.pause``).  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
   In-place ops on Lazy values are FoldErrors.  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
