@@ -5,6 +5,7 @@ revision's fold and the working tree's, calls interleaved, medians and paired ra
     python benchmarks/ab_decode.py --base REV --long     # the decode-long lengths
     python benchmarks/ab_decode.py --base REV --limit --eager-group 0   # decode-limit, every
                                                          # round batched on both sides
+    python benchmarks/ab_decode.py --base REV --parser   # the parser's 64 sentences
 
 Where the machine's speed drifts between processes (on a shared 2-core machine one core may
 run Python-heavy code 1.5x slower than the other, and a process stays where it started),
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ab import export  # noqa: E402
 from common import median, parser, setup, table, write_json  # noqa: E402
-from control_flow import MAX_STEPS, Seq2Seq, sources  # noqa: E402
+from control_flow import MAX_STEPS, Seq2Seq, hand_parse, parser_workload, sources  # noqa: E402
 
 import fold  # noqa: E402
 
@@ -79,6 +80,11 @@ def main() -> None:
         help="decode-limit's model (no EOS bias, every decode to the 40-step limit)",
     )
     ap.add_argument(
+        "--parser",
+        action="store_true",
+        help="the parser's workload instead (control_flow.py's parser row: 64 sentences)",
+    )
+    ap.add_argument(
         "--eager-group",
         type=int,
         default=None,
@@ -106,21 +112,36 @@ def main() -> None:
 
             driver._Session.run_round = timed
         torch.manual_seed(0)
-        model = Seq2Seq(hidden=128, eos_bias=0.0 if args.long or args.limit else 0.3)
-        srcs = sources(64, 8)
-        limits = [len(s) for s in srcs] if args.long else [MAX_STEPS] * len(srcs)
+        if args.parser:
+            Parser, words, vocab_size = parser_workload(64)
+            parser_model = Parser(vocab_size)
 
-        def decode(f: Any) -> list[torch.Tensor]:
-            with torch.no_grad():
-                return f.autobatch(lambda s, n: model.greedy(s, n), srcs, limits, stack=False)
+            def decode(f: Any) -> list[Any]:
+                with torch.no_grad():
+                    got = f.autobatch(lambda w: parser_model.parse(w), words, stack=False)
+                return [t.tolist() for t in got]
 
-        def hand() -> list[torch.Tensor]:
-            with torch.no_grad():
-                return model.hand(srcs, limits)
+            def hand() -> list[Any]:
+                with torch.no_grad():
+                    return hand_parse(parser_model, words)
 
-        want = [t.tolist() for t in hand()]
+        else:
+            model = Seq2Seq(hidden=128, eos_bias=0.0 if args.long or args.limit else 0.3)
+            srcs = sources(64, 8)
+            limits = [len(s) for s in srcs] if args.long else [MAX_STEPS] * len(srcs)
+
+            def decode(f: Any) -> list[Any]:
+                with torch.no_grad():
+                    got = f.autobatch(lambda s, n: model.greedy(s, n), srcs, limits, stack=False)
+                return [t.tolist() for t in got]
+
+            def hand() -> list[Any]:
+                with torch.no_grad():
+                    return [t.tolist() for t in model.hand(srcs, limits)]
+
+        want = hand()
         for f in sides.values():
-            assert [t.tolist() for t in decode(f)] == want, "the sides decode different tokens"
+            assert decode(f) == want, "the sides decode different tokens"
         times: dict[str, list[float]] = {k: [] for k in ("base", "head", "hand")}
         in_rounds: dict[str, list[float]] = {"base": [], "head": []}
         for rep in range(args.reps + 2):  # (two warm-up reps)
@@ -153,7 +174,13 @@ def main() -> None:
         f"(min {paired[0]:.3f}, max {paired[-1]:.3f}, {len(paired)} pairs)"
     )
     write_json(
-        "ab_decode_long" if args.long else "ab_decode_limit" if args.limit else "ab_decode",
+        "ab_parser"
+        if args.parser
+        else "ab_decode_long"
+        if args.long
+        else "ab_decode_limit"
+        if args.limit
+        else "ab_decode",
         {"base": args.base, "rows": rows, "paired_median": median(paired), "paired": paired},
     )
 

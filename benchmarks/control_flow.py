@@ -47,6 +47,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -190,62 +191,73 @@ def decode_rows(args, long: bool = False, biased: bool = True) -> list[dict]:  #
     return rows
 
 
+def parser_workload(n: int) -> tuple[Any, list[torch.Tensor], int]:
+    """The parser of examples/autobatch_parser.py (its class), the word ids of the first
+    ``n`` sentences of the bundled dev treebank, and the vocabulary's size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from autobatch_parser import DATA, Parser, read
+
+    raw = read(DATA / "dev.conllu")[:n]
+    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+    return Parser, [torch.tensor([vocab[w] for w in s]) for s, _ in raw], len(vocab) + 1
+
+
+def hand_parse(model: Any, words: list[torch.Tensor]) -> list[list[int]]:
+    """A hand-batched stack machine: the encoder run once on the packed sentences,
+    per-sentence Python stacks, one batched scoring call per step."""
+    from autobatch_parser import apply, legal
+
+    lengths = torch.tensor([len(w) for w in words])
+    packed = pack_padded_sequence(model.embed(pad_sequence(words)), lengths, enforce_sorted=False)
+    states = pad_packed_sequence(model.lstm(packed)[0])[0].transpose(0, 1)  # (B, L, 2H)
+    root = model.root.expand(len(words), 1, -1)
+    enc = torch.cat([root, states], 1)  # (B, L + 1, 2H)
+    pad = torch.zeros(enc.shape[2])
+    stacks = [[0] for _ in words]
+    buffers = [list(range(1, len(w) + 1)) for w in words]
+    heads = [[0] * len(w) for w in words]
+    active = list(range(len(words)))
+    while active:
+        rows = []
+        for i in active:
+            s, b = stacks[i], buffers[i]
+            rows.append(
+                torch.cat(
+                    [
+                        enc[i, s[-1]] if s else pad,
+                        enc[i, s[-2]] if len(s) > 1 else pad,
+                        enc[i, b[0]] if b else pad,
+                    ]
+                )
+            )
+        scores = model.mlp(torch.stack(rows))
+        ok = torch.tensor([legal(stacks[i], buffers[i]) for i in active])
+        actions = scores.masked_fill(~ok, float("-inf")).argmax(1).tolist()
+        for i, a in zip(active, actions):
+            apply(a, stacks[i], buffers[i], heads[i])
+        active = [i for i in active if buffers[i] or len(stacks[i]) > 1]
+    return heads
+
+
 def parser_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """The arc-standard parser of examples/autobatch_parser.py (untrained) parsing
     ``--sentences`` sentences of the bundled treebank with its own transitions: autobatch of
-    ``parse`` as written, against a hand-batched stack machine (the encoder run once on the
-    packed sentences, per-sentence Python stacks, one batched scoring call per step)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from autobatch_parser import DATA, Parser, apply, legal, read
+    ``parse`` as written, against a hand-batched stack machine (``hand_parse``)."""
+    Parser, words, vocab_size = parser_workload(args.sentences)
 
-    raw = read(DATA / "dev.conllu")[: args.sentences]
-    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
-    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
-
-    def hand(model: Parser) -> list[list[int]]:
-        lengths = torch.tensor([len(w) for w in words])
-        packed = pack_padded_sequence(
-            model.embed(pad_sequence(words)), lengths, enforce_sorted=False
-        )
-        states = pad_packed_sequence(model.lstm(packed)[0])[0].transpose(0, 1)  # (B, L, 2H)
-        root = model.root.expand(len(words), 1, -1)
-        enc = torch.cat([root, states], 1)  # (B, L + 1, 2H)
-        pad = torch.zeros(enc.shape[2])
-        stacks = [[0] for _ in words]
-        buffers = [list(range(1, len(w) + 1)) for w in words]
-        heads = [[0] * len(w) for w in words]
-        active = list(range(len(words)))
-        while active:
-            rows = []
-            for i in active:
-                s, b = stacks[i], buffers[i]
-                rows.append(
-                    torch.cat(
-                        [
-                            enc[i, s[-1]] if s else pad,
-                            enc[i, s[-2]] if len(s) > 1 else pad,
-                            enc[i, b[0]] if b else pad,
-                        ]
-                    )
-                )
-            scores = model.mlp(torch.stack(rows))
-            ok = torch.tensor([legal(stacks[i], buffers[i]) for i in active])
-            actions = scores.masked_fill(~ok, float("-inf")).argmax(1).tolist()
-            for i, a in zip(active, actions):
-                apply(a, stacks[i], buffers[i], heads[i])
-            active = [i for i in active if buffers[i] or len(stacks[i]) > 1]
-        return heads
+    def hand(model: Any) -> list[list[int]]:
+        return hand_parse(model, words)
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    model = Parser(len(vocab) + 1)
+    model = Parser(vocab_size)
     with torch.no_grad():
         eager = [model.parse(w).tolist() for w in words]
         auto = [h.tolist() for h in fold.autobatch(lambda w: model.parse(w), words, stack=False)]
         assert eager == auto == hand(model)
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    model = Parser(len(vocab) + 1)
+    model = Parser(vocab_size)
 
     def floor() -> None:
         """The per-sentence code alone: eager per sentence with the scoring MLP stubbed (a
@@ -402,14 +414,10 @@ def _first_call_worker(work: str, how: str) -> None:
             return model.greedy(s, n)
 
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-        from autobatch_parser import DATA, Parser, read
-
-        raw = read(DATA / "dev.conllu")[:64]
-        vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
-        items = ([torch.tensor([vocab[w] for w in s]) for s, _ in raw],)
+        Parser, words, vocab_size = parser_workload(64)
+        items = (words,)
         torch.manual_seed(0)
-        model = Parser(len(vocab) + 1)
+        model = Parser(vocab_size)
 
         def eager_fn(w):  # type: ignore[no-untyped-def]
             return model.parse(w)

@@ -1353,13 +1353,10 @@ eager_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
    run, a value of the round recording now, a known value: the slow path says), NULL on
    error. */
 static PyObject *
-earlier_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
+earlier_now(PyObject *rec, PyObject *func, PyObject *const *args, Py_ssize_t n)
 {
     if (n > MAX_FAST)
         return miss();
-    PyObject *rec = current_recorder();
-    if (rec == NULL)
-        return PyErr_Occurred() ? NULL : miss();
     PyObject *session = PyObject_GetAttr(rec, s_session);
     PyObject *out = NULL;
     if (session == NULL)
@@ -1378,7 +1375,6 @@ earlier_now(PyObject *func, PyObject *const *args, Py_ssize_t n)
     out = started && cur == rec ? eager_call_now(func, NULL, args, n, session) : miss();
 done:
     Py_XDECREF(session);
-    Py_DECREF(rec);
     return out;
 }
 
@@ -1716,16 +1712,12 @@ static PyTypeObject ModuleCallType = {
 
 /* ------------------------------------------------------------------------- torch_function */
 
-/* Whether a lazy value of the recorder recording on this thread is among ``args`` (in lists
-   and tuples too, one level): 1 where one is or no recorder records (nothing to run at
-   once), 0 where none is, -1 on error. */
+/* Whether a lazy value of ``rec`` (the recorder recording on this thread) is among ``args``
+   (in lists and tuples too, one level). */
 static int
-records_among(PyObject *const *args, Py_ssize_t n)
+records_among(PyObject *rec, PyObject *const *args, Py_ssize_t n)
 {
-    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
-    if (rec == NULL)
-        return -1;
-    int found = rec == Py_None;
+    int found = 0;
     for (Py_ssize_t i = 0; i < n && !found; i++) {
         PyObject *a = args[i];
         if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
@@ -1738,7 +1730,6 @@ records_among(PyObject *const *args, Py_ssize_t n)
         else
             found = PyObject_TypeCheck(a, &LazyBaseType) && LAZY(a)->rec == rec;
     }
-    Py_DECREF(rec);
     return found;
 }
 
@@ -1754,19 +1745,22 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
          (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
         PyObject *const *call = &PyTuple_GET_ITEM(args[3], 0);
         Py_ssize_t n = PyTuple_GET_SIZE(args[3]);
+        PyObject *rec = current_recorder();
+        if (rec == NULL && PyErr_Occurred())
+            return NULL;
+        PyObject *out = NULL;
         /* Lazy values of earlier rounds alone: at once, before the fast key (which makes
            their literal rows) is built in vain. */
-        int current = records_among(call, n);
-        if (current < 0)
-            return NULL;
-        PyObject *out;
-        if (!current) {
-            out = earlier_now(args[1], call, n);
-            if (out != g_miss)
+        if (rec != NULL && !records_among(rec, call, n)) {
+            out = earlier_now(rec, args[1], call, n);
+            if (out != g_miss) {
+                Py_DECREF(rec);
                 return out;
+            }
             Py_DECREF(out);
         }
-        out = fast_now(NULL, args[1], g_torch_kind, call, n);
+        out = rec == NULL ? miss() : fast_now(rec, args[1], g_torch_kind, call, n);
+        Py_XDECREF(rec);
         if (out != g_miss)
             return out;
         Py_DECREF(out);

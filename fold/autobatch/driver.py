@@ -236,7 +236,8 @@ class _Session:
         self.columns: dict[Any, Any] = {}
         # Inference mode and autocast as the call found them: a read must find them so (see
         # pause).
-        self.modes = _modes()
+        self.inference = torch.is_inference_mode_enabled()
+        self.casts = _current_mode()[1] if _any_autocast() else ()
         # Methods of earlier rounds' values run at once, made once per value, method and
         # arguments (values._memoised): key -> the lazy value of the result.
         self.memo: dict[Any, Any] = {}
@@ -259,7 +260,9 @@ class _Session:
         # The driver restores its own mode when the example pauses (_resume), and the
         # example gets its mode back here when it resumes.
         grad = torch.is_grad_enabled()
-        if _modes() != self.modes:
+        if torch.is_inference_mode_enabled() is not self.inference or (
+            _current_mode()[1] != self.casts if self.casts else _any_autocast()
+        ):
             raise FoldError(
                 f"autobatch: example {x.rec.example}: a read (bool, int, float, .item(), "
                 "`if t:`) inside a torch.inference_mode() or torch.autocast() region that the "
@@ -268,7 +271,8 @@ class _Session:
                 "region ends, or open it around the autobatch call."
             )
         me.parent.switch(x.rec.example)  # the example paused; back here after its round
-        torch._C._set_grad_enabled(grad)
+        if torch.is_grad_enabled() is not grad:
+            torch._C._set_grad_enabled(grad)
         return True
 
     def run_round(self) -> None:
@@ -496,13 +500,9 @@ def _resume(session: _Session, g: Any) -> int | None:
         out = g.switch()
     finally:
         session.running = None
-        torch._C._set_grad_enabled(grad)  # (the example may have paused with it changed)
+        if torch.is_grad_enabled() is not grad:  # (the example paused with it changed)
+            torch._C._set_grad_enabled(grad)
     return None if g.dead else out
-
-
-def _modes() -> tuple[Any, ...]:
-    """The thread's inference mode and autocast regions (see _Session.pause)."""
-    return (torch.is_inference_mode_enabled(), _current_mode()[1] if _any_autocast() else ())
 
 
 def _finished(result: Any, i: int, results: list[Any], specs: list[Any]) -> None:

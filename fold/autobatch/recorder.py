@@ -219,11 +219,6 @@ def _row_of(rec: Any, a: Any, found: list[bool]) -> Any:
     return a
 
 
-def _data(src: Any) -> torch.Tensor:
-    """A round's output as a tensor (``PaddedRows`` hold theirs in ``data``)."""
-    return src.data if type(src) is PaddedRows else src
-
-
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
@@ -267,7 +262,9 @@ class _Recorder:
         view a later round's call takes (``_part``; the C path calls this too): a
         ``narrow`` of the first row asked of a tensor, then views of one ``split`` (see
         ``_split_rows``)."""
-        if not torch.is_grad_enabled() and _data(src).requires_grad:
+        if (src.data if type(src) is PaddedRows else src).requires_grad and (
+            not torch.is_grad_enabled()
+        ):
             with torch.enable_grad():  # (see row_of)
                 return self.row_literal(src, row)
         if type(src) is not torch.Tensor:  # (PaddedRows, a tensor subclass)
@@ -281,13 +278,13 @@ class _Recorder:
         or its value in the eager finish (``values._value_of``; the C path calls this too).
         An index of the first row asked of a tensor, then rows of one ``split`` (see
         ``_split_rows``): 64 encoder outputs read by index cost 1.3 ms of backward."""
-        if not torch.is_grad_enabled() and _data(src).requires_grad:
+        data = src.data if type(src) is PaddedRows else src
+        if data.requires_grad and not torch.is_grad_enabled():
             # Made once and kept for every later use: a row first read under
             # torch.no_grad() (``with torch.no_grad(): x = h * 2``) must still carry the
             # gradient where a later use of it asks for one.
             with torch.enable_grad():
                 return self.row_of(src, row)
-        data = src.data if type(src) is PaddedRows else src
         if type(data) is not torch.Tensor:  # (a tensor subclass)
             return src[row]
         views = self._split_rows(data)
