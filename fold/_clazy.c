@@ -57,7 +57,7 @@ static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set by configure_memo) */
 static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo) */
-static PyObject *s_memo, *s_rounds;
+static PyObject *s_memo, *s_rounds, *s_row_views;
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
@@ -423,6 +423,40 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
    ``literals``: a memory read twice a step for 40 steps is one view, not 80).  1 where
    made, 0 where the slow path takes it (a value of another call, or of a round not run: the
    slow path says so), -1 on error. */
+/* Row ``row`` of ``src`` (an output of ``old``'s round) as the batch-of-one view
+   _Recorder.row_literal gives from the second row asked of a tensor on: its view of the one
+   ``split`` kept in ``old._row_views`` (a new reference); _MISS where that is not made yet
+   or ``src`` is no plain tensor (row_literal makes it), NULL on error.  The views were made
+   with gradients on where ``src`` carries them (row_literal), so they serve any mode. */
+static PyObject *
+split_view(PyObject *old, PyObject *src, PyObject *row)
+{
+    if ((PyObject *)Py_TYPE(src) != g_tensor_type || !PyLong_CheckExact(row))
+        return miss();
+    PyObject *table = PyObject_GetAttr(old, s_row_views);
+    if (table == NULL)
+        return NULL;
+    PyObject *out = NULL;
+    PyObject *key = PyDict_CheckExact(table) ? PyLong_FromVoidPtr(src) : NULL;
+    PyObject *got = key ? PyDict_GetItemWithError(table, key) : NULL; /* borrowed */
+    Py_XDECREF(key);
+    if (got != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 2 &&
+        PyTuple_GET_ITEM(got, 0) == src && PyTuple_CheckExact(PyTuple_GET_ITEM(got, 1))) {
+        PyObject *views = PyTuple_GET_ITEM(got, 1);
+        Py_ssize_t i = PyLong_AsSsize_t(row);
+        if (i >= 0 && i < PyTuple_GET_SIZE(views)) {
+            out = PyTuple_GET_ITEM(views, i);
+            Py_INCREF(out);
+        }
+        else if (PyErr_Occurred())
+            PyErr_Clear();
+    }
+    Py_DECREF(table);
+    if (out == NULL && !PyErr_Occurred())
+        out = miss();
+    return out;
+}
+
 static int
 earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
 {
@@ -479,7 +513,11 @@ earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
     Py_INCREF(src);
     Py_INCREF(row);
     Py_DECREF(values);
-    *literal = PyObject_CallMethodObjArgs(old, s_row_literal, src, row, NULL); /* as _part */
+    *literal = split_view(old, src, row);
+    if (*literal == g_miss) {
+        Py_DECREF(*literal);
+        *literal = PyObject_CallMethodObjArgs(old, s_row_literal, src, row, NULL); /* as _part */
+    }
     Py_DECREF(src);
     Py_DECREF(row);
     if (*literal != NULL && PyDict_CheckExact(kept) && PyDict_SetItem(kept, node, *literal) < 0)
@@ -1879,7 +1917,8 @@ PyInit__clazy(void)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     if ((s_memo = PyUnicode_InternFromString("memo")) == NULL ||
-        (s_rounds = PyUnicode_InternFromString("rounds")) == NULL)
+        (s_rounds = PyUnicode_InternFromString("rounds")) == NULL ||
+        (s_row_views = PyUnicode_InternFromString("_row_views")) == NULL)
         return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)
