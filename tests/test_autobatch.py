@@ -2789,6 +2789,35 @@ def test_methods_of_earlier_rounds_values_are_made_once_and_match_eager(finish):
     assert made and max(made) <= 2 + 6 * len(xs), made
 
 
+def test_the_repr_of_an_earlier_rounds_value_shows_its_numbers(finish):
+    """A debugging print inside the function: a value not computed yet shows its shape and
+    example; one of an earlier round (and a memoised method of it) shows its numbers, as the
+    tensor's repr in eager code does."""
+    lin = nn.Linear(3, 2)
+    seen = []
+
+    def fn(x):
+        h = lin(x)
+        seen.append(("before", repr(h)))
+        if float(h.detach().sum()) > 1e9:
+            h = h * 2
+        seen.append(("after", repr(h), repr(h[0] * 2), repr(lin(x)), repr(torch.tanh(h))))
+        return h
+
+    xs = [torch.randn(3) for _ in range(10)]
+    with torch.no_grad():
+        fold.autobatch(fn, xs, stack=False)
+        want = [lin(x) for x in xs]
+    before = [r for r in seen if r[0] == "before"]
+    after = [r for r in seen if r[0] == "after"]
+    assert before and all(r[1].startswith("Lazy((2,), example ") for r in before)
+    assert {r[1] for r in after} == {f"Lazy({w!r})" for w in want}
+    assert {r[2] for r in after} == {f"Lazy({w[0] * 2!r})" for w in want}
+    # a call of this round (lin(x)) or an eager tensor (tanh of an earlier value) as ever
+    assert all(r[3].startswith("Lazy((2,), example ") for r in after)
+    assert {r[4] for r in after} == {repr(torch.tanh(w)) for w in want}
+
+
 def test_memoised_methods_keep_arguments_and_grad_modes_apart(finish):
     """The memo of methods of earlier rounds' values keys their arguments by type and bits:
     ``x * 0`` and ``x * 0.0`` of an integer value (long against float), ``v[1]`` and

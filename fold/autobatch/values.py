@@ -186,6 +186,11 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         return iter(self.unbind(0))
 
     def __repr__(self) -> str:
+        # A value of an earlier round (an encoder's rows, ``enc[i]``) is computed: its numbers,
+        # as a debugging print inside the function shows them in eager code.
+        value = _value_of(self) if self.rec.values is not None else None
+        if value is not None:
+            return f"Lazy({value!r})"
         return f"Lazy({describe(self.meta.shape, self.meta.dtype)}, example {self.rec.example})"
 
     __hash__ = object.__hash__
