@@ -2550,6 +2550,54 @@ def test_random_programs_with_reads_match_eager(finish, programs):
     assert_same(fn, list(layers.parameters()), xs, programs)
 
 
+@st.composite
+def moded_programs(draw):
+    """Per example: steps of (layer, how to read after it: not, plainly, or inside
+    ``torch.no_grad()``; how to use the value kept from the start: not, a row of it, or a row
+    of it scaled under ``no_grad``)."""
+    n = draw(st.integers(1, 6))
+    step = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), st.integers(0, 2))
+    return [draw(st.lists(step, max_size=4)) for _ in range(n)]
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(moded_programs())
+def test_random_programs_with_reads_under_no_grad_and_kept_values_match_eager(finish, programs):
+    """Random programs whose reads happen with gradients on or off, and that use rows of a
+    value kept from their first step (an earlier round's value once a read has run: its
+    methods memoised, made with gradients on or off): values and gradients equal eager
+    (float64), whichever examples read where."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(3)]).double()
+
+    def fn(x, program):
+        kept = torch.tanh(layers[0](x.expand(3, 3)))  # (3, 3)
+        h = kept[0]
+        for layer, read, use, row in program:
+            h = torch.tanh(layers[layer](h))
+            if use == 1:
+                h = h + kept[row] * 0.5
+            elif use == 2:
+                with torch.no_grad():
+                    scale = kept[row] * 2
+                h = h * scale
+            if read == 1 and float(h[0].detach()) > 0:
+                h = -h
+            elif read == 2:
+                with torch.no_grad():
+                    flip = float(h[1]) > 0
+                if flip:
+                    h = h * 0.5
+        return h
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in programs]
+    assert_same(fn, list(layers.parameters()), xs, programs)
+
+
 @pytest.mark.parametrize(
     "shapes",
     [
