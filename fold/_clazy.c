@@ -57,14 +57,13 @@ static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set by configure_memo) */
 static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo) */
-static PyObject *s_memo, *s_rounds, *s_row_views;
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
     *s_shape, *s_unsqueeze, *s_row, *s_rows, *s_values, *s_session, *s_narrow, *s_rows_of,
     *s_current;
 
-static PyObject *s_row_literal, *s_row_of;
+static PyObject *s_row_literal, *s_row_of, *s_memo, *s_rounds, *s_row_views;
 static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
     *s_version, *s_example, *s_base;
 
@@ -417,12 +416,6 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     return 1;
 }
 
-/* A lazy value of an earlier round of ``rec``'s autobatch call (a decoder's memory, read by
-   every later step): as the slow path's _part, its row of that round's output as a
-   batch-of-one literal, in ``*literal``, made once per value (kept in its recorder's
-   ``literals``: a memory read twice a step for 40 steps is one view, not 80).  1 where
-   made, 0 where the slow path takes it (a value of another call, or of a round not run: the
-   slow path says so), -1 on error. */
 /* Row ``row`` of ``src`` (an output of ``old``'s round) as the batch-of-one view
    _Recorder.row_literal gives from the second row asked of a tensor on: its view of the one
    ``split`` kept in ``old._row_views`` (a new reference); _MISS where that is not made yet
@@ -457,6 +450,12 @@ split_view(PyObject *old, PyObject *src, PyObject *row)
     return out;
 }
 
+/* A lazy value of an earlier round of ``rec``'s autobatch call (a decoder's memory, read by
+   every later step): as the slow path's _part, its row of that round's output as a
+   batch-of-one literal, in ``*literal``, made once per value (kept in its recorder's
+   ``literals``: a memory read twice a step for 40 steps is one view, not 80).  1 where
+   made, 0 where the slow path takes it (a value of another call, or of a round not run: the
+   slow path says so), -1 on error. */
 static int
 earlier_literal(PyObject *rec, PyObject *a, PyObject **literal)
 {
@@ -1137,20 +1136,17 @@ memo_key(PyObject *func, PyObject *x, PyObject *row, PyObject *const *args, Py_s
     return key;
 }
 
-/* ``func(row, *args[1:])`` memoised in ``session``'s memo, as values._memoised does it. */
+/* ``func(*stack)`` (``stack[0]`` the row of lazy value ``x``, then plain arguments) memoised
+   in ``session``'s memo, as values._memoised does it. */
 static PyObject *
-memo_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *row, PyObject *session)
+memo_call(PyObject *func, PyObject *x, PyObject *const *stack, Py_ssize_t n, PyObject *session)
 {
-    PyObject *stack[MAX_FAST];
-    stack[0] = row;
-    for (Py_ssize_t i = 1; i < n; i++)
-        stack[i] = args[i];
     PyObject *v = PyObject_CallNoArgs(g_any_autocast);
     if (v == NULL)
         return NULL;
     int cast = v != Py_False;
     Py_DECREF(v);
-    PyObject *key = cast ? miss() : memo_key(func, args[0], row, args + 1, n - 1);
+    PyObject *key = cast ? miss() : memo_key(func, x, stack[0], stack + 1, n - 1);
     if (key == NULL)
         return NULL;
     if (key == g_miss) {
@@ -1171,8 +1167,8 @@ memo_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *row, Py
     }
     out = PyObject_Vectorcall(func, stack, n, NULL);
     if (out != NULL && (PyObject *)Py_TYPE(out) == g_tensor_type)
-        Py_SETREF(out, PyObject_CallFunctionObjArgs(g_memo_wrap, LAZY(args[0])->rec, out, key,
-                                                    memo, NULL));
+        Py_SETREF(out, PyObject_CallFunctionObjArgs(g_memo_wrap, LAZY(x)->rec, out, key, memo,
+                                                    NULL));
 done:
     Py_XDECREF(memo);
     Py_DECREF(key);
@@ -1210,18 +1206,17 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
     Py_XDECREF(cur);
     Py_XDECREF(local);
     PyObject *out = NULL;
-    if (!ok) {
+    int pure = ok && g_pure != NULL ? PySet_Contains(g_pure, func) : 0;
+    if (!ok || pure < 0) {
         out = PyErr_Occurred() ? NULL : miss();
     }
-    else if (g_pure != NULL && PySet_Contains(g_pure, func) == 1) {
-        out = memo_call(func, args, n, row, session);
-    }
-    else if (!PyErr_Occurred()) {
+    else {
         PyObject *stack[MAX_FAST];
         stack[0] = row;
         for (Py_ssize_t i = 1; i < n; i++)
             stack[i] = args[i];
-        out = PyObject_Vectorcall(func, stack, n, NULL);
+        out = pure ? memo_call(func, args[0], stack, n, session)
+                   : PyObject_Vectorcall(func, stack, n, NULL);
     }
     Py_XDECREF(session);
     Py_DECREF(row);
@@ -1406,11 +1401,12 @@ earlier_now(PyObject *rec, PyObject *func, PyObject *const *args, Py_ssize_t n)
     PyObject *cur = PyObject_GetAttr(session, s_current);
     PyObject *rounds = cur ? PyObject_GetAttr(session, s_rounds) : NULL;
     int started = rounds == NULL ? -1 : PyObject_IsTrue(rounds);
+    int current = cur == rec;
     Py_XDECREF(rounds);
     Py_XDECREF(cur);
     if (started < 0)
         goto done;
-    out = started && cur == rec ? eager_call_now(func, NULL, args, n, session) : miss();
+    out = started && current ? eager_call_now(func, NULL, args, n, session) : miss();
 done:
     Py_XDECREF(session);
     return out;
@@ -1909,17 +1905,13 @@ PyInit__clazy(void)
             return NULL;
     PyObject **more[] = {&s_token,    &s_eager,   &s_record,  &s_module_kind, &s_literals,
                          &s_aliases,  &s_version, &s_example, &s_base,        &s_row_literal,
-                         &s_row_of};
+                         &s_row_of,   &s_memo,    &s_rounds,  &s_row_views};
     const char *more_names[] = {"token",    "eager",   "record",   "module", "literals",
                                 "aliases",  "_version", "example", "_base",  "row_literal",
-                                "row_of"};
-    for (int i = 0; i < 11; i++)
+                                "row_of",   "memo",    "rounds",   "_row_views"};
+    for (int i = 0; i < 14; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
-    if ((s_memo = PyUnicode_InternFromString("memo")) == NULL ||
-        (s_rounds = PyUnicode_InternFromString("rounds")) == NULL ||
-        (s_row_views = PyUnicode_InternFromString("_row_views")) == NULL)
-        return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)
             return NULL;
