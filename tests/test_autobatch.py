@@ -2684,6 +2684,87 @@ def test_torch_functions_of_earlier_rounds_values_run_at_once_as_eager(finish):
     assert torch.Tensor in seen
 
 
+# Calls whose result's shape depends on the data, or that return a Python value: reads.
+_DATA_SHAPED = {
+    "nonzero": lambda y, m: y[:, 0].gt(0).nonzero().double() * y.sum(),
+    "argwhere": lambda y, m: torch.argwhere(y > 0).double() + y.mean(),
+    "masked_select": lambda y, m: torch.masked_select(y, y > 0),
+    "mask-index": lambda y, m: y[y.sum(1) > 0] * 2,
+    "input-mask-index": lambda y, m: y[m],
+    "index-with-mask-in-tuple": lambda y, m: y[:, y[0] > 0],
+    "unique": lambda y, m: torch.unique((y > 0).long() + (y > 0.6).long()).double() * y.sum(),
+    "unique_consecutive": lambda y, m: (y.flatten() > 0).long().unique_consecutive() * y.sum(),
+    "bincount": lambda y, m: (
+        torch.bincount(((y > 0).long() + (y > 0.6).long()).flatten()) * y.mean()
+    ),
+    "where-condition-alone": lambda y, m: torch.stack(torch.where(y > 0)).double() * y.sum(),
+    "repeat_interleave": lambda y, m: y[0].repeat_interleave((y[1] > 0).long() + 1),
+    "equal": lambda y, m: y * 2 if torch.equal(y > 0, m) else y,
+    "allclose": lambda y, m: y * 3 if y.allclose(y.abs()) else -y,
+}
+
+
+@pytest.mark.parametrize("call", list(_DATA_SHAPED), ids=list(_DATA_SHAPED))
+def test_calls_whose_shape_depends_on_the_data_read_their_arguments(call, finish):
+    """``nonzero``, ``x[mask]``, ``unique``, ``torch.where(cond)``, ``torch.equal`` and kin
+    (tables._READS): each example's result has a shape (or a Python value) of its own data.
+    Before, such a call was recorded with the shape of the first example's zeros, and its
+    group failed (or, for ``torch.where(cond)``, raised from deep in the executor).  Now it
+    reads its lazy arguments, as ``int(t)`` does: the example pauses until their round, and
+    the call runs at once on their rows.  Values, shapes and gradients equal eager's, and
+    the call costs one round, as a read does."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        lin = nn.Linear(3, 3)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 3, generator=g) for _ in range(5)]
+        masks = [torch.rand(4, 3, generator=g) > 0.5 for _ in range(5)]
+        masks[2] = torch.tanh(lin(xs[2])) > 0  # torch.equal true for one example at least
+        op = _DATA_SHAPED[call]
+
+        def fn(x, m):
+            y = torch.tanh(lin(x))
+            return (op(y, m) * 1.5,)  # a recorded call on the result, after the read
+
+        from fold.autobatch import driver
+
+        rounds = []
+        run_round = driver._Session.run_round
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                driver._Session, "run_round", lambda self: rounds.append(1) or run_round(self)
+            )
+            got = fold.autobatch(fn, xs, masks, stack=False)
+        want = [fn(x, m) for x, m in zip(xs, masks)]
+        assert len({tuple(w[0].shape) for w in want}) > 1 or call in ("equal", "allclose")
+        assert_same_lists(got, want, list(lin.parameters()))
+        assert len(rounds) == 1  # the round of the read; the rest runs at once
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_formatting_a_one_number_value_reads_it_as_eager(finish):
+    """``f"{loss:.3f}"`` inside the function formats the number, as a tensor's format does
+    (a read); a value of more numbers formats as its repr, and a format spec for it is a
+    TypeError, as for a tensor."""
+    lin = nn.Linear(3, 1)
+    seen: list[str] = []
+
+    def fn(x):
+        y = torch.tanh(lin(x)).sum()
+        seen.append(f"{y:.4f}|{int(y > 0):d}")
+        return y * 2
+
+    xs = [torch.randn(3) for _ in range(4)]
+    want = [fn(x) for x in xs]
+    eager, seen[:] = list(seen), []
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, torch.stack(want))
+    assert sorted(seen) == sorted(eager)
+    with pytest.raises(fold.FoldError, match="format"):
+        fold.autobatch(lambda x: torch.tensor(len(f"{lin(x).expand(2):.3f}")), xs)
+
+
 def test_a_read_inside_no_grad_leaves_the_gradients_of_the_rest(finish):
     """Torch's grad mode belongs to the thread, not to one example: an example that reads
     inside ``with torch.no_grad():`` pauses with gradients off.  The rounds and the other

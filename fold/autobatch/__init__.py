@@ -90,7 +90,10 @@ How a call is recorded (the choices the contract leaves open):
   every unfinished example is paused, what was recorded since the last round runs as one
   batched round (earlier rounds' values enter as literal rows; the call's one Fold is
   emptied for each round, its recorders and fast tables kept, see ``Fold._renew``), and
-  each paused example resumes with its value (see ``driver._Session``).  A torch function
+  each paused example resumes with its value (see ``driver._Session``).  A call whose
+  result's shape depends on the data, or that returns a Python value (``x[mask]``,
+  ``nonzero``, ``unique``, ``torch.equal``: ``tables._READS``), reads its lazy arguments
+  alike, then runs at once (``recorder._Recorder._read_call``).  A torch function
   whose lazy arguments all come from earlier rounds runs at once, as eager code (an index
   into an encoder's output); a pure method of such a value with plain arguments (``enc[i]``,
   ``enc[0] * 0``) runs at once, memoised per call: its result is a lazy value of that round

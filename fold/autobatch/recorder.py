@@ -44,6 +44,7 @@ from fold.autobatch.tables import (
     _direct_template,
     _module_mode,
     _padded_module,
+    _reads,
 )
 from fold.autobatch.values import (
     Known,
@@ -196,6 +197,19 @@ def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 _CURRENT = object()  # a lazy value of the round recording now (see _computed)
+
+
+def _flat_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The arguments of a call, the items of its list and tuple arguments too."""
+    for a in (*args, *kwargs.values()):
+        if type(a) in (list, tuple):
+            yield from a
+        else:
+            yield a
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def _row_of(rec: Any, a: Any, found: list[bool]) -> Any:
@@ -417,6 +431,10 @@ class _Recorder:
             rewrite = _REWRITES.get(fn)
             if rewrite is not None:
                 return rewrite(*args, **kwargs)
+            if _reads(fn, args, kwargs):
+                out = self._read_call(fn, args, kwargs)
+                if out is not _MISS:
+                    return out
         # The fast key is taken from the arguments as given, before the call: shape inference
         # runs the function, which may change a list argument in place.
         fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None
@@ -522,6 +540,26 @@ class _Recorder:
         ):  # a known number, after a module perhaps (see _NUMBER_BRANCH)
             self._fast[(fn, kind, *args[:-1], Known, args[-1].meta)] = _entry(op, r)
         return out
+
+    def _read_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call whose result's shape depends on its arguments' values (``x[mask]``,
+        ``nonzero``, ``unique``; see tables._READS), or that returns a Python value
+        (``torch.equal``): a read of its lazy arguments of this round, as ``int(t)`` is.  The
+        example pauses until their round has run, then the call runs at once on their rows,
+        as eager code runs it (a tensor carrying autograd history back into the round);
+        ``_MISS`` where no argument is a lazy value of this round."""
+        for a in _flat_args(args, kwargs):
+            if type(a) is Lazy and a.rec is self:
+                name = _fn_name(fn, "torch")
+                a._read(f"{name} (its result's shape, or value, depends on the data)", _same)
+                break
+        else:
+            return _MISS
+        session = self.session
+        computed = _computed(session.current, args, kwargs) if session is not None else None
+        if computed is None:  # (the round ran: every value of this round has its row)
+            return _MISS
+        return fn(*computed[0], **computed[1])
 
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
         """Record a call that draws random numbers as a node of its own.  The Fold gives a

@@ -369,6 +369,46 @@ def _packed_rnn_group(fn: Any) -> Any:
 _PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
 
 
+# Torch functions whose result's shape depends on their arguments' values (which rows a mask
+# keeps, which values are distinct, the largest count), or that return a Python value:
+# a call with a lazy argument of the round recording now reads it (see
+# recorder._Recorder._read_call), as ``int(t)`` does.  ``_reads`` adds the calls that read
+# by their arguments: ``torch.where(cond)`` with the condition alone, ``x[mask]`` with a
+# boolean mask, ``repeat_interleave`` with a tensor of repeats.
+_READS = _functions(
+    "nonzero argwhere masked_select unique unique_consecutive bincount equal allclose is_nonzero",
+    torch,
+    torch.Tensor,
+)
+_REPEAT_INTERLEAVE = _functions("repeat_interleave", torch, torch.Tensor)
+_MASKS = frozenset((torch.bool, torch.uint8))
+
+
+def _reads(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether torch function ``fn`` on these arguments reads its lazy arguments' values
+    (see ``_READS``)."""
+    if fn in _READS:
+        return True
+    if fn is _GETITEM:
+        i = args[1] if len(args) > 1 else None
+        return any(_is_mask(x) for x in (i if type(i) in (tuple, list) else (i,)))
+    if fn is torch.where:
+        return len(args) + len(kwargs) == 1
+    if fn in _REPEAT_INTERLEAVE:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return repeats is None or not isinstance(repeats, int)
+    return False
+
+
+def _is_mask(x: Any) -> bool:
+    """A boolean index (a lazy, known or plain tensor): which rows it keeps is data, which
+    may differ by example (an input's mask)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype in _MASKS
+    meta = getattr(x, "meta", None)
+    return type(meta) is _Meta and meta.dtype in _MASKS
+
+
 # Torch functions recorded as other calls, made at record time: their shapes depend on
 # values known while recording (lengths), which the recorded calls then carry.
 _REWRITES: dict[Any, Any] = {

@@ -193,6 +193,13 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             return f"Lazy({value!r})"
         return f"Lazy({describe(self.meta.shape, self.meta.dtype)}, example {self.rec.example})"
 
+    def __format__(self, spec: str) -> str:
+        # As a tensor formats: a 0-d value as its number (``f"{loss:.3f}"``: a read, as
+        # ``.item()`` is), others as their repr (and an error for a format spec).
+        if self.meta.ndim == 0:
+            return format(self._read_number("format()", _item, True), spec)
+        return object.__format__(self, spec)
+
     __hash__ = object.__hash__
 
     # -------------------------------------------------------------- identity and autograd
