@@ -2765,6 +2765,70 @@ def test_formatting_a_one_number_value_reads_it_as_eager(finish):
         fold.autobatch(lambda x: torch.tensor(len(f"{lin(x).expand(2):.3f}")), xs)
 
 
+_KNOWN_AS_NUMBER = {
+    "tensor": lambda k, y: torch.tensor(k) * y,
+    "tensor-of-list": lambda k, y: torch.tensor([k, 1.0]) @ y[:2],
+    "as_tensor-of-list": lambda k, y: torch.as_tensor([k, k]) * y[:2],
+    "new_tensor": lambda k, y: y.detach().new_tensor(k) * y,
+    "new_tensor-of-list": lambda k, y: y.detach().new_tensor([[k, 2]]) * y[:2],
+    "full": lambda k, y: torch.full((3,), k) * y,
+    "new_full": lambda k, y: y.detach().new_full((3,), k) * y,
+    "full_like": lambda k, y: torch.full_like(y, k) * y,
+    "arange": lambda k, y: torch.arange(k)[:2].double() @ y[:2],
+    "linspace": lambda k, y: torch.linspace(0, k, 3) * y,
+    "tensor-of-lazy": lambda k, y: torch.tensor(y.sum()) * y,
+    "new_tensor-of-lazy": lambda k, y: y.new_tensor(y[0]) * y,
+}
+
+
+@pytest.mark.parametrize("call", list(_KNOWN_AS_NUMBER), ids=list(_KNOWN_AS_NUMBER))
+def test_known_and_lazy_values_given_to_tensor_factories_match_eager(call, finish):
+    """A known value (``torch.tensor(2)``) passes torch's own test for a tensor without
+    being one: given to ``torch.tensor``, ``Tensor.new_tensor`` or where a factory takes a
+    number (``torch.full``'s fill value, ``arange``'s end), torch's C conversion read it as
+    a tensor's memory (``torch.tensor(k)`` crashed the process; the others raised a
+    TypeError or read garbage).  While autobatch runs those factories get the known
+    values' tensors, and ``torch.tensor`` of a lazy value copies its values without
+    history, as of a tensor.  Values and gradients equal eager's, after a read, and the
+    factories are torch's own again after the call."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        lin = nn.Linear(3, 3)
+        make = _KNOWN_AS_NUMBER[call]
+
+        def fn(x):
+            y = torch.tanh(lin(x))
+            k = torch.tensor(2) if float(y.sum()) > 0 else torch.tensor(3)  # a read first
+            return (make(k, y) * 1.5).sum().reshape(1) + y
+
+        with warnings.catch_warnings():  # torch.tensor(t) of a tensor warns, as eager
+            warnings.filterwarnings("ignore", "To copy construct from a tensor")
+            warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")
+            assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.full is _TORCH_FULL and torch.arange is _TORCH_ARANGE
+    assert "new_tensor" not in torch.Tensor.__dict__ and "new_full" not in torch.Tensor.__dict__
+
+
+_TORCH_FULL, _TORCH_ARANGE = torch.full, torch.arange
+
+
+def test_a_categorical_over_recorded_logits_scores_a_known_action(finish):
+    """``torch.distributions.Categorical(logits=h)`` of a recorded value (its shape check
+    calls ``ndimension()``) and ``log_prob`` of ``torch.tensor(action)`` with the argument
+    check on (it tests ``isinstance(value, torch.Tensor)``): values and gradients equal
+    eager's."""
+    lin = nn.Linear(3, 4)
+
+    def fn(x):
+        d = torch.distributions.Categorical(logits=lin(x))
+        a = int(d.probs.argmax())
+        return d.log_prob(torch.tensor(a)) + d.entropy()
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(5)])
+
+
 def test_a_read_inside_no_grad_leaves_the_gradients_of_the_rest(finish):
     """Torch's grad mode belongs to the thread, not to one example: an example that reads
     inside ``with torch.no_grad():`` pauses with gradients off.  The rounds and the other

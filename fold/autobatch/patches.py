@@ -34,12 +34,16 @@ class _Patches:
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
     as_tensor: Any = None  # torch.as_tensor as found
+    # (module or class, name) -> the function as found there (_INHERITED: none, the class
+    # inherits it), where _KNOWN_SAFE's wrapper is installed
+    known_safe: dict[tuple[Any, str], Any] = {}
     # (module, name) -> the torch function as found, where _DIRECT_TORCH's wrapper is
     # installed
     direct: dict[tuple[Any, str], Any] = {}
 
 
 _PATCH_LOCK = threading.Lock()
+_INHERITED = object()  # (an attribute a class inherits: see _installed)
 
 
 _PATCHES = _Patches()
@@ -129,6 +133,12 @@ def _installed() -> Any:
             torch.tensor = _recording_tensor
             p.as_tensor = torch.as_tensor
             torch.as_tensor = _recording_as_tensor
+            # (torch.Tensor inherits new_full and new_tensor from its C base: their wrappers
+            # are set on torch.Tensor and deleted again, leaving the class as it was.)
+            p.known_safe = {}
+            for (where, name), wrapper in _KNOWN_SAFE.items():
+                p.known_safe[where, name] = where.__dict__.get(name, _INHERITED)
+                setattr(where, name, wrapper)
             p.direct = {}
             for key, wrapper in _DIRECT_WRAPPERS.items():
                 where, name = key
@@ -148,6 +158,13 @@ def _installed() -> Any:
                     torch.tensor = p.tensor
                 if torch.as_tensor is _recording_as_tensor:
                     torch.as_tensor = p.as_tensor
+                for (where, name), found in p.known_safe.items():
+                    if where.__dict__.get(name) is _KNOWN_SAFE[where, name]:
+                        if found is _INHERITED:
+                            delattr(where, name)
+                        else:
+                            setattr(where, name, found)
+                p.known_safe = {}
                 for (where, name), found in p.direct.items():
                     if getattr(where, name) is _DIRECT_WRAPPERS[where, name]:
                         setattr(where, name, found)
@@ -240,6 +257,7 @@ class _PythonOf(dict):  # type: ignore[type-arg]
 
 _TORCH_TENSOR = torch.tensor
 _TORCH_AS_TENSOR = torch.as_tensor
+_TORCH_NEW_TENSOR = torch.Tensor.new_tensor
 _CPU = torch.device("cpu")
 _modes_on = torch._C._is_torch_function_mode_enabled
 _default_dtype = torch.get_default_dtype
@@ -289,11 +307,17 @@ def _recording_tensor(
             number = _as_number(dtype)
             value = _PYTHON_OF[dtype](data) if number else data
             return Known(value, _meta((), dtype, device), number)
-        if t in _SEQUENCES:
+        if t is Lazy:  # as torch.tensor copies a tensor: its values, without history
+            out = data.detach()
+            return out.to(dtype=dtype, device=device) if dtype or device else out.clone()
+        if t is Known:  # torch's own conversion must never meet a known value (_unknown)
+            data = data.tensor()
+        elif t in _SEQUENCES:
             known = _known_numbers(data, dtype, device)
             if known is not None:
                 return known
             tensor = _PATCHES.tensor or _TORCH_TENSOR
+            data = _unknown(data)
             if _holds_lazy(data):
                 return _tensor_of_lazy(tensor, data, dtype, device)
             made = tensor(data, dtype=dtype, device=device)
@@ -356,14 +380,66 @@ def _known_numbers(data: Any, dtype: torch.dtype | None, device: Any) -> Known |
 def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:
     """``torch.as_tensor`` while autobatch runs: of a lazy value, the value converted (as
     ``as_tensor`` of a tensor gives; torch would read it as a sequence); of a known value,
-    its tensor; anything else goes to torch."""
+    its tensor; of a list, ``torch.tensor``'s (``_recording_tensor``); anything else goes to
+    torch."""
     as_tensor = _PATCHES.as_tensor or _TORCH_AS_TENSOR
     t = type(data)
     if t is Lazy:
         return data.to(device=device, dtype=dtype) if dtype or device else data
     if t is Known:
         data = data.tensor()
+    elif t in _SEQUENCES:  # a new tensor of the data, as torch.tensor makes it
+        return _recording_tensor(data, dtype=dtype, device=device)
     return as_tensor(data, dtype=dtype, device=device)
+
+
+def _unknown(data: Any) -> Any:
+    """``data`` with every known value in it (in lists and tuples too) its tensor.  A known
+    value passes torch's own test for a tensor (``isinstance``, by its ``__class__``) without
+    being one: torch's C conversion (``torch.tensor``, ``Tensor.new_tensor``) would read it
+    as a tensor's memory."""
+    t = type(data)
+    if t is Known:
+        return data.tensor()
+    if t in _SEQUENCES and any(type(x) is Known or type(x) in _SEQUENCES for x in data):
+        return t(_unknown(x) for x in data)
+    return data
+
+
+def _recording_new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.new_tensor`` while autobatch runs: of a lazy value, its values converted
+    without history (as of a tensor); known values their tensors (see ``_unknown``)."""
+    if type(data) is Lazy and not args and set(kwargs) <= {"dtype", "device"}:
+        dtype = kwargs.get("dtype") or self.dtype
+        return data.detach().to(dtype=dtype, device=kwargs.get("device") or self.device)
+    return _TORCH_NEW_TENSOR(self, _unknown(data), *args, **kwargs)
+
+
+def _known_safe(fn: Any) -> Any:
+    """``fn``, a torch function whose arguments are numbers or sizes (torch's dispatch
+    never hands it to a known value's ``__torch_function__``), with every known value among
+    them its tensor, as ``_unknown`` makes it."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*map(_unknown, args), **{k: _unknown(v) for k, v in kwargs.items()})
+
+    return call
+
+
+# Torch functions that take a known value where eager code passes a tensor for a number
+# (``torch.full((n,), torch.tensor(0.5))``, ``torch.arange(torch.tensor(5))``) or for data
+# (``x.new_tensor(t)``): while autobatch runs, wrappers that hand torch the known values'
+# tensors (torch.tensor and torch.as_tensor: _recording_tensor, _recording_as_tensor).
+_KNOWN_SAFE = {
+    (where, name): _known_safe(getattr(where, name))
+    for where, names in (
+        (torch, ("full", "full_like", "arange", "linspace", "logspace")),
+        (torch.Tensor, ("new_full",)),
+    )
+    for name in names
+}
+_KNOWN_SAFE[torch.Tensor, "new_tensor"] = _recording_new_tensor
 
 
 def _holds_lazy(data: Any) -> bool:
@@ -402,7 +478,7 @@ def _tensor_of_lazy(
             return x
         if type(x) in _SEQUENCES:
             return [convert(e) for e in x]
-        return tensor(x)
+        return x if type(x) is torch.Tensor else tensor(x)
 
     def dtypes(x: Any) -> list[torch.dtype]:
         return [d for e in x for d in dtypes(e)] if type(x) is list else [x.dtype]

@@ -164,6 +164,8 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
     def dim(self) -> int:
         return self.meta.ndim
 
+    ndimension = dim
+
     def numel(self) -> int:
         return self.meta.shape.numel()
 
@@ -174,6 +176,21 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
 
     def is_floating_point(self) -> bool:
         return self.meta.dtype.is_floating_point
+
+    def is_complex(self) -> bool:
+        return self.meta.dtype.is_complex
+
+    def is_signed(self) -> bool:
+        return self.meta.dtype.is_signed
+
+    def get_device(self) -> int:
+        d = self.meta.device
+        return -1 if d.type == "cpu" else (d.index or 0)
+
+    layout = torch.strided
+    is_sparse = False
+    is_quantized = False
+    is_meta = False
 
     def __len__(self) -> int:
         if not self.meta.ndim:
@@ -606,7 +623,12 @@ class Known:
     ``.tolist()``, an index) it gives the value at once; anything else (a torch function of
     no lazy value, a tensor method, an attribute) runs on the tensor ``torch.tensor`` makes
     of it, made once, as eager code would.  ``isinstance(known, torch.Tensor)`` holds (its
-    ``__class__``); ``type(known)`` is ``Known``."""
+    ``__class__``); ``type(known)`` is ``Known``.  Torch's C code takes that test as proof of
+    a tensor's memory where its dispatch does not reach ``__torch_function__`` (data and
+    number arguments): while autobatch runs, ``torch.tensor``, ``torch.as_tensor``,
+    ``Tensor.new_tensor`` and the factories that take numbers (``torch.full``, ``arange``,
+    ``linspace``: ``patches._KNOWN_SAFE``) are given its tensor instead; elsewhere pass the
+    number (``k.item()``) where torch takes one."""
 
     __slots__ = ("value", "meta", "number", "_made", "_plain")
 
