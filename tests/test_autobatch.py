@@ -2829,6 +2829,87 @@ def test_a_categorical_over_recorded_logits_scores_a_known_action(finish):
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(5)])
 
 
+class _ReverseGrad(torch.autograd.Function):
+    """A gradient reversal layer (old style: ``forward(ctx, ...)``, no vmap rule)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.scale * g, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """A straight-through sign: the forward's ops carry no gradient of their own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Clip(torch.autograd.Function):
+    """New style, with a vmap rule: its groups run under torch.func.vmap."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clamp(-0.5, 0.5)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda y: _ReverseGrad.apply(y, 0.5),
+        _StraightThrough.apply,  # taken before autobatch runs, as `sign = STE.apply` is
+        lambda y: _StraightThrough.apply(y),
+        _Clip.apply,
+    ],
+    ids=["reverse-grad", "straight-through-taken-before", "straight-through", "vmap-rule"],
+)
+@pytest.mark.parametrize("reads", [False, True], ids=["no-read", "read"])
+def test_custom_autograd_functions_keep_their_backward(make, reads, finish):
+    """torch calls a custom Function's forward with gradients off and passes values that are
+    not tensors through untouched: on lazy values, its ops were recorded without gradients
+    and its backward never ran (a gradient reversal, a straight-through estimator: silent
+    wrong gradients).  While autobatch runs, a Function's call on lazy values is recorded
+    whole and runs on the examples' rows (under vmap where the Function has a vmap rule, else
+    one call per example): values and gradients equal eager's, with rows recorded once (a
+    list of same-shape tensors), per example and across rounds."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = torch.tanh(lin(x))
+        if reads and float(h.sum()) > 0:
+            h = h * 2
+        return make(h) * lin(x)
+
+    xs = [torch.randn(3) for _ in range(5)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")
+        assert_same(fn, list(lin.parameters()), xs)
+    assert torch.autograd.Function.__dict__["apply"] is _FUNCTION_APPLY
+    assert "apply" not in torch.autograd.function._SingleLevelFunction.__dict__
+
+
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
 def test_a_read_inside_no_grad_leaves_the_gradients_of_the_rest(finish):
     """Torch's grad mode belongs to the thread, not to one example: an example that reads
     inside ``with torch.no_grad():`` pauses with gradients off.  The rounds and the other

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from math import copysign as _copysign
 from typing import Any
 
@@ -34,9 +35,11 @@ class _Patches:
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
     as_tensor: Any = None  # torch.as_tensor as found
+    apply_users = 0  # calls inside _apply_installed
+    apply: Any = None  # torch.autograd.Function.apply as found, while it is installed
     # (module or class, name) -> the function as found there (_INHERITED: none, the class
-    # inherits it), where _KNOWN_SAFE's wrapper is installed
-    known_safe: dict[tuple[Any, str], Any] = {}
+    # inherits it), where a wrapper of _WRAPPERS is installed
+    wrapped: dict[tuple[Any, str], Any] = {}
     # (module, name) -> the torch function as found, where _DIRECT_TORCH's wrapper is
     # installed
     direct: dict[tuple[Any, str], Any] = {}
@@ -135,9 +138,9 @@ def _installed() -> Any:
             torch.as_tensor = _recording_as_tensor
             # (torch.Tensor inherits new_full and new_tensor from its C base: their wrappers
             # are set on torch.Tensor and deleted again, leaving the class as it was.)
-            p.known_safe = {}
-            for (where, name), wrapper in _KNOWN_SAFE.items():
-                p.known_safe[where, name] = where.__dict__.get(name, _INHERITED)
+            p.wrapped = {}
+            for (where, name), wrapper in _WRAPPERS.items():
+                p.wrapped[where, name] = where.__dict__.get(name, _INHERITED)
                 setattr(where, name, wrapper)
             p.direct = {}
             for key, wrapper in _DIRECT_WRAPPERS.items():
@@ -147,7 +150,8 @@ def _installed() -> Any:
                     setattr(where, name, wrapper)
         p.users += 1
     try:
-        yield
+        with _apply_installed():
+            yield
     finally:
         with _PATCH_LOCK:
             p.users -= 1
@@ -158,13 +162,13 @@ def _installed() -> Any:
                     torch.tensor = p.tensor
                 if torch.as_tensor is _recording_as_tensor:
                     torch.as_tensor = p.as_tensor
-                for (where, name), found in p.known_safe.items():
-                    if where.__dict__.get(name) is _KNOWN_SAFE[where, name]:
+                for (where, name), found in p.wrapped.items():
+                    if where.__dict__.get(name) is _WRAPPERS[where, name]:
                         if found is _INHERITED:
                             delattr(where, name)
                         else:
                             setattr(where, name, found)
-                p.known_safe = {}
+                p.wrapped = {}
                 for (where, name), found in p.direct.items():
                     if getattr(where, name) is _DIRECT_WRAPPERS[where, name]:
                         setattr(where, name, found)
@@ -427,11 +431,13 @@ def _known_safe(fn: Any) -> Any:
     return call
 
 
-# Torch functions that take a known value where eager code passes a tensor for a number
+# Wrappers installed while autobatch runs ((module or class, name) -> wrapper).  Torch
+# functions that take a known value where eager code passes a tensor for a number
 # (``torch.full((n,), torch.tensor(0.5))``, ``torch.arange(torch.tensor(5))``) or for data
-# (``x.new_tensor(t)``): while autobatch runs, wrappers that hand torch the known values'
-# tensors (torch.tensor and torch.as_tensor: _recording_tensor, _recording_as_tensor).
-_KNOWN_SAFE = {
+# (``x.new_tensor(t)``): they hand torch the known values' tensors (torch.tensor and
+# torch.as_tensor: _recording_tensor, _recording_as_tensor; autograd.Function.apply:
+# _apply_installed).
+_WRAPPERS = {
     (where, name): _known_safe(getattr(where, name))
     for where, names in (
         (torch, ("full", "full_like", "arange", "linspace", "logspace")),
@@ -439,7 +445,85 @@ _KNOWN_SAFE = {
     )
     for name in names
 }
-_KNOWN_SAFE[torch.Tensor, "new_tensor"] = _recording_new_tensor
+_WRAPPERS[torch.Tensor, "new_tensor"] = _recording_new_tensor
+
+
+@contextlib.contextmanager
+def _apply_installed() -> Any:
+    """Install autobatch's ``autograd.Function`` call (``_recording_apply``) for the length
+    of the ``with``: with the other wrappers (``_installed``), and alone where a function is
+    recorded once without them (``traced._record_once``).  It goes where
+    ``Function.apply`` hands the call to torch's C code (``super().apply``, found on
+    ``_SingleLevelFunction``, which inherits it from the C base), so that an ``apply`` taken
+    before the call (``grad_reverse = GradReverse.apply`` at import) reaches it too; set
+    there and deleted again, leaving the class as it was."""
+    p = _PATCHES
+    with _PATCH_LOCK:
+        if p.apply_users == 0:
+            p.apply = _APPLY_CLASS.__dict__.get("apply", _INHERITED)
+            _APPLY_CLASS.apply = _RECORDING_APPLY
+        p.apply_users += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            p.apply_users -= 1
+            if p.apply_users == 0:
+                if _APPLY_CLASS.__dict__.get("apply") is _RECORDING_APPLY:
+                    if p.apply is _INHERITED:
+                        del _APPLY_CLASS.apply
+                    else:
+                        _APPLY_CLASS.apply = p.apply
+                p.apply = None
+
+
+# The class whose ``apply`` Function.apply's ``super().apply`` finds first, and what it finds
+# there without autobatch (torch's C entry: a method descriptor, bound per class).
+_APPLY_CLASS: Any = torch.autograd.function._SingleLevelFunction
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+# Per autograd.Function subclass, the function its calls on lazy values are recorded as (one
+# object per class: part of the op's key).
+_APPLIES: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
+
+
+def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """A custom ``torch.autograd.Function``'s call while autobatch runs.  Torch calls its
+    ``forward`` with gradients off and hands anything that is not a tensor through untouched:
+    on lazy values its ops would be recorded without gradients, and its ``backward`` never
+    used (a gradient reversal or a straight-through estimator silently lost).  With a lazy
+    argument the call is recorded whole, as a torch function is: its group runs under
+    ``torch.func.vmap`` where the Function allows that (``setup_context`` and a vmap rule),
+    else one call per example on the examples' rows, as eager code runs it.  Known values go
+    in as their tensors."""
+    rec = _LOCAL.rec
+    if rec is not None and not rec.paused and _holds_lazy((*args, *kwargs.values())):
+        recorded = _APPLIES.get(cls)
+        if recorded is None:
+            recorded = _APPLIES[cls] = _apply_of(cls)
+        return rec.record(recorded, "torch", args, kwargs)
+    return _C_APPLY.__get__(None, cls)(
+        *map(_unknown, args), **{k: _unknown(v) for k, v in kwargs.items()}
+    )
+
+
+def _apply_of(cls: Any) -> Any:
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        if _holds_lazy((*args, *kwargs.values())):
+            # Recorded through (a group's program, see traced._compile), its forward would
+            # run without gradients: its groups run under vmap, or per example, instead.
+            raise _ThroughFunction(f"{cls.__qualname__}.apply is not recorded through")
+        return cls.apply(*args, **kwargs)
+
+    apply.__name__ = apply.__qualname__ = f"{cls.__qualname__}.apply"
+    return apply
+
+
+_RECORDING_APPLY = classmethod(_recording_apply)
+
+
+class _ThroughFunction(Exception):
+    """A custom autograd.Function called on lazy values by what records a program of calls
+    (see ``_apply_of``)."""
 
 
 def _holds_lazy(data: Any) -> bool:

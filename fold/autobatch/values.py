@@ -627,7 +627,7 @@ class Known:
     a tensor's memory where its dispatch does not reach ``__torch_function__`` (data and
     number arguments): while autobatch runs, ``torch.tensor``, ``torch.as_tensor``,
     ``Tensor.new_tensor`` and the factories that take numbers (``torch.full``, ``arange``,
-    ``linspace``: ``patches._KNOWN_SAFE``) are given its tensor instead; elsewhere pass the
+    ``linspace``: ``patches._WRAPPERS``) are given its tensor instead; elsewhere pass the
     number (``k.item()``) where torch takes one."""
 
     __slots__ = ("value", "meta", "number", "_made", "_plain")
