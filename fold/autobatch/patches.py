@@ -150,7 +150,7 @@ def _installed() -> Any:
                     setattr(where, name, wrapper)
         p.users += 1
     try:
-        with _apply_installed():
+        with _apply_installed:
             yield
     finally:
         with _PATCH_LOCK:
@@ -448,24 +448,26 @@ _WRAPPERS = {
 _WRAPPERS[torch.Tensor, "new_tensor"] = _recording_new_tensor
 
 
-@contextlib.contextmanager
-def _apply_installed() -> Any:
+class _ApplyInstalled:
     """Install autobatch's ``autograd.Function`` call (``_recording_apply``) for the length
-    of the ``with``: with the other wrappers (``_installed``), and alone where a function is
-    recorded once without them (``traced._record_once``).  It goes where
+    of a ``with _apply_installed:``: with the other wrappers (``_installed``), and alone
+    where a function is recorded once without them (``traced._record_once``).  It goes where
     ``Function.apply`` hands the call to torch's C code (``super().apply``, found on
     ``_SingleLevelFunction``, which inherits it from the C base), so that an ``apply`` taken
     before the call (``grad_reverse = GradReverse.apply`` at import) reaches it too; set
-    there and deleted again, leaving the class as it was."""
-    p = _PATCHES
-    with _PATCH_LOCK:
-        if p.apply_users == 0:
-            p.apply = _APPLY_CLASS.__dict__.get("apply", _INHERITED)
-            _APPLY_CLASS.apply = _RECORDING_APPLY
-        p.apply_users += 1
-    try:
-        yield
-    finally:
+    there and deleted again, leaving the class as it was.  (A class, not a generator: it
+    runs on every autobatch call, at about 0.3 us.)"""
+
+    def __enter__(self) -> None:
+        p = _PATCHES
+        with _PATCH_LOCK:
+            if p.apply_users == 0:
+                p.apply = _APPLY_CLASS.__dict__.get("apply", _INHERITED)
+                _APPLY_CLASS.apply = _RECORDING_APPLY
+            p.apply_users += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        p = _PATCHES
         with _PATCH_LOCK:
             p.apply_users -= 1
             if p.apply_users == 0:
@@ -475,6 +477,9 @@ def _apply_installed() -> Any:
                     else:
                         _APPLY_CLASS.apply = p.apply
                 p.apply = None
+
+
+_apply_installed = _ApplyInstalled()
 
 
 # The class whose ``apply`` Function.apply's ``super().apply`` finds first, and what it finds

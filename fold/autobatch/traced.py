@@ -202,7 +202,7 @@ def _record_once(
     _LOCAL.rec = rec
     rng = _rng_states()
     try:
-        with collector_paused(), _installed() if modules else _apply_installed():
+        with collector_paused(), _installed() if modules else _apply_installed:
             out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
