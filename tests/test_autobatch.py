@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import math
 import pickle
 import random
@@ -2812,6 +2813,35 @@ def test_known_and_lazy_values_given_to_tensor_factories_match_eager(call, finis
 
 
 _TORCH_FULL, _TORCH_ARANGE = torch.full, torch.arange
+
+
+def test_known_values_format_pickle_and_change_in_place_as_tensors(finish):
+    """A known value (``torch.tensor(...)`` of Python values inside the function) formats
+    as a tensor (``f"{t:.2f}"``), is saved and loaded as a tensor (``torch.save`` with
+    ``weights_only``, its dtype kept), and ``k += 1`` changes it in place, as every alias
+    of it sees in eager code; ``loss += step`` of a recorded step still rebinds ``loss``."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        scale = 1.0 if float(h.sum()) > 0 else 2.0  # a read first
+        a = torch.tensor([1.0, 2.0, 3.0])
+        alias = a
+        a += 1
+        a *= torch.tensor(scale)
+        buf = io.BytesIO()
+        torch.save(torch.tensor([2.0, 3.0], dtype=torch.float64), buf)
+        buf.seek(0)
+        kept = torch.load(buf)
+        digits = len(f"{torch.tensor(scale * 1.25):.3f}")
+        loss = torch.tensor(0.0)
+        for i in range(2):
+            loss += h.sum() * i
+        return h * alias * digits * kept.sum().float() * (kept.dtype == torch.float64) + loss
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")
+        assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
 
 
 def test_a_categorical_over_recorded_logits_scores_a_known_action(finish):

@@ -761,8 +761,11 @@ class Known:
     def __deepcopy__(self, memo: Any) -> Any:
         return self.tensor().clone()
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (_TENSOR, (self.tensor().tolist(),), None)
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (torch.save) as its tensor
+        return self.tensor().__reduce_ex__(protocol)
+
+    def __format__(self, spec: str) -> str:
+        return self.tensor().__format__(spec)
 
 
 def _in_place(known: Known, method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -827,6 +830,30 @@ def _known_operator(func: Any) -> Callable[..., Any]:
 
 for _name in _OPERATORS:
     setattr(Known, _name, _known_operator(getattr(torch.Tensor, _name)))
+
+
+def _known_inplace_operator(name: str) -> Callable[..., Any]:
+    """``k += y`` and kin on a known value: in place on its tensor, as eager code changes
+    the tensor every alias of it sees (without it, Python would rebind ``k`` to ``k + y``).
+    With a lazy ``y`` (``loss = torch.tensor(0.0)``, then ``loss += step_loss``), Python
+    rebinds ``k`` to the recorded ``k + y``, as before: the known value stays as it was."""
+
+    def operator(self: Known, other: Any) -> Any:
+        if type(other) is Lazy:
+            return NotImplemented
+        getattr(self.tensor(), name)(_tensor_of(other))
+        self._changed()
+        return self
+
+    operator.__name__ = name
+    return operator
+
+
+for _name in (
+    "__iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ "
+    "__ior__ __ixor__ __ilshift__ __irshift__"
+).split():
+    setattr(Known, _name, _known_inplace_operator(_name))
 
 
 if _C is not None:
