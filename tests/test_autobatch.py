@@ -2700,6 +2700,9 @@ _DATA_SHAPED = {
     ),
     "where-condition-alone": lambda y, m: torch.stack(torch.where(y > 0)).double() * y.sum(),
     "repeat_interleave": lambda y, m: y[0].repeat_interleave((y[1] > 0).long() + 1),
+    "one_hot": lambda y, m: (
+        F.one_hot(y[0].argsort()[:2] + (y[1, :2] > 0).long()).double() * y[2, 0]
+    ),
     "equal": lambda y, m: y * 2 if torch.equal(y > 0, m) else y,
     "allclose": lambda y, m: y * 3 if y.allclose(y.abs()) else -y,
 }

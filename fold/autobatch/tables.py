@@ -374,7 +374,8 @@ _PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
 # a call with a lazy argument of the round recording now reads it (see
 # recorder._Recorder._read_call), as ``int(t)`` does.  ``_reads`` adds the calls that read
 # by their arguments: ``torch.where(cond)`` with the condition alone, ``x[mask]`` with a
-# boolean mask, ``repeat_interleave`` with a tensor of repeats.
+# boolean mask, ``repeat_interleave`` with a tensor of repeats, ``F.one_hot`` without
+# ``num_classes``.
 _READS = _functions(
     "nonzero argwhere masked_select unique unique_consecutive bincount equal allclose is_nonzero",
     torch,
@@ -397,6 +398,9 @@ def _reads(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if fn in _REPEAT_INTERLEAVE:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
         return repeats is None or not isinstance(repeats, int)
+    if fn is F.one_hot:  # without num_classes, the largest value's
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return classes == -1
     return False
 
 
