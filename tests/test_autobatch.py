@@ -2769,6 +2769,52 @@ def test_formatting_a_one_number_value_reads_it_as_eager(finish):
         fold.autobatch(lambda x: torch.tensor(len(f"{lin(x).expand(2):.3f}")), xs)
 
 
+# Calls that a recorded count sizes: torch takes a one-number integer tensor where it takes an
+# int, and hands a lazy one to autobatch as an argument.
+_SIZED = {
+    "slice": lambda y, n: y[:n],
+    "narrow": lambda y, n: torch.narrow(y, 0, 0, n),
+    "repeat": lambda y, n: y.repeat(n),
+    "expand": lambda y, n: y.expand(n, 5),
+    "arange": lambda y, n: torch.arange(n).double() * y.sum(),
+    "topk": lambda y, n: y.topk(n).values,
+    "split": lambda y, n: torch.split(y, n)[0],
+    "chunk": lambda y, n: y.chunk(n)[-1],
+    "new_zeros": lambda y, n: y.new_zeros(n) + y.sum(),
+    "tensor_split": lambda y, n: y.tensor_split(n.reshape(1))[1],
+    "index-by-count": lambda y, n: y[n] * y,  # data, not a size: batched as before
+    "roll": lambda y, n: torch.roll(y, n),  # a size that leaves the shape: per example
+}
+
+
+@pytest.mark.parametrize("call", list(_SIZED), ids=list(_SIZED))
+def test_calls_sized_by_a_recorded_count_read_it(call, finish):
+    """``x[:n]``, ``x.repeat(n)``, ``torch.arange(n)``, ``x.topk(k)`` of a recorded count
+    ``n`` (a one-number integer value): torch hands the lazy ``n`` to autobatch as it hands
+    a tensor argument, and it was recorded as a batched argument with the first example's
+    zero shapes (its group then failed; ``x[:n]`` raised an AttributeError from inside
+    autobatch).  Such a call is found by its shapes (zeros against ones for ``n``) and reads
+    ``n``, as ``int(n)`` would; ``n`` as data (an index) stays batched.  Values, shapes and
+    gradients equal eager's."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        lin = nn.Linear(3, 5)
+        op = _SIZED[call]
+
+        def fn(x):
+            y = torch.tanh(lin(x))
+            n = (y[:3] > 0).long().sum() + 1  # 1 to 4, of the example's data
+            return (op(y, n) * 1.5,)
+
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(3, generator=g) for _ in range(6)]
+        want = [fn(x) for x in xs]
+        got = fold.autobatch(fn, xs, stack=False)
+        assert_same_lists(got, want, list(lin.parameters()))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 _KNOWN_AS_NUMBER = {
     "tensor": lambda k, y: torch.tensor(k) * y,
     "tensor-of-list": lambda k, y: torch.tensor([k, 1.0]) @ y[:2],

@@ -199,6 +199,35 @@ def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _CURRENT = object()  # a lazy value of the round recording now (see _computed)
 
 
+class _SizedByData(Exception):
+    """A call's one-number integer argument sizes its result (see ``_Recorder._infer``)."""
+
+
+# Op keys whose calls are sized by a one-number argument: read, not recorded (bounded).
+_SIZED_BY_DATA: set[Any] = set()
+_SIZED_BY_DATA_MAX = 4096
+
+
+def _is_count(meta: _Meta) -> bool:
+    """A one-number integer or bool value: a count, an index or a flag."""
+    return meta.ndim == 0 and not meta.dtype.is_floating_point and not meta.dtype.is_complex
+
+
+def _sized_by(out: Any, ones: Any) -> bool:
+    """Whether the op's outputs on zeros (``out``) and with its one-number integer arguments
+    ones (``ones``: the outputs, or the exception it raised) differ in structure or shape."""
+    if isinstance(ones, Exception):
+        return True
+    a, spec_a = pytree.tree_flatten(out)
+    b, spec_b = pytree.tree_flatten(ones)
+    if spec_a != spec_b or len(a) != len(b):
+        return True
+    return any(
+        isinstance(x, torch.Tensor) and (not isinstance(y, torch.Tensor) or x.shape != y.shape)
+        for x, y in zip(a, b)
+    )
+
+
 def _flat_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The arguments of a call, the items of its list and tuple arguments too."""
     for a in (*args, *kwargs.values()):
@@ -479,7 +508,20 @@ class _Recorder:
         ops = _OPS if mode is None else _MODE_OPS.setdefault(mode, {})
         op = ops.get(key)
         if op is None:
-            op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
+            try:
+                if key in _SIZED_BY_DATA:
+                    raise _SizedByData
+                op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
+            except _SizedByData:
+                # A one-number integer argument sizes the result (x.repeat(n), torch.arange
+                # (n), x.topk(k) of a recorded n): a read of it, as x[:n] (see _infer).
+                if len(_SIZED_BY_DATA) >= _SIZED_BY_DATA_MAX:
+                    _SIZED_BY_DATA.clear()
+                _SIZED_BY_DATA.add(key)
+                out = self._read_call(fn, args, kwargs)
+                if out is _MISS:  # (not met: the sizing value is one of this round's)
+                    raise
+                return out
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
@@ -803,6 +845,11 @@ class _Recorder:
         """The op's per-example outputs, on fake tensors (a batch of one on zeros where
         fake tensors cannot run it); a FoldError naming the line where the call fails."""
         slots = _slots((op.args, op.kwargs))
+        # One-number integer arguments of a torch function: data (an index, a target) or a
+        # size (x.repeat(n)); they are told apart by the shapes they give (_run_ones).
+        counts = op.kind == "torch" and any(
+            not s.ragged and s.meta is not None and _is_count(s.meta) for s in slots
+        )
         self.paused = True
         running = op.kind == _BATCHED
         _LOCAL.running += running
@@ -822,7 +869,13 @@ class _Recorder:
             # A call that draws random numbers (dropout, rand_like): on zeros it moved the
             # generator, on fake tensors it ran an op tagged as seeded (_run_fake).
             op.random = self._drew or not _rng_same(rng, _rng_states()) or _draws(op)
+            if counts and _sized_by(out, self._run_ones(op, slots)):
+                raise _SizedByData
+        except _SizedByData:
+            raise
         except Exception as err:
+            if counts:  # (split(x, n) on zeros, and on fake tensors a read of n)
+                raise _SizedByData from err
             raise FoldError(
                 f"autobatch: example {self.example}: {op.name} at {op.where or '?'} fails on "
                 f"one example's shapes ({', '.join(repr(s.meta) for s in slots)}): "
@@ -889,6 +942,21 @@ class _Recorder:
                 return op.per_example(*values)
             finally:
                 self._drew = mode.drew
+
+    def _run_ones(self, op: _Op, slots: list[_Slot]) -> Any:
+        """The op on zeros, but its one-number integer arguments ones (True for a bool);
+        an exception where it fails so."""
+
+        def make(shape: Any, dtype: torch.dtype, device: Any) -> torch.Tensor:
+            if shape == () and not dtype.is_floating_point and not dtype.is_complex:
+                return torch.ones(shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        with torch.no_grad():
+            try:
+                return op.per_example(*self._inputs(op, slots, make))
+            except Exception as err:
+                return err
 
     def _run_zeros(self, op: _Op, slots: list[_Slot]) -> Any:
         with torch.no_grad():

@@ -374,14 +374,17 @@ _PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
 # a call with a lazy argument of the round recording now reads it (see
 # recorder._Recorder._read_call), as ``int(t)`` does.  ``_reads`` adds the calls that read
 # by their arguments: ``torch.where(cond)`` with the condition alone, ``x[mask]`` with a
-# boolean mask, ``repeat_interleave`` with a tensor of repeats, ``F.one_hot`` without
-# ``num_classes``.
+# boolean mask, ``x[:n]`` with a bound not a plain number, ``repeat_interleave`` with a
+# tensor of repeats, ``tensor_split`` at a tensor's positions, ``F.one_hot`` without
+# ``num_classes``.  (A call that a one-number
+# integer argument sizes, ``x.repeat(n)``, is found by its shapes: recorder._infer.)
 _READS = _functions(
     "nonzero argwhere masked_select unique unique_consecutive bincount equal allclose is_nonzero",
     torch,
     torch.Tensor,
 )
 _REPEAT_INTERLEAVE = _functions("repeat_interleave", torch, torch.Tensor)
+_TENSOR_SPLIT = _functions("tensor_split", torch, torch.Tensor)
 _MASKS = frozenset((torch.bool, torch.uint8))
 
 
@@ -392,16 +395,31 @@ def _reads(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return True
     if fn is _GETITEM:
         i = args[1] if len(args) > 1 else None
-        return any(_is_mask(x) for x in (i if type(i) in (tuple, list) else (i,)))
+        return any(_is_mask(x) or _lazy_bound(x) for x in (i if type(i) in (tuple, list) else (i,)))
     if fn is torch.where:
         return len(args) + len(kwargs) == 1
     if fn in _REPEAT_INTERLEAVE:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
         return repeats is None or not isinstance(repeats, int)
+    if fn in _TENSOR_SPLIT:  # at the positions a tensor holds
+        at = (
+            args[1]
+            if len(args) > 1
+            else kwargs.get("indices", kwargs.get("tensor_indices_or_sections"))
+        )
+        return at is not None and not isinstance(at, int) and hasattr(at, "shape")
     if fn is F.one_hot:  # without num_classes, the largest value's
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         return classes == -1
     return False
+
+
+def _lazy_bound(x: Any) -> bool:
+    """A slice with a bound that is not a plain number (``x[:n]`` of a recorded ``n``): the
+    result's length is data."""
+    return type(x) is slice and any(
+        b is not None and type(b) is not int for b in (x.start, x.stop, x.step)
+    )
 
 
 def _is_mask(x: Any) -> bool:
