@@ -37,6 +37,7 @@ from fold.autobatch.recorder import (
     _OPS,
     _PADDED_OPS,
     _SEQUENCE_OPS,
+    _SIZED_BY_DATA,
     _Recorder,
 )
 from fold.autobatch.traced import (
@@ -63,6 +64,7 @@ def clear_cache() -> None:
     _MODE_OPS.clear()
     _SEQUENCE_OPS.clear()
     _PADDED_OPS.clear()
+    _SIZED_BY_DATA.clear()
     _METAS.clear()
     _ROWS.clear()
     _KW_PARTS.clear()
