@@ -2782,6 +2782,13 @@ _SIZED = {
     "chunk": lambda y, n: y.chunk(n)[-1],
     "new_zeros": lambda y, n: y.new_zeros(n) + y.sum(),
     "tensor_split": lambda y, n: y.tensor_split(n.reshape(1))[1],
+    # Sizes given one by one to a factory, or to a method of an eager tensor: torch's parser
+    # called the count's __index__ itself, inside its C code (the process crashed).
+    "ones": lambda y, n: torch.ones(n, 2).sum() * y,
+    "zeros-tuple": lambda y, n: torch.zeros((n, 2)).sum() + y,
+    "randn": lambda y, n: torch.randn(n, 2).sum() * 0 + y,
+    "eager-expand": lambda y, n: torch.ones(1, 2).expand(n, 2).sum() * y,
+    "eager-new_zeros": lambda y, n: y.detach().new_zeros(n, 2).sum() + y,
     "index-by-count": lambda y, n: y[n] * y,  # data, not a size: batched as before
     "roll": lambda y, n: torch.roll(y, n),  # a size that leaves the shape: per example
 }

@@ -422,26 +422,53 @@ def _recording_new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: A
 def _known_safe(fn: Any) -> Any:
     """``fn``, a torch function whose arguments are numbers or sizes (torch's dispatch
     never hands it to a known value's ``__torch_function__``), with every known value among
-    them its tensor, as ``_unknown`` makes it."""
+    them its tensor, as ``_unknown`` makes it, and every recorded count (a one-number
+    integer lazy value: ``torch.ones(n, 2)``, ``x.expand(n, 3)``) read here, in Python.
+    Torch's argument parser would call the count's ``__index__`` itself: the example would
+    pause inside torch's C code, and torch then refuses a value with ``__torch_function__``
+    among sizes given one by one (a TypeError whose C++ backtrace, taken on the example's
+    coroutine stack, crashed the process)."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*map(_unknown, args), **{k: _unknown(v) for k, v in kwargs.items()})
+        return fn(*map(_plain_size, args), **{k: _plain_size(v) for k, v in kwargs.items()})
 
     return call
+
+
+def _plain_size(a: Any) -> Any:
+    """An argument of a factory or a size-taking method (see ``_known_safe``): a known
+    value its tensor, a recorded count its Python int (a read), in lists and tuples too."""
+    t = type(a)
+    if t is Known:
+        return a.tensor()
+    if t is Lazy:
+        m = a.meta
+        if m.ndim == 0 and not m.dtype.is_floating_point and not m.dtype.is_complex:
+            return int(a)
+        return a
+    if t in _SEQUENCES and any(type(x) in (Known, Lazy) or type(x) in _SEQUENCES for x in a):
+        return t(_plain_size(x) for x in a)
+    return a
 
 
 # Wrappers installed while autobatch runs ((module or class, name) -> wrapper).  Torch
 # functions that take a known value where eager code passes a tensor for a number
 # (``torch.full((n,), torch.tensor(0.5))``, ``torch.arange(torch.tensor(5))``) or for data
-# (``x.new_tensor(t)``): they hand torch the known values' tensors (torch.tensor and
+# (``x.new_tensor(t)``), or a recorded count for a size (``torch.ones(n, 2)``): they hand
+# torch the known values' tensors and the counts' ints (torch.tensor and
 # torch.as_tensor: _recording_tensor, _recording_as_tensor; autograd.Function.apply:
 # _apply_installed).
 _WRAPPERS = {
     (where, name): _known_safe(getattr(where, name))
     for where, names in (
-        (torch, ("full", "full_like", "arange", "linspace", "logspace")),
-        (torch.Tensor, ("new_full",)),
+        (
+            torch,
+            (
+                "full full_like arange linspace logspace zeros ones empty rand randn randint eye"
+            ).split(),
+        ),
+        (torch.Tensor, ("new_full", "new_zeros", "new_ones", "new_empty", "expand")),
     )
     for name in names
 }
