@@ -2789,6 +2789,7 @@ _SIZED = {
     "randn": lambda y, n: torch.randn(n, 2).sum() * 0 + y,
     "eager-expand": lambda y, n: torch.ones(1, 2).expand(n, 2).sum() * y,
     "eager-new_zeros": lambda y, n: y.detach().new_zeros(n, 2).sum() + y,
+    "eager-reshape": lambda y, n: torch.reshape(torch.arange(12.0), (n, -1))[:, 0].sum() * y,
     "index-by-count": lambda y, n: y[n] * y,  # data, not a size: batched as before
     "roll": lambda y, n: torch.roll(y, n),  # a size that leaves the shape: per example
 }
@@ -2820,6 +2821,23 @@ def test_calls_sized_by_a_recorded_count_read_it(call, finish):
         assert_same_lists(got, want, list(lin.parameters()))
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_wrong_size_given_as_a_recorded_count_raises_torchs_error():
+    """A recorded count given to torch where it takes sizes, and sizes that do not fit:
+    torch's own error, as eager code gets it (the count used to be read inside torch's C
+    argument parsing, and the error's C++ backtrace, taken on the example's coroutine stack
+    after that pause, crashed the process)."""
+    lin = nn.Linear(3, 6)
+    table = torch.arange(12.0)
+
+    def fn(x):
+        h = lin(x)
+        n = (h[:2] > 0).long().sum().clamp(min=1) + 1  # 2 or 3: 12 values do not fit n x 5
+        return torch.reshape(table, (n, 5)).sum() * h
+
+    with pytest.raises(RuntimeError, match="is invalid for input of size 12"):
+        fold.autobatch(fn, [torch.randn(3) for _ in range(6)])
 
 
 _KNOWN_AS_NUMBER = {

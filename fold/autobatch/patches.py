@@ -186,8 +186,17 @@ def _installed() -> Any:
 # keyword: F.softmax(h, 0) as dim=0, _stacklevel=3, dtype=None; the same call either way).
 # Any other call, and any call while a torch-function mode is on or torch functions are
 # disabled, goes to the function itself.
-_DIRECT_TORCH = ("cat", "stack", "softmax", "log_softmax", "tanh", "sigmoid", "relu", "exp")
+# Also the torch functions that read their lazy arguments (recorder._read_call): the
+# example pauses in Python, not inside torch's C dispatch, where a C++ error raised after
+# the pause (a mask of the wrong shape) took its backtrace across the coroutine's stack and
+# crashed the process.  (torch.where's three-argument form gains the speed.)
+_DIRECT_TORCH = (
+    "cat stack softmax log_softmax tanh sigmoid relu exp "
+    "where nonzero argwhere masked_select bincount repeat_interleave tensor_split equal "
+    "allclose is_nonzero"
+).split()
 _DIRECT_FUNCTIONAL = (
+    "one_hot",
     "softmax",
     "log_softmax",
     "relu",
@@ -465,7 +474,8 @@ _WRAPPERS = {
         (
             torch,
             (
-                "full full_like arange linspace logspace zeros ones empty rand randn randint eye"
+                "full full_like arange linspace logspace zeros ones empty rand randn randint eye "
+                "reshape"
             ).split(),
         ),
         (torch.Tensor, ("new_full", "new_zeros", "new_ones", "new_empty", "expand")),

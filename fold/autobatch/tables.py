@@ -384,6 +384,9 @@ _READS = _functions(
     torch.Tensor,
 )
 _REPEAT_INTERLEAVE = _functions("repeat_interleave", torch, torch.Tensor)
+# (As torch has them at import: while autobatch runs, torch.where and F.one_hot are
+# wrappers, see patches._DIRECT_TORCH, and the recorder is given the functions they wrap.)
+_WHERE, _ONE_HOT = torch.where, F.one_hot
 _TENSOR_SPLIT = _functions("tensor_split", torch, torch.Tensor)
 _MASKS = frozenset((torch.bool, torch.uint8))
 
@@ -396,7 +399,7 @@ def _reads(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if fn is _GETITEM:
         i = args[1] if len(args) > 1 else None
         return any(_is_mask(x) or _lazy_bound(x) for x in (i if type(i) in (tuple, list) else (i,)))
-    if fn is torch.where:
+    if fn is _WHERE:
         return len(args) + len(kwargs) == 1
     if fn in _REPEAT_INTERLEAVE:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
@@ -408,7 +411,7 @@ def _reads(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             else kwargs.get("indices", kwargs.get("tensor_indices_or_sections"))
         )
         return at is not None and not isinstance(at, int) and hasattr(at, "shape")
-    if fn is F.one_hot:  # without num_classes, the largest value's
+    if fn is _ONE_HOT:  # without num_classes, the largest value's
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         return classes == -1
     return False
