@@ -2551,6 +2551,47 @@ def test_random_programs_with_reads_match_eager(finish, programs):
     assert_same(fn, list(layers.parameters()), xs, programs)
 
 
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=5), min_size=1, max_size=6))
+def test_random_programs_with_data_shaped_calls_match_eager(finish, programs):
+    """Random programs mixing a layer, a decision on a value, a boolean-mask selection, a
+    size given by a recorded count, a custom autograd.Function and a known accumulator
+    changed in place: values and gradients equal eager (float64), whichever examples take
+    which steps (each data-shaped call a read of its own)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+
+        def fn(x, program):
+            h = torch.tanh(layers[0](x))
+            acc = torch.tensor([0.0, 0.0, 0.0])
+            for step in program:
+                if step == 0:
+                    h = torch.tanh(layers[1](h))
+                elif step == 1 and float(h.sum().detach()) > 0:
+                    h = h * 0.5
+                elif step == 2:
+                    h = h + h[h > 0].sum()
+                elif step == 3:
+                    n = (h > 0).long().sum() + 1  # 1 to 4
+                    h = h + torch.ones(n, 3).sum(0) * 0.1 + h.repeat(n)[:3]
+                elif step == 4:
+                    h = _StraightThrough.apply(h) * h + h
+                else:
+                    acc += 1.0
+            return h * acc.sum()
+
+        xs = [torch.randn(3) for _ in programs]
+        assert_same(fn, list(layers.parameters()), xs, programs)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 @st.composite
 def moded_programs(draw):
     """Per example: steps of (layer, how to read after it: not, plainly, or inside
