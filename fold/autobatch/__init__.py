@@ -93,7 +93,9 @@ How a call is recorded (the choices the contract leaves open):
   each paused example resumes with its value (see ``driver._Session``).  A call whose
   result's shape depends on the data, or that returns a Python value (``x[mask]``,
   ``nonzero``, ``unique``, ``torch.equal``: ``tables._READS``), reads its lazy arguments
-  alike, then runs at once (``recorder._Recorder._read_call``).  A torch function
+  alike, then runs at once (``recorder._Recorder._read_call``); so does a call that a
+  recorded count sizes (``x.repeat(n)``, ``x[:n]``), found by the shapes it gives for
+  zeros and ones (``_SizedByData``).  A torch function
   whose lazy arguments all come from earlier rounds runs at once, as eager code (an index
   into an encoder's output); a pure method of such a value with plain arguments (``enc[i]``,
   ``enc[0] * 0``) runs at once, memoised per call: its result is a lazy value of that round
@@ -132,7 +134,11 @@ How a call is recorded (the choices the contract leaves open):
   values (``torch.tensor([a, b])`` of recorded scalars: their stack, detached, in the dtype
   torch infers); ``torch.cat``, ``stack``, ``softmax``, ``F.softmax``, ``F.relu`` and kin
   hand a call on lazy values straight to ``Lazy.__torch_function__``
-  (``patches._DIRECT_TORCH``, ``_DIRECT_FUNCTIONAL``).  All are put back
+  (``patches._DIRECT_TORCH``, ``_DIRECT_FUNCTIONAL``); the factories and
+  ``Tensor.new_*``/``expand`` get known values' tensors and recorded counts' ints
+  (``patches._WRAPPERS``); a custom ``autograd.Function`` called on lazy values is
+  recorded whole, its backward kept (``patches._ApplyInstalled``, installed alone where a
+  function is recorded once on tensor rows).  All are put back
   when the call returns; a wrapper another library installs over them meanwhile is never
   dropped (see ``_Patches``).  Installing costs about
   45 us per call.  A module's op runs the module as ``nn.Module.__call__`` does (forward and
