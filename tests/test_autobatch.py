@@ -2501,6 +2501,30 @@ def test_a_read_in_a_batchable_body_stays_an_error_and_an_exception_ends_the_cal
     assert out.shape == (2, 3)
 
 
+def test_an_exception_propagates_though_others_are_paused_inside_torch(finish):
+    """One example raises while others are paused inside torch's C code (``t.view(n, -1)``
+    of a recorded count: torch's argument parser reads ``n``).  Ending those examples,
+    torch takes the exit for "not an index" and goes on, and the example fails to read: what
+    it raised replaced the first error (a FoldError naming the wrong example).  The first
+    error propagates, with its note, and the grad mode is the caller's."""
+    lin = nn.Linear(3, 6)
+    table = torch.arange(12.0).reshape(4, 3)
+
+    def fn(x, i):
+        h = lin(x)
+        if i == 4:
+            raise KeyError("four")
+        n = (h[:2] > 0).long().sum().clamp(min=1) + 1
+        with torch.no_grad():
+            return table.view(n, -1).sum() * h
+
+    with pytest.raises(KeyError, match="four") as info:
+        fold.autobatch(fn, [torch.randn(3) for _ in range(6)], list(range(6)))
+    if sys.version_info >= (3, 11):
+        assert info.value.__notes__ == ["autobatch: raised while running example 4"]
+    assert torch.is_grad_enabled()
+
+
 def test_a_round_runs_modules_made_of_modules(finish):
     """A module whose forward calls submodules, recorded as one call and run in a round:
     its submodules run, they do not record (the round runs with recording off)."""

@@ -437,9 +437,20 @@ def _record(
                         if _resume(session, g) is None:
                             del paused[i]
     except BaseException:
-        for g in runs:  # end the other examples' coroutines: nothing recorded outlives the call
+        # End the other examples' coroutines: nothing recorded outlives the call.  What one
+        # raises while it ends is dropped: the error to raise is the first.  (An example
+        # paused inside torch's C code may not end cleanly: torch's argument parser takes the
+        # exit for "not an index" and goes on, and the example then fails to read.)  Each
+        # ends in the driver's grad mode, as it would have resumed.
+        grad = torch.is_grad_enabled()
+        for g in runs:
             if not g.dead:
-                g.throw(_greenlet.GreenletExit)
+                try:
+                    g.throw(_greenlet.GreenletExit)
+                except BaseException:
+                    pass
+                if torch.is_grad_enabled() is not grad:
+                    torch._C._set_grad_enabled(grad)
         raise
     else:
         rec = session.current
