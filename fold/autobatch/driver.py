@@ -441,7 +441,11 @@ def _record(
         # raises while it ends is dropped: the error to raise is the first.  (An example
         # paused inside torch's C code may not end cleanly: torch's argument parser takes the
         # exit for "not an index" and goes on, and the example then fails to read.)  Each
-        # ends in the driver's grad mode, as it would have resumed.
+        # ends in the driver's grad mode, as it would have resumed.  Nothing records while
+        # they end (a lazy value used is a FoldError at once): recording may run torch
+        # calls that fail by design (shape inference on zeros), and a C++ error raised in an
+        # example resumed from here, inside torch's C code, can crash the process.
+        _LOCAL.rec = None
         grad = torch.is_grad_enabled()
         for g in runs:
             if not g.dead:
