@@ -438,8 +438,12 @@ def _known_safe(fn: Any) -> Any:
     among sizes given one by one (a TypeError whose C++ backtrace, taken on the example's
     coroutine stack, crashed the process)."""
 
+    local = _LOCAL
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if local.rec is None:  # (a round, or another thread: nothing is recorded)
+            return fn(*args, **kwargs)
         return fn(*map(_plain_size, args), **{k: _plain_size(v) for k, v in kwargs.items()})
 
     return call
