@@ -228,11 +228,15 @@ def _sized_by(out: Any, ones: Any) -> bool:
     )
 
 
-def _flat_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The arguments of a call, the items of its list and tuple arguments too."""
-    for a in (*args, *kwargs.values()):
-        if type(a) in (list, tuple):
-            yield from a
+def _flat_args(args: Any, depth: int = 0) -> Any:
+    """The arguments of a call (``args``: its arguments and its keywords' values), the
+    items of its list, tuple and dict arguments too, however nested."""
+    for a in args:
+        t = type(a)
+        if (t is list or t is tuple) and depth < 32:
+            yield from _flat_args(a, depth + 1)
+        elif t is dict and depth < 32:
+            yield from _flat_args(tuple(a.values()), depth + 1)
         else:
             yield a
 
@@ -520,7 +524,12 @@ class _Recorder:
                 _SIZED_BY_DATA.add(key)
                 out = self._read_call(fn, args, kwargs)
                 if out is _MISS:  # (not met: the sizing value is one of this round's)
-                    raise
+                    raise FoldError(
+                        f"autobatch: example {self.example}: {_fn_name(fn, kind)} at "
+                        f"{_source_line() or '?'}: a recorded one-number value sizes its "
+                        "result, and it could not be read here. Fix: read it first "
+                        "(int(n)) and pass the number."
+                    ) from None
                 return out
             op.recorded_in = mode
             if op.mode is _RNN:
@@ -590,7 +599,7 @@ class _Recorder:
         example pauses until their round has run, then the call runs at once on their rows,
         as eager code runs it (a tensor carrying autograd history back into the round);
         ``_MISS`` where no argument is a lazy value of this round."""
-        for a in _flat_args(args, kwargs):
+        for a in _flat_args((*args, *kwargs.values())):
             if type(a) is Lazy and a.rec is self:
                 name = _fn_name(fn, "torch")
                 a._read(f"{name} (its result's shape, or value, depends on the data)", _same)

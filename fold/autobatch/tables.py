@@ -376,8 +376,8 @@ _PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
 # by their arguments: ``torch.where(cond)`` with the condition alone, ``x[mask]`` with a
 # boolean mask, ``x[:n]`` with a bound not a plain number, ``repeat_interleave`` with a
 # tensor of repeats, ``tensor_split`` at a tensor's positions, ``F.one_hot`` without
-# ``num_classes``.  (A call that a one-number
-# integer argument sizes, ``x.repeat(n)``, is found by its shapes: recorder._infer.)
+# ``num_classes``.  (A call that a one-number integer argument sizes, ``x.repeat(n)``, is
+# found by its shapes: recorder._Recorder._infer.)
 _READS = _functions(
     "nonzero argwhere masked_select unique unique_consecutive bincount equal allclose is_nonzero",
     torch,
