@@ -2525,6 +2525,20 @@ def test_an_exception_propagates_though_others_are_paused_inside_torch(finish):
     assert torch.is_grad_enabled()
 
 
+def test_a_read_inside_the_functions_own_greenlet_names_the_fix():
+    """A read inside a greenlet the function started itself cannot pause the example (only
+    the example's own coroutine can): a FoldError naming that, not the generic fix."""
+    greenlet = pytest.importorskip("greenlet")
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        inner = greenlet.greenlet(lambda: lin(x) * 3 if float(lin(x)[0]) > 0 else lin(x))
+        return inner.switch()
+
+    with pytest.raises(fold.FoldError, match=r"example 0: float\(\).*greenlet.*read outside"):
+        fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
+
+
 def test_a_round_runs_modules_made_of_modules(finish):
     """A module whose forward calls submodules, recorded as one call and run in a round:
     its submodules run, they do not record (the round runs with recording off)."""

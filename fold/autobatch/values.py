@@ -279,11 +279,15 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             value = _value_of(self)
         if value is not None:
             return convert(value)
-        fix = _library_read() or (
-            "branch on what is known while recording (the example's structure, shapes), or "
-            "compute the value outside autobatch and pass it in; for builtin max()/min() and "
-            "comparisons in `if`, use torch.maximum, torch.minimum or torch.where; inside a "
-            "@fold.batchable body, which runs batched, use torch.where."
+        fix = (
+            _library_read()
+            or _own_coroutine(rec.session)
+            or (
+                "branch on what is known while recording (the example's structure, shapes), "
+                "or compute the value outside autobatch and pass it in; for builtin max()/min()"
+                " and comparisons in `if`, use torch.maximum, torch.minimum or torch.where; "
+                "inside a @fold.batchable body, which runs batched, use torch.where."
+            )
         )
         raise FoldError(
             f"autobatch: example {rec.example}: {what} reads the data of a lazy value "
@@ -399,6 +403,23 @@ def _number_of(rec: Any, node: Any) -> Any:
         flat = src if src.ndim == 1 else src.reshape(n)  # one-number rows, (1,) or (1, 1)
         got = rec.numbers[id(src)] = (src, flat.tolist())  # src kept: its id stays its own
     return got[1][row]
+
+
+def _own_coroutine(session: Any) -> str:
+    """Where a read happens inside a greenlet the function started itself, the fix ('' else):
+    autobatch can pause only the example's own coroutine."""
+    running = getattr(session, "running", None)
+    if running is None:
+        return ""
+    import greenlet
+
+    if greenlet.getcurrent() is running:
+        return ""
+    return (
+        "the read runs inside a greenlet (or another coroutine) that the function started "
+        "itself, and autobatch pauses only the example's own coroutine: read outside it, "
+        "and pass the value in."
+    )
 
 
 def _library_read() -> str:
