@@ -451,14 +451,15 @@ def _known_safe(fn: Any) -> Any:
 
 def _plain_size(a: Any) -> Any:
     """An argument of a factory or a size-taking method (see ``_known_safe``): a known
-    value its tensor, a recorded count its Python int (a read), in lists and tuples too."""
+    value its tensor, a recorded count its Python int (a flag its bool: a read), in lists
+    and tuples too."""
     t = type(a)
     if t is Known:
         return a.tensor()
     if t is Lazy:
         m = a.meta
         if m.ndim == 0 and not m.dtype.is_floating_point and not m.dtype.is_complex:
-            return int(a)
+            return bool(a) if m.dtype is torch.bool else int(a)  # (a fill value keeps its dtype)
         return a
     if t in _SEQUENCES and any(type(x) in (Known, Lazy) or type(x) in _SEQUENCES for x in a):
         return t(_plain_size(x) for x in a)
