@@ -2870,7 +2870,7 @@ _SIZED = {
     "eager-new_zeros": lambda y, n: y.detach().new_zeros(n, 2).sum() + y,
     "eager-reshape": lambda y, n: torch.reshape(torch.arange(12.0), (n, -1))[:, 0].sum() * y,
     # A recorded flag as a fill value: read, and its dtype kept (bool, as eager fills).
-    "full-of-flag": lambda y, n: torch.full((2,), n > 2).double().sum() + y,
+    "full-of-flag": lambda y, n: (~torch.full((2,), n > 2)).double().sum() + y,
     "index-by-count": lambda y, n: y[n] * y,  # data, not a size: batched as before
     "roll": lambda y, n: torch.roll(y, n),  # a size that leaves the shape: per example
 }
