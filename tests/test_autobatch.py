@@ -2539,6 +2539,25 @@ def test_a_read_inside_the_functions_own_greenlet_names_the_fix():
         fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
 
 
+@pytest.mark.parametrize("call", ["register_hook", "retain_grad"])
+def test_gradient_hooks_on_a_lazy_value_name_the_fix(call):
+    """``h.register_hook(fn)`` and ``h.retain_grad()`` on a recorded value: a FoldError naming
+    the example and the fix (before, shape inference ran them on zeros without gradients
+    and reported torch's "doesn't require gradient")."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        if call == "register_hook":
+            h.register_hook(lambda g: g * 2)
+        else:
+            h.retain_grad()
+        return torch.tanh(h)
+
+    with pytest.raises(fold.FoldError, match=rf"example 0: \.{call}\(\).*Fix: "):
+        fold.autobatch(fn, [torch.randn(3) for _ in range(3)], per_example=True)
+
+
 def test_a_round_runs_modules_made_of_modules(finish):
     """A module whose forward calls submodules, recorded as one call and run in a round:
     its submodules run, they do not record (the round runs with recording off)."""

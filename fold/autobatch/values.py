@@ -351,6 +351,21 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             "(or their sum)."
         )
 
+    def register_hook(self, hook: Any) -> Any:
+        raise FoldError(
+            f"autobatch: example {self.rec.example}: .register_hook() on a lazy value: its "
+            "gradient flows only once the graph runs, through the rows of every example at "
+            "once. Fix: register it on the results autobatch returns, or wrap the step in a "
+            "torch.autograd.Function (recorded whole: its backward runs as in eager code)."
+        )
+
+    def retain_grad(self) -> None:
+        raise FoldError(
+            f"autobatch: example {self.rec.example}: .retain_grad() on a lazy value: it is a "
+            "row of a batched result, made only once every example is recorded. Fix: return "
+            "it from the function and call .retain_grad() on what autobatch returns."
+        )
+
     def __setitem__(self, key: Any, value: Any) -> None:
         _inplace(self, "__setitem__ (x[...] = v)")
 
