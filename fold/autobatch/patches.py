@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fold.autobatch.common import _C, _LOCAL, _MISS
-from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _meta
+from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _is_count, _meta
 from fold.errors import FoldError
 
 
@@ -46,7 +46,25 @@ class _Patches:
 
 
 _PATCH_LOCK = threading.Lock()
-_INHERITED = object()  # (an attribute a class inherits: see _installed)
+_INHERITED = object()  # (an attribute a class inherits: see _install)
+
+
+def _install(where: Any, name: str, wrapper: Any) -> Any:
+    """Set ``where.name`` to ``wrapper``; what ``where`` held under that name itself
+    (``_INHERITED`` where it inherits it: torch.Tensor's ``new_full`` from its C base)."""
+    found = where.__dict__.get(name, _INHERITED)
+    setattr(where, name, wrapper)
+    return found
+
+
+def _put_back(where: Any, name: str, wrapper: Any, found: Any) -> None:
+    """Undo ``_install`` where ``wrapper`` is still in place (a wrapper another library
+    set over it stays): ``found`` again, or the name deleted, leaving the class as it was."""
+    if where.__dict__.get(name) is wrapper:
+        if found is _INHERITED:
+            delattr(where, name)
+        else:
+            setattr(where, name, found)
 
 
 _PATCHES = _Patches()
@@ -138,10 +156,7 @@ def _installed() -> Any:
             torch.as_tensor = _recording_as_tensor
             # (torch.Tensor inherits new_full and new_tensor from its C base: their wrappers
             # are set on torch.Tensor and deleted again, leaving the class as it was.)
-            p.wrapped = {}
-            for (where, name), wrapper in _WRAPPERS.items():
-                p.wrapped[where, name] = where.__dict__.get(name, _INHERITED)
-                setattr(where, name, wrapper)
+            p.wrapped = {key: _install(*key, wrapper) for key, wrapper in _WRAPPERS.items()}
             p.direct = {}
             for key, wrapper in _DIRECT_WRAPPERS.items():
                 where, name = key
@@ -162,12 +177,8 @@ def _installed() -> Any:
                     torch.tensor = p.tensor
                 if torch.as_tensor is _recording_as_tensor:
                     torch.as_tensor = p.as_tensor
-                for (where, name), found in p.wrapped.items():
-                    if where.__dict__.get(name) is _WRAPPERS[where, name]:
-                        if found is _INHERITED:
-                            delattr(where, name)
-                        else:
-                            setattr(where, name, found)
+                for key, found in p.wrapped.items():
+                    _put_back(*key, _WRAPPERS[key], found)
                 p.wrapped = {}
                 for (where, name), found in p.direct.items():
                     if getattr(where, name) is _DIRECT_WRAPPERS[where, name]:
@@ -190,11 +201,14 @@ def _installed() -> Any:
 # example pauses in Python, not inside torch's C dispatch, where a C++ error raised after
 # the pause (a mask of the wrong shape) took its backtrace across the coroutine's stack and
 # crashed the process.  (torch.where's three-argument form gains the speed.)
-_DIRECT_TORCH = (
-    "cat stack softmax log_softmax tanh sigmoid relu exp "
-    "where nonzero argwhere masked_select bincount repeat_interleave tensor_split equal "
-    "allclose is_nonzero"
-).split()
+# The functions that always read (tables._READS, with torch.unique and unique_consecutive,
+# which torch dispatches from Python already).
+_READ_FUNCTIONS = "nonzero argwhere masked_select bincount equal allclose is_nonzero".split()
+_DIRECT_TORCH = [
+    *"cat stack softmax log_softmax tanh sigmoid relu exp".split(),
+    *"where repeat_interleave tensor_split".split(),  # (reads for some of their arguments)
+    *_READ_FUNCTIONS,
+]
 _DIRECT_FUNCTIONAL = (
     "one_hot",
     "softmax",
@@ -406,16 +420,23 @@ def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> An
     return as_tensor(data, dtype=dtype, device=device)
 
 
-def _unknown(data: Any) -> Any:
+def _unknown(data: Any, counts: bool = False) -> Any:
     """``data`` with every known value in it (in lists and tuples too) its tensor.  A known
     value passes torch's own test for a tensor (``isinstance``, by its ``__class__``) without
     being one: torch's C conversion (``torch.tensor``, ``Tensor.new_tensor``) would read it
-    as a tensor's memory."""
+    as a tensor's memory.  With ``counts``, every recorded count (a one-number integer lazy
+    value) its Python int too, a flag its bool: a read (see ``_known_safe``)."""
     t = type(data)
     if t is Known:
         return data.tensor()
-    if t in _SEQUENCES and any(type(x) is Known or type(x) in _SEQUENCES for x in data):
-        return t(_unknown(x) for x in data)
+    if t is Lazy:
+        if counts and _is_count(data.meta):  # (a fill value keeps its dtype)
+            return bool(data) if data.meta.dtype is torch.bool else int(data)
+        return data
+    if t in _SEQUENCES and any(
+        type(x) is Known or type(x) in _SEQUENCES or (counts and type(x) is Lazy) for x in data
+    ):
+        return t(_unknown(x, counts) for x in data)
     return data
 
 
@@ -431,12 +452,11 @@ def _recording_new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: A
 def _known_safe(fn: Any) -> Any:
     """``fn``, a torch function whose arguments are numbers or sizes (torch's dispatch
     never hands it to a known value's ``__torch_function__``), with every known value among
-    them its tensor, as ``_unknown`` makes it, and every recorded count (a one-number
-    integer lazy value: ``torch.ones(n, 2)``, ``x.expand(n, 3)``) read here, in Python.
-    Torch's argument parser would call the count's ``__index__`` itself: the example would
-    pause inside torch's C code, and torch then refuses a value with ``__torch_function__``
-    among sizes given one by one (a TypeError whose C++ backtrace, taken on the example's
-    coroutine stack, crashed the process)."""
+    them its tensor and every recorded count (``torch.ones(n, 2)``, ``x.expand(n, 3)``) read
+    here, in Python (``_unknown``).  Torch's argument parser would call the count's
+    ``__index__`` itself: the example would pause inside torch's C code, and torch then
+    refuses a value with ``__torch_function__`` among sizes given one by one (a TypeError
+    whose C++ backtrace, taken on the example's coroutine stack, crashed the process)."""
 
     local = _LOCAL
 
@@ -444,26 +464,11 @@ def _known_safe(fn: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         if local.rec is None:  # (a round, or another thread: nothing is recorded)
             return fn(*args, **kwargs)
-        return fn(*map(_plain_size, args), **{k: _plain_size(v) for k, v in kwargs.items()})
+        return fn(
+            *[_unknown(a, True) for a in args], **{k: _unknown(v, True) for k, v in kwargs.items()}
+        )
 
     return call
-
-
-def _plain_size(a: Any) -> Any:
-    """An argument of a factory or a size-taking method (see ``_known_safe``): a known
-    value its tensor, a recorded count its Python int (a flag its bool: a read), in lists
-    and tuples too."""
-    t = type(a)
-    if t is Known:
-        return a.tensor()
-    if t is Lazy:
-        m = a.meta
-        if m.ndim == 0 and not m.dtype.is_floating_point and not m.dtype.is_complex:
-            return bool(a) if m.dtype is torch.bool else int(a)  # (a fill value keeps its dtype)
-        return a
-    if t in _SEQUENCES and any(type(x) in (Known, Lazy) or type(x) in _SEQUENCES for x in a):
-        return t(_plain_size(x) for x in a)
-    return a
 
 
 # Wrappers installed while autobatch runs ((module or class, name) -> wrapper).  Torch
@@ -504,8 +509,7 @@ class _ApplyInstalled:
         p = _PATCHES
         with _PATCH_LOCK:
             if p.apply_users == 0:
-                p.apply = _APPLY_CLASS.__dict__.get("apply", _INHERITED)
-                _APPLY_CLASS.apply = _RECORDING_APPLY
+                p.apply = _install(_APPLY_CLASS, "apply", _RECORDING_APPLY)
             p.apply_users += 1
 
     def __exit__(self, *exc: Any) -> None:
@@ -513,11 +517,7 @@ class _ApplyInstalled:
         with _PATCH_LOCK:
             p.apply_users -= 1
             if p.apply_users == 0:
-                if _APPLY_CLASS.__dict__.get("apply") is _RECORDING_APPLY:
-                    if p.apply is _INHERITED:
-                        del _APPLY_CLASS.apply
-                    else:
-                        _APPLY_CLASS.apply = p.apply
+                _put_back(_APPLY_CLASS, "apply", _RECORDING_APPLY, p.apply)
                 p.apply = None
 
 

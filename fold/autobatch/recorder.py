@@ -53,6 +53,8 @@ from fold.autobatch.values import (
     _eager_value,
     _foreign,
     _inplace_call,
+    _integral,
+    _is_count,
     _Meta,
     _meta,
     _unfilled,
@@ -206,11 +208,6 @@ class _SizedByData(Exception):
 # Op keys whose calls are sized by a one-number argument: read, not recorded (bounded).
 _SIZED_BY_DATA: set[Any] = set()
 _SIZED_BY_DATA_MAX = 4096
-
-
-def _is_count(meta: _Meta) -> bool:
-    """A one-number integer or bool value: a count, an index or a flag."""
-    return meta.ndim == 0 and not meta.dtype.is_floating_point and not meta.dtype.is_complex
 
 
 def _sized_by(out: Any, ones: Any) -> bool:
@@ -512,25 +509,15 @@ class _Recorder:
         ops = _OPS if mode is None else _MODE_OPS.setdefault(mode, {})
         op = ops.get(key)
         if op is None:
+            if key in _SIZED_BY_DATA:
+                return self._sized_read(fn, kind, args, kwargs)
             try:
-                if key in _SIZED_BY_DATA:
-                    raise _SizedByData
                 op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
             except _SizedByData:
-                # A one-number integer argument sizes the result (x.repeat(n), torch.arange
-                # (n), x.topk(k) of a recorded n): a read of it, as x[:n] (see _infer).
                 if len(_SIZED_BY_DATA) >= _SIZED_BY_DATA_MAX:
                     _SIZED_BY_DATA.clear()
                 _SIZED_BY_DATA.add(key)
-                out = self._read_call(fn, args, kwargs)
-                if out is _MISS:  # (not met: the sizing value is one of this round's)
-                    raise FoldError(
-                        f"autobatch: example {self.example}: {_fn_name(fn, kind)} at "
-                        f"{_source_line() or '?'}: a recorded one-number value sizes its "
-                        "result, and it could not be read here. Fix: read it first "
-                        "(int(n)) and pass the number."
-                    ) from None
-                return out
+                return self._sized_read(fn, kind, args, kwargs)
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
@@ -611,6 +598,18 @@ class _Recorder:
         if computed is None:  # (the round ran: every value of this round has its row)
             return _MISS
         return fn(*computed[0], **computed[1])
+
+    def _sized_read(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that a one-number integer argument sizes (x.repeat(n), torch.arange(n),
+        x.topk(k) of a recorded n: see _infer): a read of it, as x[:n] is."""
+        out = self._read_call(fn, args, kwargs)
+        if out is _MISS:  # (not met: the sizing value is one of this round's)
+            raise FoldError(
+                f"autobatch: example {self.example}: {_fn_name(fn, kind)} at "
+                f"{_source_line() or '?'}: a recorded one-number value sizes its result, and "
+                "it could not be read here. Fix: read it first (int(n)) and pass the number."
+            )
+        return out
 
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
         """Record a call that draws random numbers as a node of its own.  The Fold gives a
@@ -957,7 +956,7 @@ class _Recorder:
         an exception where it fails so."""
 
         def make(shape: Any, dtype: torch.dtype, device: Any) -> torch.Tensor:
-            if shape == () and not dtype.is_floating_point and not dtype.is_complex:
+            if shape == () and _integral(dtype):
                 return torch.ones(shape, dtype=dtype, device=device)
             return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP, _is_inplace
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
+from fold.autobatch.patches import _READ_FUNCTIONS
 from fold.autobatch.values import _Meta
 from fold.errors import FoldError
 from fold.executor import ModelBatched
@@ -378,11 +379,7 @@ _PACKED_RNNS = {f: _packed_rnn_group(f) for f in _VALUE_ARGS}
 # tensor of repeats, ``tensor_split`` at a tensor's positions, ``F.one_hot`` without
 # ``num_classes``.  (A call that a one-number integer argument sizes, ``x.repeat(n)``, is
 # found by its shapes: recorder._Recorder._infer.)
-_READS = _functions(
-    "nonzero argwhere masked_select unique unique_consecutive bincount equal allclose is_nonzero",
-    torch,
-    torch.Tensor,
-)
+_READS = _functions(" ".join(["unique unique_consecutive", *_READ_FUNCTIONS]), torch, torch.Tensor)
 _REPEAT_INTERLEAVE = _functions("repeat_interleave", torch, torch.Tensor)
 # (As torch has them at import: while autobatch runs, torch.where and F.one_hot are
 # wrappers, see patches._DIRECT_TORCH, and the recorder is given the functions they wrap.)

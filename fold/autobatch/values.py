@@ -370,6 +370,15 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         _inplace(self, "__setitem__ (x[...] = v)")
 
 
+def _is_count(meta: _Meta) -> bool:
+    """A one-number integer or bool value: a count, an index or a flag."""
+    return meta.ndim == 0 and _integral(meta.dtype)
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex
+
+
 def _value_of(x: Lazy) -> torch.Tensor | None:
     """The value of a lazy value whose round has run (its row of the round's output), else
     None."""
