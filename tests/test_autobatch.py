@@ -2575,6 +2575,14 @@ def test_a_round_runs_modules_made_of_modules(finish):
     assert_same(fn, list(mlp.parameters()), [torch.randn(3) for _ in range(5)])
 
 
+# The settings of the random-program tests (each runs under both `finish` modes).
+_PROGRAMS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
 @st.composite
 def read_programs(draw):
     """Per example: a list of steps, each a layer to apply and whether to read (and branch
@@ -2586,11 +2594,7 @@ def read_programs(draw):
     ]
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@_PROGRAMS
 @given(read_programs())
 def test_random_programs_with_reads_match_eager(finish, programs):
     torch.manual_seed(0)
@@ -2608,11 +2612,7 @@ def test_random_programs_with_reads_match_eager(finish, programs):
     assert_same(fn, list(layers.parameters()), xs, programs)
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@_PROGRAMS
 @given(st.lists(st.lists(st.integers(0, 5), max_size=5), min_size=1, max_size=6))
 def test_random_programs_with_data_shaped_calls_match_eager(finish, programs):
     """Random programs mixing a layer, a decision on a value, a boolean-mask selection, a
@@ -2659,11 +2659,7 @@ def moded_programs(draw):
     return [draw(st.lists(step, max_size=4)) for _ in range(n)]
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@_PROGRAMS
 @given(moded_programs())
 def test_random_programs_with_reads_under_no_grad_and_kept_values_match_eager(finish, programs):
     """Random programs whose reads happen with gradients on or off, and that use rows of a
