@@ -2151,9 +2151,11 @@ def test_known_masks_added_to_recorded_values_match_eager_across_rounds(finish):
     assert one.row() is values.Known((0.0, 0.0), one.meta, False).row()
 
 
-def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
-    """A module whose forward reads a value (or calls an op with no batching rule): its
-    group runs one call per example, with eager's values and gradients, and says so once."""
+def test_a_module_of_ones_own_that_reads_is_run_through(caplog, monkeypatch):
+    """A module of the user's own whose forward reads a value (vmap cannot run it) is not
+    recorded whole: its forward runs as the function's own code, each call inside it
+    recorded, and the read pauses the example for a round, as anywhere else.  Eager's
+    values and gradients, every group batched (nothing runs one call per example)."""
 
     class Gate(nn.Module):
         def __init__(self):
@@ -2166,9 +2168,187 @@ def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
 
     gate = Gate()
     xs = [torch.randn(3) for _ in range(6)]
+    rounds = []
+    run_round = driver._Session.run_round
+    monkeypatch.setattr(
+        driver._Session, "run_round", lambda self: rounds.append(1) or run_round(self)
+    )
     with caplog.at_level("WARNING", logger="fold.autobatch.ops"):
         assert_same(lambda x: gate(x).tanh(), list(gate.parameters()), xs)
+    assert rounds  # the read paused the examples
+    assert not any("one call per example" in r.message for r in caplog.records)
+    assert not [op for op in _OPS.values() if op.fn is gate]  # never recorded whole
+    assert [op for op in _OPS.values() if op.fn is gate.lin]
+
+
+def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
+    """A call of torch's own that vmap cannot run (``torch.gru``, the kernel under
+    nn.GRU, which has no batching rule): its group runs one call per example, with eager's
+    values and gradients, and says so once."""
+    gru = nn.GRU(3, 4)
+    xs = [torch.randn(5, 1, 3) for _ in range(4)]
+
+    def fn(x):
+        h0 = torch.tanh(x[:1].sum(2, keepdim=True)).expand(1, 1, 4).contiguous()
+        out, h = torch.gru(x, h0, gru._flat_weights, True, 1, 0.0, False, False, False)
+        return out.sum(0) + h[0]
+
+    with caplog.at_level("WARNING", logger="fold.autobatch.ops"):
+        assert_same(fn, list(gru.parameters()), xs)
     assert any("one call per example" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM, nn.RNN], ids=["gru", "lstm", "rnn"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time-major", "batch-first"])
+@pytest.mark.parametrize("states", [False, True], ids=["no-states", "states"])
+@pytest.mark.parametrize("n", [1, 2], ids=["batch-of-1", "batch-of-2"])
+def test_recurrent_modules_on_a_batch_of_their_own_run_as_one_call(cls, batch_first, states, n):
+    """A recurrent module given a batch of the example's own (``x.view(1, 1, -1)`` and
+    states ``(layers, 1, H)``, per-example code written after a batched model): a group of
+    such calls runs as ONE call, the examples' batches merged into the module's batch dim
+    (vmap has no batching rule for it).  Eager's values and gradients."""
+    torch.manual_seed(0)
+    rnn = cls(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first)
+    lin = nn.Linear(3, 4)
+    xs = [torch.randn(5, n, 3) for _ in range(4)]  # each (L, N, D), time-major
+
+    def fn(x):
+        x = x.transpose(0, 1) if batch_first else x
+        if not states:
+            out, h = rnn(torch.tanh(x))
+        else:
+            h0 = torch.tanh(lin(x.sum(1 if batch_first else 0))).expand(4, n, 4).contiguous()
+            out, h = rnn(torch.tanh(x), (h0, h0 * 2) if cls is nn.LSTM else h0)
+        hs = torch.cat(h) if isinstance(h, tuple) else h
+        return out.sum(1 if batch_first else 0), hs.sum(0)
+
+    assert_same(fn, [*rnn.parameters(), *lin.parameters()], xs)
+    (op,) = [op for op in _OPS.values() if op.fn is rnn]
+    assert op.mode is common._DIRECT and not op.looped
+
+
+@pytest.mark.parametrize("cls", [nn.GRUCell, nn.LSTMCell, nn.RNNCell], ids=["gru", "lstm", "rnn"])
+@pytest.mark.parametrize("n", [1, 3], ids=["batch-of-1", "batch-of-3"])
+def test_cells_on_a_batch_of_their_own_run_as_one_call(cls, n):
+    """A recurrent cell given ``(N, D)`` inputs and states per example: one call for the
+    group, the batches merged.  Eager's values and gradients over three steps."""
+    torch.manual_seed(0)
+    cell = cls(3, 4)
+    xs = [torch.randn(3, n, 3) for _ in range(4)]
+
+    def fn(x):
+        h = torch.zeros(n, 4) + x[0, :, :1]
+        state = (h, h * 0.5) if cls is nn.LSTMCell else h
+        for t in range(3):
+            state = cell(x[t], state)
+        return state[0] + state[1] if cls is nn.LSTMCell else state
+
+    assert_same(fn, list(cell.parameters()), xs)
+    (op,) = {op for op in _OPS.values() if op.fn is cell and op.args[0].meta.ndim == 2}
+    assert op.mode is common._DIRECT and not op.looped
+
+
+def test_bmm_of_two_per_example_stacks_runs_directly():
+    """``torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))``, attention written for a batch of
+    one: one batched call for the group.  Eager's values and gradients."""
+    q = nn.Linear(3, 3)
+    xs = [torch.randn(5, 3) for _ in range(4)]
+
+    def fn(mem):
+        w = torch.softmax(mem @ q(mem[0]), 0)
+        return torch.bmm(w.view(1, 1, -1), mem.unsqueeze(0)).view(-1)
+
+    assert_same(fn, list(q.parameters()), xs)
+    ops = [op for op in _OPS.values() if op.fn is torch.bmm]
+    assert ops and all(op.mode is common._DIRECT for op in ops)
+
+
+def test_dropout_in_eval_mode_is_pure_and_draws_again_in_training(monkeypatch):
+    """A module holding a Dropout, in eval mode, draws nothing: its calls are pure (a call
+    on a value every example shares is one node, not one variant per example).  Switched
+    to training, the same recorded call draws apart per call again."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(3, 4)
+    drop = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    fresh = []
+    record_fresh = recorder._Recorder._record_fresh
+    monkeypatch.setattr(
+        recorder._Recorder,
+        "_record_fresh",
+        lambda self, op, fargs: fresh.append(op) or record_fresh(self, op, fargs),
+    )
+
+    def fn(x):
+        e = emb(torch.tensor(1))  # one row, one node, for every example
+        return drop(e) + x, drop(e * x)
+
+    xs = torch.randn(5, 4)
+    params = [*emb.parameters(), *drop.parameters()]
+    assert_same(fn, params, xs)
+    assert not fresh
+    ops = {op for op in _OPS.values() if op.fn is drop}
+    assert ops and all(not op.random and op.random_modules == (drop[1],) for op in ops)
+    drop.train()
+    a, b = fold.autobatch(lambda x: (drop(x), drop(x)), [torch.ones(4)] * 3)
+    assert fresh
+    assert not torch.equal(a, b)  # two calls on one value: two draws
+    assert not torch.equal(a[0], a[1])  # and one per example
+
+
+def test_a_seq2seq_of_the_tutorials_style_decodes_batched(caplog):
+    """The decoder of PyTorch's seq2seq tutorial, as written there for ONE sentence: a
+    module of the user's own holding a GRU on a batch of one (``view(1, 1, -1)``), a
+    Dropout (eval mode), attention by ``bmm`` and ``topk``, and a decode loop that reads
+    ``topi.item()`` until EOS.  The module is run through (vmap cannot run its GRU), its
+    GRU runs one call per group: the same tokens and values as eager decoding, and no
+    group runs one call per example."""
+    torch.manual_seed(0)
+    hidden, vocab, maxlen, eos = 6, 5, 7, 1
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, hidden)
+            self.attn = nn.Linear(2 * hidden, maxlen)
+            self.combine = nn.Linear(2 * hidden, hidden)
+            self.dropout = nn.Dropout(0.1)
+            self.gru = nn.GRU(hidden, hidden)
+            self.out = nn.Linear(hidden, vocab)
+
+        def forward(self, tok, h, mem):
+            e = self.dropout(self.embedding(tok).view(1, 1, -1))
+            w = F.softmax(self.attn(torch.cat((e[0], h[0]), 1)), dim=1)
+            applied = torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))
+            o = F.relu(self.combine(torch.cat((e[0], applied[0]), 1)).unsqueeze(0))
+            o, h = self.gru(o, h)
+            return F.log_softmax(self.out(o[0]), dim=1), h
+
+    dec = Decoder().eval()
+
+    def decode(mem):
+        h = mem.mean(0).view(1, 1, -1)
+        tok, logps, toks = torch.tensor([[0]]), [], []
+        for _ in range(maxlen):
+            logp, h = dec(tok, h, mem)
+            topv, topi = logp.topk(1)
+            logps.append(topv.view(1))
+            toks.append(topi.item())
+            if toks[-1] == eos:
+                break
+            tok = topi.squeeze().detach()
+        return torch.cat(logps), torch.tensor(toks)
+
+    mems = [torch.randn(maxlen, hidden) for _ in range(8)]
+    with caplog.at_level("WARNING", logger="fold.autobatch.ops"):
+        got = fold.autobatch(decode, mems, stack=False)
+    want = [decode(m) for m in mems]
+    assert [g[1].tolist() for g in got] == [w[1].tolist() for w in want]
+    assert len({len(w[1]) for w in want}) > 1  # examples stop at different steps
+    assert_same_lists([g[:1] for g in got], [w[:1] for w in want], list(dec.parameters()))
+    assert not any("one call per example" in r.message for r in caplog.records)
+    assert not [op for op in _OPS.values() if op.fn is dec]  # run through
+    (gru,) = {op for op in _OPS.values() if op.fn is dec.gru}
+    assert gru.mode is common._DIRECT
 
 
 @pytest.mark.parametrize("rnn_cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])

@@ -32,6 +32,7 @@ from fold.autobatch.common import (
 from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import (
+    _INLINE,
     _KW_PARTS,
     _MODE_OPS,
     _OPS,
@@ -65,6 +66,7 @@ def clear_cache() -> None:
     _SEQUENCE_OPS.clear()
     _PADDED_OPS.clear()
     _SIZED_BY_DATA.clear()
+    _INLINE.clear()
     _METAS.clear()
     _ROWS.clear()
     _KW_PARTS.clear()

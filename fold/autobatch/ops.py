@@ -147,6 +147,9 @@ class _Op:
         # Whether a call draws random numbers (set by shape inference): each call is then a
         # node of its own (see recorder._record_fresh and variant).
         self.random = False
+        # The modules inside a module call that draw in training mode, where none was
+        # training when it was first recorded: the call is random while one of them is.
+        self.random_modules: tuple[nn.Module, ...] = ()
         self._variant: _Op | None = None
 
     def variant(self) -> _Op:

@@ -42,6 +42,7 @@ from fold.autobatch.tables import (
     _REWRITES,
     _VALUE_ARGS,
     _direct_template,
+    _merged_batch_call,
     _module_mode,
     _padded_module,
     _reads,
@@ -208,6 +209,27 @@ class _SizedByData(Exception):
 # Op keys whose calls are sized by a one-number argument: read, not recorded (bounded).
 _SIZED_BY_DATA: set[Any] = set()
 _SIZED_BY_DATA_MAX = 4096
+
+
+class _Inline(Exception):
+    """Raised by ``_new_op`` for a call of a module of the user's own that
+    torch.func.vmap cannot run (a recurrent module inside it, on a batch of its own; a read
+    of a value in its forward): its calls are not recorded whole, but run through, each
+    call inside its forward recorded as the function's own calls are."""
+
+
+# The keys of such module calls (bounded; emptied by clear_cache), run through at once.
+_INLINE: set[Any] = set()
+
+
+def _inlinable(module: Any) -> bool:
+    """Whether a call of ``module`` may be run through instead of recorded whole: a module
+    of a class not of torch's own (whose forward is torch's kernels, recorded as one call or
+    not at all), or a Sequential."""
+    t = type(module)
+    return isinstance(module, nn.Module) and (
+        t is nn.Sequential or not t.__module__.startswith("torch.")
+    )
 
 
 def _sized_by(out: Any, ones: Any) -> bool:
@@ -511,6 +533,8 @@ class _Recorder:
         if op is None:
             if key in _SIZED_BY_DATA:
                 return self._sized_read(fn, kind, args, kwargs)
+            if key in _INLINE:
+                return _call_module(fn, *args, **kwargs)
             try:
                 op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
             except _SizedByData:
@@ -518,12 +542,20 @@ class _Recorder:
                     _SIZED_BY_DATA.clear()
                 _SIZED_BY_DATA.add(key)
                 return self._sized_read(fn, kind, args, kwargs)
+            except _Inline:
+                if len(_INLINE) >= _SIZED_BY_DATA_MAX:
+                    _INLINE.clear()
+                _INLINE.add(key)
+                return _call_module(fn, *args, **kwargs)
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
             elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
         if op.random:  # (no fast table entry: every call comes here)
+            return self._record_fresh(op, fargs)
+        watched = op.random_modules
+        if watched and any(m.training for m in watched):  # (eval mode: no draw, pure)
             return self._record_fresh(op, fargs)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
@@ -538,6 +570,8 @@ class _Recorder:
         else:
             out = op.wrap(r(*fargs), self)
         k = len(args)
+        if watched:  # (no fast table entry: its modules' mode is looked at every call)
+            return out
         if mode is not None:
             if fast_key is not None and mode == _NO_GRAD:  # (C only, see fast above)
                 self._fast_nograd[fast_key] = _entry(op, self._typed(op, r, fargs))
@@ -810,9 +844,15 @@ class _Recorder:
                 if type(args[0]) is _Slot and all(type(h) is _Slot for h in states):
                     op.mode, op.call = _DIRECT, _PACKED_RNNS[fn]
         elif kind == "module":
-            op.mode = _module_mode(fn, args, kwargs)
+            merged = _merged_batch_call(fn, args, kwargs)
+            if merged is not None:
+                op.mode, op.call = _DIRECT, merged
+            else:
+                op.mode = _module_mode(fn, args, kwargs)
             if op.mode is _MODELS and not self._merges_models(op):
                 op.mode = _VMAP
+            if op.mode is _VMAP and _inlinable(fn) and not self._vmaps(op):
+                raise _Inline
         elif kind == _BATCHED:
             op.mode = _BATCHED
         return op
@@ -876,7 +916,12 @@ class _Recorder:
                     out = self._run_zeros(op, slots)
             # A call that draws random numbers (dropout, rand_like): on zeros it moved the
             # generator, on fake tensors it ran an op tagged as seeded (_run_fake).
-            op.random = self._drew or not _rng_same(rng, _rng_states()) or _draws(op)
+            op.random = self._drew or not _rng_same(rng, _rng_states())
+            watched = _random_modules(op)
+            if any(m.training for m in watched):
+                op.random = True  # (what drew cannot be told apart: it stays random)
+            else:  # in eval mode they draw nothing: random only while one is training
+                op.random_modules = watched
             if counts and _sized_by(out, self._run_ones(op, slots)):
                 raise _SizedByData
         except _SizedByData:
@@ -950,6 +995,28 @@ class _Recorder:
                 return op.per_example(*values)
             finally:
                 self._drew = mode.drew
+
+    def _vmaps(self, op: _Op) -> bool:
+        """Whether ``op``, a module call, runs under torch.func.vmap: tried once, on fake
+        tensors (a batch of two; the module's buffers untouched, the random stream
+        restored).  A call given lists is not tried (True)."""
+        slots = _slots((op.args, op.kwargs))
+        if any(s.ragged for s in slots):
+            return True
+        self.paused = True
+        rng = _rng_states()
+        try:
+            with _seeded_fake_mode()(allow_non_fake_inputs=True):
+                values = self._inputs(
+                    op, slots, lambda sh, dt, dev: torch.empty((2, *sh), dtype=dt, device=dev)
+                )
+                torch.func.vmap(op.per_example, randomness="different")(*values)
+            return True
+        except Exception:
+            return False
+        finally:
+            self.paused = False
+            _rng_restore(rng)
 
     def _run_ones(self, op: _Op, slots: list[_Slot]) -> Any:
         """The op on zeros, but its one-number integer arguments ones (True for a bool);
@@ -1055,20 +1122,26 @@ _RANDOM_MODULES = (
 )
 
 
-def _draws(op: _Op) -> bool:
-    """Whether ``op`` is a module call that may draw random numbers (see above), or one of
-    a recurrent module with dropout between its layers."""
-    return op.kind == "module" and isinstance(op.fn, nn.Module) and _holds_random(op.fn, 0)
+def _random_modules(op: _Op) -> tuple[nn.Module, ...]:
+    """The modules inside ``op``, a module call, that draw random numbers in training mode
+    (see above; a recurrent module with dropout between its layers too): ``op`` draws
+    while one of them is training."""
+    out: list[nn.Module] = []
+    if op.kind == "module" and isinstance(op.fn, nn.Module):
+        _find_random(op.fn, 0, out)
+    return tuple(out)
 
 
-def _holds_random(m: nn.Module, depth: int) -> bool:
+def _find_random(m: nn.Module, depth: int, out: list[nn.Module]) -> None:
     # (Walked by hand: nn.Module.modules() hashes every module, and a module's own __hash__
     # may do anything, see _identity_keyed.)
     if isinstance(m, _RANDOM_MODULES) or (isinstance(m, nn.RNNBase) and m.dropout > 0):
-        return True
-    return depth < 32 and any(
-        c is not None and _holds_random(c, depth + 1) for c in m._modules.values()
-    )
+        if not any(x is m for x in out):
+            out.append(m)
+    if depth < 32:
+        for c in m._modules.values():
+            if c is not None:
+                _find_random(c, depth + 1, out)
 
 
 _SEEDED_FAKE: list[Any] = []

@@ -4,6 +4,7 @@ calls change a tensor in place."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch.nn import functional as F
 
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP, _is_inplace
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
-from fold.autobatch.patches import _READ_FUNCTIONS
+from fold.autobatch.patches import _READ_FUNCTIONS, _call_module
 from fold.autobatch.values import _Meta
 from fold.errors import FoldError
 from fold.executor import ModelBatched
@@ -255,6 +256,68 @@ def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> 
     return _VMAP
 
 
+def _merged_batch_call(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """For a recurrent module or cell called on a batch of the example's own (a tensor with a
+    batch dim, as per-example code written after a batched model keeps: a GRU's input
+    ``x.view(1, 1, -1)`` and states ``(layers, 1, H)``, a cell's ``(1, D)``): the function
+    that runs a group of such calls as ONE call, the examples' batches merged into one
+    (``_merged_rnn``); None where the call is not such (torch.func.vmap has no batching rule
+    for the recurrent modules: each call would run on its own)."""
+    if kwargs or not 1 <= len(args) <= 2:
+        return None
+    if isinstance(module, nn.RNNBase):
+        dims = 3
+    elif isinstance(module, _CELLS):
+        dims = 2
+    else:
+        return None
+    x = args[0]
+    if type(x) is not _Slot or x.ragged or x.meta.ndim != dims:
+        return None
+    hx = args[1] if len(args) > 1 else None
+    states = () if hx is None else hx if type(hx) in (tuple, list) else (hx,)
+    if not all(type(h) is _Slot and not h.ragged and h.meta.ndim == dims for h in states):
+        return None
+    return functools.partial(_merged_rnn, module, dims == 3)
+
+
+def _merged_rnn(module: nn.Module, sequences: bool, x: torch.Tensor, hx: Any = None) -> Any:
+    """A group of calls of a recurrent module (``sequences``) or cell, each on a batch of
+    its example's own, as ONE call: the group's stacked values (n, *one example's) reshaped
+    so that the examples' batches follow one another in the module's batch dim (time-major
+    ``(L, N, D)`` per example: ``(L, n * N, D)``; batch first and cells: ``(n * N, ...)``),
+    states ``(layers, N, H)`` alike; the outputs reshaped back, n first.  Each row of the
+    merged batch is computed from its own row alone, so every example's values are its
+    eager call's."""
+    n = x.shape[0]
+    time_major = sequences and not module.batch_first
+
+    def merge(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
+        # (n, ..., N at batch_dim + 1, ...) -> (..., n * N, ...)
+        t = t.movedim(0, batch_dim)
+        return t.reshape(*t.shape[:batch_dim], -1, *t.shape[batch_dim + 2 :])
+
+    def split(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
+        t = t.reshape(*t.shape[:batch_dim], n, -1, *t.shape[batch_dim + 1 :])
+        return t.movedim(batch_dim, 0)
+
+    state_dim = 1 if sequences else 0
+    if hx is not None:
+        hx = (
+            tuple(merge(h, state_dim) for h in hx)
+            if type(hx) in (tuple, list)
+            else merge(hx, state_dim)
+        )
+    out = _call_module(module, merge(x, 1 if time_major else 0), hx)
+    if not sequences:  # a cell: its new state (or an LSTMCell's (h, c))
+        if type(out) is tuple:
+            return tuple(split(t, 0) for t in out)
+        return split(out, 0)
+    out, h = out
+    h = tuple(split(t, 1) for t in h) if type(h) is tuple else split(h, 1)
+    return split(out, 1 if time_major else 0), h
+
+
 def _unbatched_sequence(args: list[Any]) -> bool:
     """``rnn(x)``, ``rnn(x, h)`` or ``lstm(x, (h, c))`` on one unbatched sequence x (L, D)
     with states (layers, H): what a group of such calls stacks runs as one batched call."""
@@ -476,6 +539,12 @@ def _two_batched_operands(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return bool(da and db) and (da == 1 or db == 1 or da == db)
 
 
+def _two_batched_stacks(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """bmm of two per-example operands, each a stack of matrices (n, b, m) and (n, b, p)
+    once stacked: matmul runs them as bmm would, past the batch dim."""
+    return _two_batched_operands(args, kwargs) and args[0].meta.ndim == 3
+
+
 def _arg_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """``argmax``/``argmin`` of one per-example value, over all of it or along an int dim
     (keepdim only with a dim, as torch means it)."""
@@ -538,6 +607,9 @@ _GROUP_CALLS: dict[Any, Any] = {
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
+    # bmm of two per-example stacks of matrices (attention written for a batch of one,
+    # ``torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))``): matmul's batched call is bmm's.
+    **{f: (_two_batched_stacks, _matmul_group) for f in _functions("bmm", torch, torch.Tensor)},
 }
 
 
