@@ -218,8 +218,9 @@ class _Inline(Exception):
     call inside its forward recorded as the function's own calls are."""
 
 
-# The keys of such module calls (bounded; emptied by clear_cache), run through at once.
-_INLINE: set[Any] = set()
+# Such modules, by identity (id -> the module; emptied by clear_cache): every call of one
+# is run through at once, before its arguments are keyed.
+_INLINE: dict[int, Any] = {}
 
 
 def _inlinable(module: Any) -> bool:
@@ -453,6 +454,8 @@ class _Recorder:
             raise
 
     def _record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kind == "module" and _INLINE and _INLINE.get(id(fn)) is fn:
+            return _call_module(fn, *args, **kwargs)
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
@@ -533,8 +536,6 @@ class _Recorder:
         if op is None:
             if key in _SIZED_BY_DATA:
                 return self._sized_read(fn, kind, args, kwargs)
-            if key in _INLINE:
-                return _call_module(fn, *args, **kwargs)
             try:
                 op = ops[key] = self._new_op(key, len(args), fn, kind, shared)
             except _SizedByData:
@@ -543,9 +544,7 @@ class _Recorder:
                 _SIZED_BY_DATA.add(key)
                 return self._sized_read(fn, kind, args, kwargs)
             except _Inline:
-                if len(_INLINE) >= _SIZED_BY_DATA_MAX:
-                    _INLINE.clear()
-                _INLINE.add(key)
+                _INLINE[id(fn)] = fn
                 return _call_module(fn, *args, **kwargs)
             op.recorded_in = mode
             if op.mode is _RNN:
