@@ -4293,3 +4293,23 @@ def test_rows_of_a_rounds_output_come_from_one_split_from_the_second_row_on():
     assert len(splits) == 1 and "Split" in next(iter(splits)).name()
     want = [lstm(emb(w))[0] for w in sentences]
     assert_same_lists([(g,) for g in got], [(w,) for w in want], list(lstm.parameters()))
+
+
+@pytest.mark.parametrize("mask", ["known", "computed", "shared"])
+def test_masked_fill_runs_directly(mask):
+    """``scores.masked_fill(~torch.tensor(ok), -inf)`` (a parser's legal actions), a mask
+    computed from the example, or one eager mask for all: one direct call for the group.
+    Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(3) for _ in range(5)]
+    oks = [[True, i % 2 == 0, i % 3 != 0] for i in range(5)]
+    shared = torch.tensor([False, True, False])
+
+    def fn(x, ok):
+        s = lin(x)
+        m = ~torch.tensor(ok) if mask == "known" else x > 0 if mask == "computed" else shared
+        return torch.softmax(s.masked_fill(m, -1e4), 0)
+
+    assert_same(fn, list(lin.parameters()), xs, oks)
+    ops = [op for op in _OPS.values() if op.fn is torch.Tensor.masked_fill]
+    assert ops and all(op.mode is common._DIRECT for op in ops)

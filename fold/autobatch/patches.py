@@ -459,16 +459,30 @@ def _known_safe(fn: Any) -> Any:
     whose C++ backtrace, taken on the example's coroutine stack, crashed the process)."""
 
     local = _LOCAL
+    plain = _PLAIN_ARGS
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if local.rec is None:  # (a round, or another thread: nothing is recorded)
             return fn(*args, **kwargs)
+        for a in args:  # (sizes and numbers, the usual call: nothing to convert)
+            t = type(a)
+            if t not in plain and not (t is tuple and all(type(x) is int for x in a)):
+                break
+        else:
+            if not kwargs or all(type(v) in plain for v in kwargs.values()):
+                return fn(*args, **kwargs)
         return fn(
             *[_unknown(a, True) for a in args], **{k: _unknown(v, True) for k, v in kwargs.items()}
         )
 
     return call
+
+
+# Arguments of a factory that hold no known value and no recorded count (see _known_safe).
+_PLAIN_ARGS = frozenset(
+    (int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device, torch.Tensor)
+)
 
 
 # Wrappers installed while autobatch runs ((module or class, name) -> wrapper).  Torch

@@ -36,7 +36,7 @@ _ELEMENTWISE = _functions(
     "long int bool to clone detach contiguous type_as nan_to_num atan2 fmod remainder "
     "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ "
     "__rpow__ __neg__ __abs__ __eq__ __ne__ __gt__ __ge__ __lt__ __le__ __and__ __or__ "
-    "__xor__ __invert__ __floordiv__ __mod__",
+    "__xor__ __invert__ __floordiv__ __mod__ masked_fill",
     torch,
     torch.Tensor,
 ) | _functions(
