@@ -1108,8 +1108,9 @@ def _stateless_module(m: nn.Module) -> bool:
     return t in _STATELESS_MODULES
 
 
-# Modules that draw random numbers in training mode: a module holding one is taken to draw
-# (an op first recorded in eval mode may run in training mode later).
+# Modules that draw random numbers in training mode: a module call holding one draws while
+# one of them is training (looked at on every call: an op first recorded in eval mode may
+# run in training mode later; see _random_modules).
 _RANDOM_MODULES = (
     nn.Dropout,
     nn.Dropout1d,
