@@ -11,10 +11,10 @@ Network and Attention"): an ``EncoderRNN`` that runs its ``nn.GRU`` on one token
 of one, and ``log_softmax``; decoding reads ``topi.item()`` until EOS or ``MAX_LENGTH``
 steps.  Untrained (as initialised, seed 0), most decodes run to the limit.
 
-One change to the tutorial's code: it writes each encoder output into a preallocated
-buffer (``encoder_outputs[ei] = encoder_output[0, 0]``), an in-place write of a recorded
-value into an eager tensor, which autobatch refuses (a FoldError naming the fix); here the
-outputs are collected in a list and stacked, zero rows after them as in the buffer.
+``translate`` is the tutorial's ``evaluate`` as written: it writes each encoder output into
+a preallocated buffer (``encoder_outputs[ei] = encoder_output[0, 0]``), which autobatch
+records out of place (see fold/autobatch/buffers.py).  ``--stacked`` collects the outputs
+in a list and stacks them instead (zero rows after them, as in the buffer).
 
 - autobatch: ``fold.autobatch(translate, sources, stack=False)``: the two modules are run
   through (vmap cannot run their GRU), each GRU call of a step's group runs as one call;
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,12 +90,24 @@ class Tutorial(nn.Module):
     def translate(self, src: torch.Tensor) -> torch.Tensor:
         """ONE source (L,) -> its decoded tokens (the tutorial's ``evaluate``)."""
         hidden = torch.zeros(1, 1, self.encoder.hidden_size)
+        encoder_outputs = torch.zeros(MAX_LENGTH, self.encoder.hidden_size)
+        for ei in range(src.size(0)):
+            encoder_output, hidden = self.encoder(src[ei], hidden)
+            encoder_outputs[ei] = encoder_output[0, 0]
+        return self.decode(hidden, encoder_outputs)
+
+    def translate_stacked(self, src: torch.Tensor) -> torch.Tensor:
+        """``translate`` with the encoder's outputs stacked from a list, not written into a
+        buffer."""
+        hidden = torch.zeros(1, 1, self.encoder.hidden_size)
         outputs = []
         for ei in range(src.size(0)):
             encoder_output, hidden = self.encoder(src[ei], hidden)
             outputs.append(encoder_output[0, 0])
         pad = [torch.zeros(self.encoder.hidden_size)] * (MAX_LENGTH - len(outputs))
-        encoder_outputs = torch.stack(outputs + pad)
+        return self.decode(hidden, torch.stack(outputs + pad))
+
+    def decode(self, hidden: torch.Tensor, encoder_outputs: torch.Tensor) -> torch.Tensor:
         decoder_input = torch.tensor([[SOS]])
         decoded = []
         for _ in range(MAX_LENGTH):
@@ -148,15 +161,22 @@ def main() -> None:
     ap.add_argument("--sources", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument(
+        "--stacked", action="store_true", help="the encoder's outputs stacked from a list"
+    )
     args = ap.parse_args()
     setup(args)
     srcs = sources(args.sources)
+
+    def translate(model: Tutorial) -> Any:
+        return model.translate_stacked if args.stacked else model.translate
+
     torch.set_default_dtype(torch.float64)  # the same decisions from all three
     torch.manual_seed(0)
     model = Tutorial(args.hidden).eval()
     with torch.no_grad():
-        eager = [model.translate(s).tolist() for s in srcs]
-        auto = [t.tolist() for t in fold.autobatch(model.translate, srcs, stack=False)]
+        eager = [translate(model)(s).tolist() for s in srcs]
+        auto = [t.tolist() for t in fold.autobatch(translate(model), srcs, stack=False)]
         hand = [t.tolist() for t in model.hand(srcs)]
     assert eager == auto == hand
     lengths = sorted(len(e) for e in eager)
@@ -173,8 +193,8 @@ def main() -> None:
 
     times = interleaved(
         {
-            "autobatch": run(lambda: fold.autobatch(model.translate, srcs, stack=False)),
-            "eager per sentence": run(lambda: [model.translate(s) for s in srcs]),
+            "autobatch": run(lambda: fold.autobatch(translate(model), srcs, stack=False)),
+            "eager per sentence": run(lambda: [translate(model)(s) for s in srcs]),
             "hand, masked batch": run(lambda: model.hand(srcs)),
         },
         args.reps,
@@ -193,7 +213,7 @@ def main() -> None:
     ]
     print(
         f"the tutorial's seq2seq, {args.sources} sources, hidden {args.hidden}, "
-        f"{args.threads} thread(s); decoded lengths {lengths[0]}-{lengths[-1]}, "
+        f"{args.threads} thread(s), {'stacked' if args.stacked else 'buffer'}; decoded lengths {lengths[0]}-{lengths[-1]}, "
         f"median {lengths[len(lengths) // 2]}"
     )
     print(table(rows, ["method", "median_ms", "vs_eager", "vs_hand", "reps"]))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-from fold.autobatch import Lazy, common, driver, recorder, traced, values
+from fold.autobatch import Lazy, buffers, common, driver, recorder, traced, values
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.ops import PaddedRows
@@ -1119,11 +1119,109 @@ def _out(buf, y):
     torch.add(y, 1, out=buf)
 
 
-@pytest.mark.parametrize("write", [_add_, _copy_, _iadd, _setitem, _out], ids=lambda f: f.__name__)
+def _fill_zero(buf, y):
+    buf.zero_()
+    buf.fill_(y[1])
+
+
+def _twice(buf, y):
+    buf[1:] = y[:2] * 3
+    buf.mul_(2)
+    buf -= y
+
+
+@pytest.mark.parametrize(
+    "write", [_add_, _copy_, _iadd, _setitem, _fill_zero, _twice], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize("rows", ["list", "tensor"])
-def test_in_place_write_of_a_recorded_value_into_an_eager_tensor_is_a_fold_error(write, rows):
-    """buf = torch.zeros(3); buf.add_(y); return buf gave zeros: Python cannot rebind buf,
-    so the call itself is refused, naming the op and the out-of-place fix."""
+def test_in_place_writes_into_a_buffer_the_example_made_equal_eager(write, rows):
+    """buf = torch.zeros(3); buf.add_(y): a tensor the example made itself, written with a
+    recorded value in place, holds the written value from then on (recorded out of place),
+    for every alias of it; returned, it is that value.  Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        buf = torch.zeros(3)
+        alias = buf
+        write(buf, lin(x))
+        return buf * 2, alias.sum()
+
+    xs = torch.randn(4, 3)
+    assert_same(fn, list(lin.parameters()), list(xs) if rows == "list" else xs)
+
+
+def test_a_buffer_filled_step_by_step_across_reads_equals_eager():
+    """The encoder of PyTorch's translation tutorial fills a buffer row by row
+    (``encoder_outputs[ei] = out[0, 0]``), here with a read per step that stops each example
+    at its own length: the buffer holds its writes across rounds, and what reads it after
+    (attention over it) has eager's values and gradients.  The tensors get their class back
+    when the call ends."""
+    torch.manual_seed(0)
+    cell = nn.GRUCell(3, 4)
+    q = nn.Linear(4, 4)
+    kept = []
+
+    def fn(x):
+        buf = torch.zeros(6, 4)
+        kept.append(buf)
+        h = torch.zeros(4)
+        for t in range(len(x)):
+            h = cell(x[t], h)
+            buf[t] = h
+            if float(h.detach().sum()) > 1.5:  # a read: the example may stop here
+                break
+        w = torch.softmax(buf @ q(h), 0)
+        return (w @ buf,)
+
+    xs = [torch.randn(n, 3) for n in (2, 6, 4, 5, 3)]
+    got = fold.autobatch(fn, xs, stack=False)
+    assert all(type(b) is torch.Tensor for b in kept)
+    kept.clear()
+    want = [fn(x) for x in xs]
+    assert_same_lists(got, want, [*cell.parameters(), *q.parameters()])
+    puts = [op for op in _OPS.values() if op.fn is buffers._put and op.args[0].meta.shape == (6, 4)]
+    assert puts and all(op.mode is common._DIRECT for op in puts)  # one call a group
+
+
+def _shared_buffer(buf, y):  # a tensor made before the call, shared by every example
+    _SHARED.add_(y)
+
+
+_SHARED = torch.zeros(3)
+
+
+def _view_first(buf, y):  # a view of the buffer taken before the write would go stale
+    row = buf[:2]
+    buf[0] = y[0]
+    return row
+
+
+def _unknown_form(buf, y):
+    buf[0] = y[0]
+    buf.normal_()
+
+
+def _shape_change(buf, y):
+    buf[0] = y[0]
+    buf.unsqueeze_(0)
+
+
+@pytest.mark.parametrize(
+    "write, match",
+    [
+        (_out, r"out=.*in place.*Fix: .*buf = buf \+ y"),
+        (_shared_buffer, r"in place.*Fix: .*buf = buf \+ y"),
+        (_view_first, r"in place.*Fix: .*buf = buf \+ y"),
+        (_unknown_form, r"normal_ on a buffer written with recorded values.*Fix: "),
+        (_shape_change, r"unsqueeze_ on a buffer of shape \(3,\) would give shape"),
+    ],
+    ids=["out", "shared", "view", "no-out-of-place-form", "shape"],
+)
+def test_in_place_writes_autobatch_cannot_take_are_fold_errors(write, match):
+    """A recorded value written into a tensor the example did not make (one shared by every
+    example), one with a view taken before, or through ``out=``: the tensor would keep its
+    old values, so the call is refused, naming the op and the out-of-place fix; so is an
+    in-place op on a written buffer with no out-of-place form, or one changing its shape."""
     lin = nn.Linear(3, 3)
 
     def fn(x):
@@ -1131,10 +1229,27 @@ def test_in_place_write_of_a_recorded_value_into_an_eager_tensor_is_a_fold_error
         write(buf, lin(x))
         return buf
 
-    xs = torch.randn(4, 3)
-    with pytest.raises(fold.FoldError, match=r"in place.*Fix: .*buf = buf \+ y") as e:
-        fold.autobatch(fn, list(xs) if rows == "list" else xs)
+    with pytest.raises(fold.FoldError, match=match) as e:
+        fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
     assert "example 0" in str(e.value)
+    assert not _SHARED.any()
+
+
+def test_a_buffer_one_example_made_is_refused_in_another():
+    """A written buffer kept where another example finds it (a list outside the function):
+    the examples run interleaved, so the other would read its writes so far; refused."""
+    lin = nn.Linear(3, 3)
+    kept = []
+
+    def fn(x):
+        if not kept:
+            kept.append(torch.zeros(3))
+            kept[0][0] = lin(x)[0]
+        return kept[0] + x
+
+    with pytest.raises(fold.FoldError, match="example 1: uses a buffer that example 0 made"):
+        fold.autobatch(fn, [torch.randn(3) for _ in range(3)], per_example=True)
+    assert type(kept[0]) is torch.Tensor
 
 
 def test_a_lazy_value_kept_after_its_call_is_refused_at_every_use():

@@ -2,7 +2,7 @@
 
 The package, one job per file, each importing only the ones above it in this list:
 ``common`` (the C extension, per-thread state, modes, names), ``values`` (lazy values),
-``patches`` (what is installed in torch while a call runs), ``batchable``, ``ops`` (recorded
+``buffers`` (tensors an example made and writes recorded values into), ``patches`` (what is installed in torch while a call runs), ``batchable``, ``ops`` (recorded
 ops and how a group runs), ``tables`` (which torch calls run directly, which work in
 place), ``recorder`` (op keys, the fast table, shape inference), ``traced`` (recordings that
 stand for a whole batch or group), ``driver`` (``autobatch`` itself, stacking the results).

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from fold._encoding import node_id, split_code
 from fold.arrays import handles_array
+from fold.autobatch import buffers
 from fold.autobatch.common import (
     _BATCHED,
     _DIRECT,
@@ -245,6 +246,11 @@ class _Session:
         # Methods of earlier rounds' values run at once, made once per value, method and
         # arguments (values._memoised): key -> the lazy value of the result.
         self.memo: dict[Any, Any] = {}
+        # Tensors the examples made by a wrapped factory (id -> (a weak reference, the
+        # example)), and the written buffers among them (id -> [the tensor, the value it
+        # holds, the example]): see fold/autobatch/buffers.py.
+        self.made: dict[int, tuple[Any, int]] = {}
+        self.written: dict[int, list[Any]] = {}
 
     def records(self) -> bool:
         """Whether the current round records (a value of an earlier round may be used)."""
@@ -473,6 +479,7 @@ def _record(
         session.current = None
         session.columns.clear()
         session.memo.clear()
+        buffers.restore(session)
         forget_masks()
         forget_combinations()
         installed.__exit__(None, None, None)
@@ -525,8 +532,11 @@ def _resume(session: _Session, g: Any) -> int | None:
 
 
 def _finished(result: Any, i: int, results: list[Any], specs: list[Any]) -> None:
-    """Example ``i``'s result, flat, and its structure."""
-    results[i], specs[i] = _flatten(result)
+    """Example ``i``'s result, flat (a written buffer the value it holds), and its
+    structure."""
+    leaves, specs[i] = _flatten(result)
+    rec = _LOCAL.rec
+    results[i] = leaves if rec is None or rec.session is None else buffers.results_held(leaves, rec)
 
 
 def _check_structures(specs: list[Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fold.autobatch.buffers import note_made
 from fold.autobatch.common import _C, _LOCAL, _MISS
 from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _is_count, _meta
 from fold.errors import FoldError
@@ -460,6 +461,7 @@ def _known_safe(fn: Any) -> Any:
 
     local = _LOCAL
     plain = _PLAIN_ARGS
+    made = fn.__name__ not in ("reshape", "expand")  # (views)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -471,10 +473,16 @@ def _known_safe(fn: Any) -> Any:
                 break
         else:
             if not kwargs or all(type(v) in plain for v in kwargs.values()):
-                return fn(*args, **kwargs)
-        return fn(
+                out = fn(*args, **kwargs)
+                if made:  # (a tensor of the example's own: it may become a written buffer)
+                    note_made(out)
+                return out
+        out = fn(
             *[_unknown(a, True) for a in args], **{k: _unknown(v, True) for k, v in kwargs.items()}
         )
+        if made:
+            note_made(out)
+        return out
 
     return call
 

@@ -13,7 +13,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fold._encoding import float_key
+from fold.autobatch import buffers
 from fold.autobatch.batchable import _batch_of_one
+from fold.autobatch.buffers import _Written
 from fold.autobatch.common import (
     _BATCHED,
     _C,
@@ -482,6 +484,9 @@ class _Recorder:
             )
         if kind == "torch":
             if _INPLACE[fn] or kwargs.get("out") is not None:
+                out = buffers.write(self, fn, args, kwargs)  # (a buffer of the example's own)
+                if out is not _MISS:
+                    return out
                 _inplace_call(self, fn, args, kwargs)
             rewrite = _REWRITES.get(fn)
             if rewrite is not None:
@@ -706,6 +711,9 @@ class _Recorder:
         """The key part of one argument; batched values go to ``fargs``, shared tensors to
         ``shared`` (the key holds their ids)."""
         t = type(a)
+        if t is _Written:  # a buffer of the example's own: the value it holds
+            a = buffers.held_by(a, self)
+            t = type(a)
         if t is Lazy:
             if a.rec is not self:
                 if self._earlier(a):

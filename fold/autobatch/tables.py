@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fold.autobatch import buffers
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP, _is_inplace
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
 from fold.autobatch.patches import _READ_FUNCTIONS, _call_module
@@ -539,6 +540,34 @@ def _two_batched_operands(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return bool(da and db) and (da == 1 or db == 1 or da == db)
 
 
+def _put_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``_put(x, index, value)`` of a per-example ``x`` at a basic index (ints, slices,
+    None, Ellipsis), its value a number, a shared tensor or a per-example value of the
+    written part's rank (stacked, the batch dims line up)."""
+    if kwargs or len(args) != 3 or type(args[0]) is not _Slot or args[0].meta.ndim == 0:
+        return False
+    x, index, value = args
+    index = index if type(index) is tuple else (index,)
+    if not all(_basic_index(i) for i in index):
+        return False
+    if type(value) is not _Slot:
+        return not _slots(value)
+    try:
+        part = torch.empty(x.meta.shape, device="meta")[index]
+    except (IndexError, TypeError, RuntimeError):
+        return False
+    return not value.ragged and value.meta.ndim == part.dim()
+
+
+def _put_group(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``buffers._put`` for a group: the stacked buffers copied, then written past the
+    batch dim."""
+    index = index if type(index) is tuple else (index,)
+    out = x.clone()
+    out[(slice(None), *index)] = value
+    return out
+
+
 def _two_batched_stacks(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """bmm of two per-example operands, each a stack of matrices (n, b, m) and (n, b, p)
     once stacked: matmul runs them as bmm would, past the batch dim."""
@@ -607,6 +636,8 @@ _GROUP_CALLS: dict[Any, Any] = {
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
+    # A write into a buffer, out of place (buffers._put), at an int or slice index.
+    buffers._put: (_put_fits, _put_group),
     # bmm of two per-example stacks of matrices (attention written for a batch of one,
     # ``torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))``): matmul's batched call is bmm's.
     **{f: (_two_batched_stacks, _matmul_group) for f in _functions("bmm", torch, torch.Tensor)},

@@ -1,0 +1,227 @@
+"""Buffers an example made and writes recorded values into in place.
+
+Per-example code often fills a tensor it made itself: ``encoder_outputs = torch.zeros(
+MAX_LENGTH, H)``, then ``encoder_outputs[ei] = out[0, 0]`` at each step (PyTorch's
+translation tutorial encodes so).  A recorded value has no numbers yet, so the write cannot
+happen in the tensor's memory.  Where the tensor is the example's own, the write is
+recorded out of place instead (``_put``: a copy with the rows written), and the tensor
+becomes a *written buffer*: its class is set to ``_Written`` for the rest of the call, whose
+``__torch_function__`` hands every torch call on it the recorded value it now holds, and
+records every later write the same way.  The tensor object stays the one the example holds,
+so every alias of it sees the writes, as in eager code.
+
+A tensor is the example's own where it was made during the call by a factory autobatch
+wraps (``torch.zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``, ``randint``,
+``eye``, ``arange``, ``linspace``, ``logspace``, ``full_like``, ``Tensor.new_zeros`` and
+kin; noted by ``note_made``) by the example that writes it, is no view and has none, and
+needs no gradient.  Any other eager tensor written with a recorded value stays a FoldError
+(``values._inplace_call``): a tensor shared by the examples, or one made before the call,
+would be written by every example at once.
+
+When the call ends, each written buffer gets its class back (``restore``); a buffer the
+function returns is its recorded value among the results.  The tensor itself keeps what it
+held before its first recorded write: its values exist only in the call's results.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from fold.autobatch.common import _LOCAL, _MISS, _is_inplace
+from fold.autobatch.values import Lazy
+from fold.errors import FoldError
+
+_SETITEM = torch.Tensor.__setitem__
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+
+
+def _put(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``x`` with ``x[index] = value`` done on a copy: a write into a buffer, out of place."""
+    out = x.clone()
+    out[index] = value
+    return out
+
+
+class _Written(torch.Tensor):
+    """The class of a written buffer while its autobatch call runs (see the module's
+    docstring): every torch call on it takes the recorded value it holds."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        rec = _LOCAL.rec
+        if rec is None or rec.session is None:  # a round runs, or fold's own bookkeeping
+            with _NO_SUBCLASS():
+                return func(*args, **kwargs)
+        table = rec.session.written
+        if args and type(args[0]) is _Written:
+            if func is _SETITEM or _is_inplace(func):
+                return _write(rec, table, func, args, kwargs)
+            if getattr(func, "__name__", None) == "__get__":  # an attribute (.shape, .T)
+                name = func.__self__.__name__
+                if name in _OWN:  # (the tensor's own: fold's checks of an argument)
+                    with _NO_SUBCLASS():
+                        return func(*args, **kwargs)
+                return getattr(held(args[0], table, rec), name)
+        args = _held(args, table, rec)
+        kwargs = {k: _held(v, table, rec) for k, v in kwargs.items()}
+        for a in (*args, *kwargs.values()):  # a method (unsqueeze) reaches a lazy value
+            if type(a) is Lazy or (type(a) in (tuple, list) and any(type(x) is Lazy for x in a)):
+                return Lazy.__torch_function__(func, (Lazy,), args, kwargs)
+        return func(*args, **kwargs)
+
+
+# Attributes a written buffer answers as the eager tensor it is (autograd's bookkeeping,
+# read by fold's own checks of an argument: a leaf that requires grad is a parameter).
+_OWN = frozenset(
+    "requires_grad is_leaf grad_fn _base _version grad _cdata output_nr _backward_hooks".split()
+)
+
+
+def _held(a: Any, table: dict[int, list[Any]], rec: Any) -> Any:
+    """``a`` with every written buffer in it (in lists and tuples too) the value it holds."""
+    t = type(a)
+    if t is _Written:
+        return held(a, table, rec)
+    if t is tuple or t is list:
+        return t(_held(x, table, rec) for x in a)
+    return a
+
+
+def held_by(buf: Any, rec: Any) -> Any:
+    """The value written buffer ``buf`` holds now, for recorder ``rec``'s example."""
+    if rec.session is None:
+        raise FoldError(
+            f"autobatch: example {rec.example}: a buffer written with recorded values was "
+            "given to a function recorded once for a whole group (@fold.batchable). Fix: "
+            "pass it as buf.clone(), or write it out of place."
+        )
+    return held(buf, rec.session.written, rec)
+
+
+def held(buf: Any, table: dict[int, list[Any]], rec: Any) -> Any:
+    """The value written buffer ``buf`` holds now, for the example recording (``rec``)."""
+    entry = table.get(id(buf))
+    if entry is None or entry[0] is not buf:
+        raise FoldError(
+            f"autobatch: example {rec.example}: a buffer written with recorded values in an "
+            "earlier autobatch call was used again. Its values exist only in that call's "
+            "results. Fix: return it from the function and use the result."
+        )
+    if entry[2] != rec.example:
+        raise FoldError(
+            f"autobatch: example {rec.example}: uses a buffer that example {entry[2]} made "
+            "and wrote recorded values into (kept in a global, a list or an attribute). The "
+            "examples run interleaved, so it would read that example's writes so far. Fix: "
+            "make the buffer inside the function, per example."
+        )
+    return entry[1]
+
+
+def _write(
+    rec: Any, table: dict[int, list[Any]], func: Any, args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    """An in-place call on written buffer ``args[0]``: recorded out of place, the buffer's
+    value replaced."""
+    buf = args[0]
+    entry = table.get(id(buf))
+    held(buf, table, rec)  # (the checks)
+    rest = _held(args[1:], table, rec)
+    kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
+    value = entry[1]
+    entry[1] = _out_of_place(rec, func, value, rest, kw, value.shape, value.dtype)
+    return None if func is _SETITEM else buf
+
+
+def write(rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An in-place torch call writing a recorded value into an eager tensor (``args[0]``):
+    where the tensor is the example's own (see the module's docstring), the write recorded
+    out of place and the tensor a written buffer from now on (what the call returns); else
+    ``_MISS`` (the caller's FoldError)."""
+    session = rec.session
+    buf = args[0] if args else None
+    if session is not None and type(buf) is _Written:
+        return _write(rec, session.written, fn, args, kwargs)
+    if (
+        session is None
+        or "out" in kwargs
+        or type(buf) is not torch.Tensor
+        or buf.requires_grad
+        or buf._base is not None
+        or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2  # a view of it
+    ):
+        return _MISS
+    made = session.made.get(id(buf))
+    if made is None or made[0]() is not buf or made[1] != rec.example:
+        return _MISS
+    shape, dtype = buf.shape, buf.dtype
+    value = _out_of_place(rec, fn, buf, args[1:], kwargs, shape, dtype)
+    session.written[id(buf)] = [buf, value, rec.example]
+    buf.__class__ = _Written
+    return None if fn is _SETITEM else buf
+
+
+def _out_of_place(
+    rec: Any,
+    fn: Any,
+    x: Any,
+    rest: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shape: torch.Size,
+    dtype: torch.dtype,
+) -> Any:
+    """In-place ``fn`` on value ``x`` (of a buffer of ``shape`` and ``dtype``), recorded out
+    of place: its result, the buffer's new value."""
+    name = getattr(fn, "__name__", "?")
+    if fn is _SETITEM:
+        return rec.record(_put, "torch", (x, *rest), {})
+    if name == "copy_" and len(rest) == 1 and not kwargs:
+        return rec.record(_put, "torch", (x, Ellipsis, rest[0]), {})
+    if name == "fill_" and len(rest) == 1 and not kwargs:
+        return rec.record(_put, "torch", (x, Ellipsis, rest[0]), {})
+    if name == "zero_" and not rest and not kwargs:
+        return rec.record(_put, "torch", (x, Ellipsis, 0), {})
+    plain = "__" + name[3:] if name.startswith("__i") else name[:-1]
+    other = getattr(torch.Tensor, plain, None)
+    if not callable(other) or _is_inplace(other):
+        raise FoldError(
+            f"autobatch: example {rec.example}: {name} on a buffer written with recorded "
+            f"values has no out-of-place form autobatch knows. Fix: write buf = "
+            f"buf.{plain}(...) or use buf[...] = value."
+        )
+    out = rec.record(other, "torch", (x, *rest), kwargs)
+    if out.shape != shape:
+        raise FoldError(
+            f"autobatch: example {rec.example}: {name} on a buffer of shape {tuple(shape)} "
+            f"would give shape {tuple(out.shape)}; an in-place op keeps its tensor's shape "
+            "(eager code raises too)."
+        )
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def note_made(out: Any) -> None:
+    """Note a tensor a wrapped factory made while an example records (see the module's
+    docstring): it may become a written buffer of that example."""
+    rec = _LOCAL.rec
+    if rec is not None and type(out) is torch.Tensor and rec.session is not None:
+        rec.session.made[id(out)] = (weakref.ref(out), rec.example)
+
+
+def restore(session: Any) -> None:
+    """The written buffers of ``session``'s call their class back (the call ends)."""
+    for buf, *_ in session.written.values():
+        buf.__class__ = torch.Tensor
+    session.written.clear()
+    session.made.clear()
+
+
+def results_held(leaves: list[Any], rec: Any) -> list[Any]:
+    """An example's result leaves, each written buffer the value it holds."""
+    if not rec.session.written or not any(type(x) is _Written for x in leaves):
+        return leaves
+    return [held(x, rec.session.written, rec) if type(x) is _Written else x for x in leaves]
