@@ -4428,3 +4428,66 @@ def test_masked_fill_runs_directly(mask):
     assert_same(fn, list(lin.parameters()), xs, oks)
     ops = [op for op in _OPS.values() if op.fn is torch.Tensor.masked_fill]
     assert ops and all(op.mode is common._DIRECT for op in ops)
+
+
+def test_the_tutorials_training_step_equals_eager():
+    """The training step of PyTorch's seq2seq tutorial, as written for one pair: the encoder
+    (a module of one's own holding a GRU on a batch of one) fills a buffer in place
+    (``encoder_outputs[ei] = out[0, 0]``), the decoder attends over it, and the loss adds up
+    step by step (``loss += criterion(...)`` from ``loss = 0``), with teacher forcing for
+    some pairs and the decoder's own ``topi.item()`` (a read, until EOS) for the others.
+    Eager's losses and gradients."""
+    torch.manual_seed(0)
+    hidden, vocab, maxlen, eos = 5, 6, 8, 1
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, hidden)
+            self.gru = nn.GRU(hidden, hidden)
+
+        def forward(self, tok, h):
+            return self.gru(self.embedding(tok).view(1, 1, -1), h)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, hidden)
+            self.attn = nn.Linear(2 * hidden, maxlen)
+            self.gru = nn.GRU(2 * hidden, hidden)
+            self.out = nn.Linear(hidden, vocab)
+
+        def forward(self, tok, h, mem):
+            e = self.embedding(tok).view(1, 1, -1)
+            w = F.softmax(self.attn(torch.cat((e[0], h[0]), 1)), dim=1)
+            applied = torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))
+            o, h = self.gru(torch.cat((e, applied), 2), h)
+            return F.log_softmax(self.out(o[0]), dim=1), h
+
+    enc, dec = Encoder(), Decoder()
+    criterion = nn.NLLLoss()
+
+    def train(src, tgt, forcing):
+        h = torch.zeros(1, 1, hidden)
+        encoder_outputs = torch.zeros(maxlen, hidden)
+        for ei in range(src.size(0)):
+            out, h = enc(src[ei], h)
+            encoder_outputs[ei] = out[0, 0]
+        tok, loss = torch.tensor([[0]]), 0
+        for di in range(tgt.size(0)):
+            logp, h = dec(tok, h, encoder_outputs)
+            loss += criterion(logp, tgt[di])
+            if forcing:
+                tok = tgt[di]
+            else:
+                topv, topi = logp.topk(1)
+                tok = topi.squeeze().detach()
+                if tok.item() == eos:
+                    break
+        return loss / tgt.size(0)
+
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randint(2, vocab, (n,), generator=g) for n in (3, 7, 5, 4, 6, 2)]
+    tgts = [torch.randint(0, vocab, (n, 1), generator=g) for n in (4, 2, 6, 3, 5, 7)]
+    forcing = [True, False, True, False, False, True]
+    assert_same(train, [*enc.parameters(), *dec.parameters()], srcs, tgts, forcing)
