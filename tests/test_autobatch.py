@@ -2403,10 +2403,21 @@ def test_dropout_in_eval_mode_is_pure_and_draws_again_in_training(monkeypatch):
     assert not fresh
     ops = {op for op in _OPS.values() if op.fn is drop}
     assert ops and all(not op.random and op.random_modules == (drop[1],) for op in ops)
+
+    def twice(x):
+        return drop(x), drop(x)
+
+    xs = [torch.ones(4) + i for i in range(3)]
+    for _ in range(2):  # eval mode: fast table entries for drop, kept with the call's Fold
+        a, b = fold.autobatch(twice, xs, per_example=True)
+        torch.testing.assert_close(a, b)
     drop.train()
+    for _ in range(2):  # the same function: its kept entries look at the mode on every call
+        a, b = fold.autobatch(twice, xs, per_example=True)
+        assert not torch.equal(a, b)  # two calls on one value: two draws
     a, b = fold.autobatch(lambda x: (drop(x), drop(x)), [torch.ones(4)] * 3)
     assert fresh
-    assert not torch.equal(a, b)  # two calls on one value: two draws
+    assert not torch.equal(a, b)
     assert not torch.equal(a[0], a[1])  # and one per example
 
 

@@ -183,6 +183,39 @@ def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
     return (r, op.fast_outs, op.wrap)
 
 
+def _fresh_nodes(f: Fold, op: _Op, fargs: Any) -> Any:
+    """Record a call that draws random numbers into Fold ``f`` as a node of its own: the
+    Fold gives a call on the same arguments as an earlier one that one's node (calls are
+    taken as pure), so where it did, the call is recorded as the op's next variant (a copy
+    of it: a signature of its own, a group of its own), until a node is new.  Its node ids;
+    a variant's outputs are the op's."""
+    outputs = None if op.single else len(op.outs)
+    v = op
+    while True:
+        before = len(f)
+        nodes = f.op(v.fold_op, outputs)(*fargs)
+        if len(f) > before:
+            return nodes
+        v = v.variant()
+
+
+class _Watched:
+    """The recorder of a fast table entry for a module call holding a Dropout (see
+    ``_random_modules``): while one of its modules is training, a call draws, so it is
+    recorded as a node of its own (``_fresh_nodes``); else as the pure call it is."""
+
+    __slots__ = ("op", "record", "fold")
+
+    def __init__(self, op: _Op, record: Callable[..., Any], fold: Fold) -> None:
+        self.op, self.record, self.fold = op, record, fold
+
+    def __call__(self, *fargs: Any) -> Any:
+        for m in self.op.random_modules:
+            if m.training:
+                return _fresh_nodes(self.fold, self.op, fargs)
+        return self.record(*fargs)
+
+
 def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``(args, kwargs)`` with every lazy value its computed row (and every known value its
     tensor), where the call's lazy values (in lists and tuples too) are all of earlier
@@ -574,8 +607,8 @@ class _Recorder:
         else:
             out = op.wrap(r(*fargs), self)
         k = len(args)
-        if watched:  # (no fast table entry: its modules' mode is looked at every call)
-            return out
+        if watched:  # its modules' mode is looked at on every call, the fast path's too
+            r = _Watched(op, r, self.fold)
         if mode is not None:
             if fast_key is not None and mode == _NO_GRAD:  # (C only, see fast above)
                 self._fast_nograd[fast_key] = _entry(op, self._typed(op, r, fargs))
@@ -650,25 +683,15 @@ class _Recorder:
         return out
 
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
-        """Record a call that draws random numbers as a node of its own.  The Fold gives a
-        call on the same arguments as an earlier one that one's node (calls are taken as
-        pure): two dropouts of one value, or Monte Carlo samples of one input, would share
-        one draw.  Where it did, the call is recorded as the op's next variant (a copy of
-        it: a signature of its own, a group of its own), until a node is new."""
+        """Record a call that draws random numbers as a node of its own (``_fresh_nodes``):
+        two dropouts of one value, or Monte Carlo samples of one input, draw apart."""
         f = self.fold
-        outputs = None if op.single else len(op.outs)
         if type(f) is not Fold:  # a recording made once (_Trace) records every call
-            target = op.fold_op
-            return op.wrap(f.op(target, outputs)(*fargs), self)
-        v = op
-        while True:
-            before = len(f)
-            nodes = f.op(v.fold_op, outputs)(*fargs)
-            if len(f) > before:
-                return v.wrap(nodes, self)
-            v = v.variant()
+            outputs = None if op.single else len(op.outs)
+            return op.wrap(f.op(op.fold_op, outputs)(*fargs), self)
+        return op.wrap(_fresh_nodes(f, op, fargs), self)
 
-    def _typed(self, op: _Op, r: Callable[..., Any], fargs: list[Any]) -> Callable[..., Any]:
+    def _typed(self, op: _Op, r: Any, fargs: list[Any]) -> Any:
         """The round Fold's recorder of ``op`` made for these arguments' types, for a fast
         table entry: the C fast key files a value of an earlier round (a literal row) apart
         from one of this round (a node), and each entry then records without the generated
@@ -679,6 +702,9 @@ class _Recorder:
             return r
         target = op.fold_op
         outputs = None if op.single else len(op.outs)
+        if type(r) is _Watched:
+            typed = f._generated.get((target, tuple(map(type, fargs)), outputs), r.record)
+            return _Watched(op, typed, f)
         return f._generated.get((target, tuple(map(type, fargs)), outputs), r)
 
     def _kw_part(
