@@ -544,6 +544,55 @@ earlier_row(Key *k, PyObject *rec, PyObject *a)
     return 1;
 }
 
+/* Whether every item of tuple ``a`` is an index item (see index_items): an int or bool,
+   None, Ellipsis or a slice (its parts not looked at here). */
+static int
+plain_index(PyObject *a)
+{
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(a); j++) {
+        PyObject *x = PyTuple_GET_ITEM(a, j);
+        PyTypeObject *t = Py_TYPE(x);
+        if (!(t == &PyLong_Type || t == &PyBool_Type || x == Py_None || x == Py_Ellipsis ||
+              t == &PySlice_Type))
+            return 0;
+    }
+    return 1;
+}
+
+/* An index (an int, a bool, None, Ellipsis, or a slice of ints and Nones: ``x[0, 0]``,
+   ``h[:, -1]``, ``x[1:]``) as key items: the type before an int or bool (1 and True apart),
+   the slice type before a slice's three parts; 1 where put in ``k``, 0 where ``x`` is none
+   of those. */
+static int
+index_items(Key *k, PyObject *x)
+{
+    PyTypeObject *t = Py_TYPE(x);
+    if (t == &PyLong_Type || t == &PyBool_Type) {
+        if (k->nk + 2 > MAX_ITEMS)
+            return 0;
+        key_item(k, (PyObject *)t);
+        key_item(k, x);
+        return 1;
+    }
+    if (x == Py_None || x == Py_Ellipsis) {
+        if (k->nk + 1 > MAX_ITEMS)
+            return 0;
+        key_item(k, x);
+        return 1;
+    }
+    if (t != &PySlice_Type || k->nk + 4 > MAX_ITEMS)
+        return 0;
+    PySliceObject *sl = (PySliceObject *)x;
+    PyObject *parts[3] = {sl->start, sl->stop, sl->step};
+    for (int j = 0; j < 3; j++)
+        if (parts[j] != Py_None && !PyLong_CheckExact(parts[j]))
+            return 0;
+    key_item(k, (PyObject *)t);
+    for (int j = 0; j < 3; j++)
+        key_item(k, parts[j]);
+    return 1;
+}
+
 /* 1 where the call has a fast key (in k), 0 where not, -1 on error; k holds references in
    every case, for key_release. */
 static int
@@ -586,6 +635,22 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
         }
         else if (a == Py_None) {
             key_item(k, a);
+        }
+        else if (t == &PySlice_Type || a == Py_Ellipsis) {
+            if (!index_items(k, a))
+                return 0;
+        }
+        else if (t == &PyTuple_Type && PyTuple_GET_SIZE(a) < 16 && plain_index(a)) {
+            /* An index of several dims (x[0, 0], h[:, -1]): the tuple's items after a
+               marker and its length. */
+            Py_ssize_t m = PyTuple_GET_SIZE(a);
+            if (k->nk + 2 > MAX_ITEMS)
+                return 0;
+            key_item(k, (PyObject *)t);
+            key_item(k, g_small[m]);
+            for (Py_ssize_t j = 0; j < m; j++)
+                if (!index_items(k, PyTuple_GET_ITEM(a, j)))
+                    return 0;
         }
         else if ((t == &PyList_Type || t == &PyTuple_Type) && kind != g_batched_kind) {
             Py_ssize_t m = PySequence_Fast_GET_SIZE(a);

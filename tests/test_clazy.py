@@ -137,6 +137,16 @@ class _World:
                 (self.scale, "module", (torch.tensor(0.5, dtype=torch.float64),)),
                 (_leaf, per, (self.emb, torch.tensor(4))),
                 (_pair, per, (a, torch.tensor(1.5))),
+                # Indexes and sizes: ints, bools, None, Ellipsis and slices, alone or in a
+                # tuple (x[0, 0], h[:, -1], x[1:]), keyed by value in C too.
+                (T.__getitem__, "torch", (c, slice(1, None))),
+                (T.__getitem__, "torch", (c, (slice(None, 4, 2), None))),
+                (T.__getitem__, "torch", (c, (Ellipsis, None))),
+                (T.__getitem__, "torch", (c, Ellipsis)),
+                (T.__getitem__, "torch", (c, (1,))),
+                (T.__getitem__, "torch", (c, (True,))),
+                (T.view, "torch", (c, (2, 3))),
+                (T.view, "torch", (c, (3, -1))),
             ]
             self.known = [torch.tensor(5), torch.tensor(2.5), torch.tensor(True), torch.tensor([1])]
             assert all(type(k) is values.Known for k in self.known)
@@ -172,6 +182,21 @@ class _World:
             1.0,
             0.0,
             -0.0,
+            slice(1, None),
+            slice(0, 2, 1),
+            slice(None, 4, 2),
+            slice(0.5, 2),
+            Ellipsis,
+            (1,),
+            (True,),
+            (1, True),
+            (Ellipsis, None),
+            (slice(None, 4, 2), None),
+            (slice(None), 1.5),
+            (2, 3),
+            (3, 2),
+            (3, -1),
+            (),
         ]
 
 
