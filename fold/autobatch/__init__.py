@@ -82,9 +82,21 @@ How a call is recorded (the choices the contract leaves open):
 - **Identical calls** on identical arguments share one node (fold memoises records): the
   functions are taken as pure.  Dropout inside a recorded call draws per row, as vmap does.
   A call that draws random numbers (shape inference sees it move the generator, or run an
-  op torch tags as seeded; or a module holding a ``Dropout``) is a node of its own every
-  time: two dropouts of one value, or Monte Carlo samples of one input, draw apart, as in
-  eager code (``recorder._record_fresh``).
+  op torch tags as seeded; or a module holding a ``Dropout`` while one is training: in eval
+  mode it is pure, looked at on every call) is a node of its own every time: two dropouts
+  of one value, or Monte Carlo samples of one input, draw apart, as in eager code
+  (``recorder._record_fresh``).
+- **Modules vmap cannot run.**  A call of a module of the user's own type (or a
+  ``Sequential``) is recorded whole and its group runs under vmap; where vmap cannot run it
+  (a GRU on a batch of one inside it, a read in its forward), which is tried once on fake
+  tensors when the call is first recorded, the module is run through instead: its forward
+  runs as the function's own code, each call inside it recorded (``recorder._Inline``).
+  The recurrent modules and cells given a batch of the example's own (``x.view(1, 1, -1)``,
+  states ``(layers, 1, H)``) run a group as one call, the batches merged
+  (``tables._merged_rnn``).
+- **Buffers.**  A tensor the example made (``torch.zeros(T, H)``) and writes recorded values
+  into in place (``buf[t] = h``) records each write out of place and stands for the written
+  value for the rest of the call (``buffers``).
 - **Reads.**  ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.numpy()`` of a Lazy
   value pause the example (each runs as a greenlet) until the round that computes it: when
   every unfinished example is paused, what was recorded since the last round runs as one
@@ -103,7 +115,8 @@ How a call is recorded (the choices the contract leaves open):
   the values literal rows of the round.  Grad mode is restored per example across pauses
   (``driver._Session.pause``).  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
-  In-place ops on Lazy values are FoldErrors.  So is an eager tensor (not a view) that
+  In-place ops on Lazy values are FoldErrors, and so are writes of Lazy values into an
+  eager tensor the example did not make (see **Buffers**).  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
   updated while its call waits for its round): the call would read the changed value; the
   error names the example and the call.
