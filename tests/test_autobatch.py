@@ -1183,6 +1183,27 @@ def test_a_buffer_filled_step_by_step_across_reads_equals_eager():
     assert puts and all(op.mode is common._DIRECT for op in puts)  # one call a group
 
 
+def test_a_written_buffer_answers_as_the_tensor_it_holds():
+    """A written buffer used as eager code uses a tensor: its repr and length, iterated row
+    by row, its shape, dtype, ``.T``, ``.tolist()`` and a number of it (reads: a round).
+    Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+    seen = []
+
+    def fn(x):
+        buf = torch.zeros(2, 3)
+        buf[0] = lin(x)
+        seen.append((repr(buf).startswith("tensor") or "lazy" in repr(buf).lower(), len(buf)))
+        rows = [r.sum() for r in buf]
+        numbers = buf.tolist()
+        assert buf.shape == (2, 3) and buf.dtype == x.dtype and buf.ndim == 2
+        assert buf.T.shape == (3, 2) and buf.size(0) == 2
+        return buf.sum() + rows[0] * float(buf[0, 0].detach()) + len(numbers[0])
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(3)])
+    assert all(ok and n == 2 for ok, n in seen)
+
+
 def _shared_buffer(buf, y):  # a tensor made before the call, shared by every example
     _SHARED.add_(y)
 

@@ -62,12 +62,20 @@ class _Written(torch.Tensor):
         if args and type(args[0]) is _Written:
             if func is _SETITEM or _is_inplace(func):
                 return _write(rec, table, func, args, kwargs)
-            if getattr(func, "__name__", None) == "__get__":  # an attribute (.shape, .T)
+            name = getattr(func, "__name__", None)
+            if name == "__get__":  # an attribute (.shape, .T)
                 name = func.__self__.__name__
                 if name in _OWN:  # (the tensor's own: fold's checks of an argument)
                     with _NO_SUBCLASS():
                         return func(*args, **kwargs)
                 return getattr(held(args[0], table, rec), name)
+            if name is not None and getattr(torch.Tensor, name, None) is func:
+                # A method (repr, len, iteration, .tolist()): the value's own.
+                rest = _held(args[1:], table, rec)
+                # (torch's own defaults a protocol method passes on: __repr__'s
+                # tensor_contents=None)
+                kw = {k: _held(v, table, rec) for k, v in kwargs.items() if v is not None}
+                return getattr(held(args[0], table, rec), name)(*rest, **kw)
         args = _held(args, table, rec)
         kwargs = {k: _held(v, table, rec) for k, v in kwargs.items()}
         for a in (*args, *kwargs.values()):  # a method (unsqueeze) reaches a lazy value
