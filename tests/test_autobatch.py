@@ -4523,3 +4523,23 @@ def test_the_tutorials_training_step_equals_eager():
     tgts = [torch.randint(0, vocab, (n, 1), generator=g) for n in (4, 2, 6, 3, 5, 7)]
     forcing = [True, False, True, False, False, True]
     assert_same(train, [*enc.parameters(), *dec.parameters()], srcs, tgts, forcing)
+
+
+def test_negated_known_flags_stay_known():
+    """``~torch.tensor(ok)`` of Python flags (a parser's illegal actions) is the known value
+    of the negated flags (no tensor made), as eager's ``~`` gives them; of one flag too."""
+    seen = []
+
+    def fn(x, ok):
+        m, one = ~torch.tensor(ok), ~torch.tensor(ok[0])
+        seen.append((type(m), m.tolist(), m.dtype, type(one), bool(one)))
+        return x.masked_fill(m, 0.0) + one
+
+    xs = [torch.randn(3) for _ in range(3)]
+    oks = [[True, False, i == 1] for i in range(3)]
+    torch.testing.assert_close(
+        fold.autobatch(fn, xs, oks), torch.stack([fn(x, ok) for x, ok in zip(xs, oks)])
+    )
+    for (t, got, dtype, t1, b), ok in zip(seen[:3], oks):
+        assert t is values.Known and t1 is values.Known and dtype is torch.bool
+        assert got == [not o for o in ok] and b is (not ok[0])

@@ -877,6 +877,21 @@ for _name in _OPERATORS:
     setattr(Known, _name, _known_operator(getattr(torch.Tensor, _name)))
 
 
+def _known_invert(self: Known) -> Any:
+    """``~k`` of a known bool value (``~torch.tensor(ok)``, a parser's illegal actions):
+    the known value of the negated flags, without a tensor; any other, as torch computes."""
+    if self.meta.dtype is torch.bool and self._made is None:
+        v = self.value
+        if type(v) is tuple:
+            return Known(tuple(not x for x in v), self.meta, False, plain=True)
+        if self.number:
+            return Known(not v, self.meta, True)
+    return _known_call(torch.Tensor.__invert__, (self,), {})
+
+
+Known.__invert__ = _known_invert  # type: ignore[method-assign]
+
+
 def _known_inplace_operator(name: str) -> Callable[..., Any]:
     """``k += y`` and kin on a known value: in place on its tensor, as eager code changes
     the tensor every alias of it sees (without it, Python would rebind ``k`` to ``k + y``).
