@@ -1204,6 +1204,44 @@ def test_a_written_buffer_answers_as_the_tensor_it_holds():
     assert all(ok and n == 2 for ok, n in seen)
 
 
+def _row_iadd(buf, y):  # Python: t = buf[0]; t += y; buf[0] = t (the tutorial's evaluate)
+    buf[0] += y
+    buf[1] += y * 2
+
+
+def _through_a_view(buf, y):  # a view kept and written through: the buffer sees it
+    row = buf[1]
+    row += y
+    return row * 3
+
+
+def _slice_copy(buf, y):
+    buf[0].mul_(0.5)  # (no recorded value: eager)
+    buf[1:].copy_(y.view(1, 3))
+    buf[1] += 1
+
+
+@pytest.mark.parametrize(
+    "write", [_row_iadd, _through_a_view, _slice_copy], ids=lambda f: f.__name__
+)
+def test_writes_through_views_of_a_buffer_equal_eager(write):
+    """``encoder_outputs[ei] += out[0, 0]`` (the older evaluate of PyTorch's translation
+    tutorial): Python writes into the view ``buf[ei]``, then sets it back.  A write through a
+    view of a buffer the example made is recorded as a write of the buffer's part, and the
+    view a written buffer of its own whose value is that part.  Eager's values and
+    gradients, the view's too, and every part runs one call a group."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        buf = torch.ones(2, 3)
+        got = write(buf, lin(x))
+        return buf * 2, buf.sum() if got is None else got
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+    ops = [op for op in _OPS.values() if op.fn in (buffers._region, buffers._put_region)]
+    assert ops and all(op.mode is common._DIRECT for op in ops)
+
+
 def _shared_buffer(buf, y):  # a tensor made before the call, shared by every example
     _SHARED.add_(y)
 
@@ -1222,6 +1260,11 @@ def _unknown_form(buf, y):
     buf.normal_()
 
 
+def _method_on_a_part(buf, y):  # buf[1] of a written buffer is a recorded value
+    buf[0] = y[0]
+    buf[1].mul_(2)
+
+
 def _shape_change(buf, y):
     buf[0] = y[0]
     buf.unsqueeze_(0)
@@ -1235,8 +1278,9 @@ def _shape_change(buf, y):
         (_view_first, r"in place.*Fix: .*buf = buf \+ y"),
         (_unknown_form, r"normal_ on a buffer written with recorded values.*Fix: "),
         (_shape_change, r"unsqueeze_ on a buffer of shape \(3,\) would give shape"),
+        (_method_on_a_part, r"in-place .mul_\(\) on a lazy value.*Fix: "),
     ],
-    ids=["out", "shared", "view", "no-out-of-place-form", "shape"],
+    ids=["out", "shared", "view", "no-out-of-place-form", "shape", "method-on-a-part"],
 )
 def test_in_place_writes_autobatch_cannot_take_are_fold_errors(write, match):
     """A recorded value written into a tensor the example did not make (one shared by every

@@ -10,6 +10,12 @@ becomes a *written buffer*: its class is set to ``_Written`` for the rest of the
 records every later write the same way.  The tensor object stays the one the example holds,
 so every alias of it sees the writes, as in eager code.
 
+A write through a view of such a tensor (``buf[ei] += out``: Python writes into the view
+``buf[ei]``, then sets it back) writes the buffer's part the view sees (``_put_region``),
+and the view becomes a written buffer whose value is that part (``_region``), read from
+the buffer's value at each use.  Once written, ``buf[t]`` is a recorded value: assigning
+to it writes the buffer, an in-place method of it is refused as on any recorded value.
+
 A tensor is the example's own where it was made during the call by a factory autobatch
 wraps (``torch.zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``, ``randint``,
 ``eye``, ``arange``, ``linspace``, ``logspace``, ``full_like``, ``Tensor.new_zeros`` and
@@ -43,6 +49,31 @@ def _put(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     out = x.clone()
     out[index] = value
     return out
+
+
+def _region(x: torch.Tensor, shape: Any, stride: Any, offset: int) -> torch.Tensor:
+    """The part of buffer value ``x`` that a view of the buffer sees: its ``shape`` and
+    ``stride`` at ``offset`` elements into the (contiguous) buffer."""
+    x = x.contiguous()
+    return x.as_strided(shape, stride, x.storage_offset() + offset)
+
+
+def _put_region(x: torch.Tensor, shape: Any, stride: Any, offset: int, value: Any) -> torch.Tensor:
+    """``x`` with the part a view sees (see ``_region``) set to ``value``, on a copy: a write
+    through a view of a buffer (``buf[t] += h``), out of place."""
+    out = x.contiguous().clone()
+    out.as_strided(shape, stride, out.storage_offset() + offset).copy_(value)
+    return out
+
+
+class _View:
+    """What a written buffer that views another holds: that buffer's part (see
+    ``_region``), read from the other's value at each use."""
+
+    __slots__ = ("base", "shape", "stride", "offset")
+
+    def __init__(self, base: Any, shape: Any, stride: Any, offset: int) -> None:
+        self.base, self.shape, self.stride, self.offset = base, shape, stride, offset
 
 
 class _Written(torch.Tensor):
@@ -128,7 +159,13 @@ def held(buf: Any, table: dict[int, list[Any]], rec: Any) -> Any:
             "examples run interleaved, so it would read that example's writes so far. Fix: "
             "make the buffer inside the function, per example."
         )
-    return entry[1]
+    value = entry[1]
+    if type(value) is _View:  # (a view of another buffer: its part of that one's value)
+        v = value
+        return rec.record(
+            _region, "torch", (held(v.base, table, rec), v.shape, v.stride, v.offset), {}
+        )
+    return value
 
 
 def _write(
@@ -138,11 +175,18 @@ def _write(
     value replaced."""
     buf = args[0]
     entry = table.get(id(buf))
-    held(buf, table, rec)  # (the checks)
+    value = held(buf, table, rec)  # (and the checks)
     rest = _held(args[1:], table, rec)
     kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
-    value = entry[1]
-    entry[1] = _out_of_place(rec, func, value, rest, kw, value.shape, value.dtype)
+    new = _out_of_place(rec, func, value, rest, kw, value.shape, value.dtype)
+    view = entry[1]
+    if type(view) is _View:  # written through to the buffer it views
+        base = table[id(view.base)]
+        base[1] = rec.record(
+            _put_region, "torch", (base[1], view.shape, view.stride, view.offset, new), {}
+        )
+    else:
+        entry[1] = new
     return None if func is _SETITEM else buf
 
 
@@ -155,23 +199,42 @@ def write(rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     buf = args[0] if args else None
     if session is not None and type(buf) is _Written:
         return _write(rec, session.written, fn, args, kwargs)
-    if (
-        session is None
-        or "out" in kwargs
-        or type(buf) is not torch.Tensor
-        or buf.requires_grad
-        or buf._base is not None
-        or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2  # a view of it
-    ):
+    if session is None or "out" in kwargs or type(buf) is not torch.Tensor:
         return _MISS
-    made = session.made.get(id(buf))
-    if made is None or made[0]() is not buf or made[1] != rec.example:
+    base = buf._base
+    own = _own(session, rec, buf if base is None else base, 2 if base is None else 3)
+    if not own:
         return _MISS
-    shape, dtype = buf.shape, buf.dtype
-    value = _out_of_place(rec, fn, buf, args[1:], kwargs, shape, dtype)
-    session.written[id(buf)] = [buf, value, rec.example]
-    buf.__class__ = _Written
+    if base is None:
+        value = _out_of_place(rec, fn, buf, args[1:], kwargs, buf.shape, buf.dtype)
+        session.written[id(buf)] = [buf, value, rec.example]
+        buf.__class__ = _Written
+        return None if fn is _SETITEM else buf
+    # A write through a view of the buffer (``buf[t] += h``: Python writes into ``buf[t]``,
+    # then sets it back): its part of the buffer written, the view a written buffer too.
+    if not base.is_contiguous():
+        return _MISS
+    shape, stride = tuple(buf.shape), tuple(buf.stride())
+    offset = buf.storage_offset() - base.storage_offset()
+    part = rec.record(_region, "torch", (base, shape, stride, offset), {})
+    new = _out_of_place(rec, fn, part, args[1:], kwargs, buf.shape, buf.dtype)
+    value = rec.record(_put_region, "torch", (base, shape, stride, offset, new), {})
+    session.written[id(base)] = [base, value, rec.example]
+    session.written[id(buf)] = [buf, _View(base, shape, stride, offset), rec.example]
+    base.__class__ = buf.__class__ = _Written
     return None if fn is _SETITEM else buf
+
+
+def _own(session: Any, rec: Any, t: torch.Tensor, refs: int) -> bool:
+    """Whether ``t`` is a tensor the recording example made (see the module's docstring)
+    that no view of it but the one at hand sees (``refs``: the references its memory may
+    have: itself and the one asking, and the view being written through)."""
+    if t.requires_grad or t._base is not None or type(t) is not torch.Tensor:
+        return False
+    made = session.made.get(id(t))
+    if made is None or made[0]() is not t or made[1] != rec.example:
+        return False
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= refs
 
 
 def _out_of_place(

@@ -568,6 +568,40 @@ def _put_group(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     return out
 
 
+def _region_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``_region(x, shape, stride, offset)`` or ``_put_region(..., value)`` of a
+    per-example buffer value ``x``, its value (where written) a number, a shared tensor or
+    a per-example value of the part's shape."""
+    if kwargs or len(args) not in (4, 5) or type(args[0]) is not _Slot or args[0].ragged:
+        return False
+    if len(args) == 4:
+        return True
+    value = args[4]
+    if type(value) is not _Slot:
+        return not _slots(value)
+    return not value.ragged and tuple(value.meta.shape) == tuple(args[1])
+
+
+def _stacked_part(x: torch.Tensor, shape: Any, stride: Any, offset: int) -> torch.Tensor:
+    # (x contiguous, the examples' buffers one after another)
+    return x.as_strided((x.shape[0], *shape), (x.stride(0), *stride), x.storage_offset() + offset)
+
+
+def _region_group(x: torch.Tensor, shape: Any, stride: Any, offset: int) -> torch.Tensor:
+    """``buffers._region`` for a group: each example's part of its stacked buffer."""
+    return _stacked_part(x.contiguous(), shape, stride, offset)
+
+
+def _put_region_group(
+    x: torch.Tensor, shape: Any, stride: Any, offset: int, value: Any
+) -> torch.Tensor:
+    """``buffers._put_region`` for a group: the stacked buffers copied, each example's
+    part written."""
+    out = x.contiguous().clone()
+    _stacked_part(out, shape, stride, offset).copy_(value)
+    return out
+
+
 def _two_batched_stacks(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """bmm of two per-example operands, each a stack of matrices (n, b, m) and (n, b, p)
     once stacked: matmul runs them as bmm would, past the batch dim."""
@@ -636,8 +670,11 @@ _GROUP_CALLS: dict[Any, Any] = {
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
-    # A write into a buffer, out of place (buffers._put), at an int or slice index.
+    # A write into a buffer, out of place (buffers._put), at an int or slice index; the part
+    # of a buffer a view sees, and a write through it (buffers._region, _put_region).
     buffers._put: (_put_fits, _put_group),
+    buffers._region: (_region_fits, _region_group),
+    buffers._put_region: (_region_fits, _put_region_group),
     # bmm of two per-example stacks of matrices (attention written for a batch of one,
     # ``torch.bmm(w.unsqueeze(0), mem.unsqueeze(0))``): matmul's batched call is bmm's.
     **{f: (_two_batched_stacks, _matmul_group) for f in _functions("bmm", torch, torch.Tensor)},
