@@ -234,7 +234,12 @@ def _own(session: Any, rec: Any, t: torch.Tensor, refs: int) -> bool:
     made = session.made.get(id(t))
     if made is None or made[0]() is not t or made[1] != rec.example:
         return False
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= refs
+    if _USE_COUNT is None:  # (torch's count of a memory's users: without it, refused)
+        return False
+    return _USE_COUNT(t.untyped_storage()._cdata) <= refs
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _out_of_place(

@@ -183,13 +183,16 @@ def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
     return (r, op.fast_outs, op.wrap)
 
 
-def _fresh_nodes(f: Fold, op: _Op, fargs: Any) -> Any:
+def _fresh_nodes(f: Any, op: _Op, fargs: Any) -> Any:
     """Record a call that draws random numbers into Fold ``f`` as a node of its own: the
     Fold gives a call on the same arguments as an earlier one that one's node (calls are
     taken as pure), so where it did, the call is recorded as the op's next variant (a copy
     of it: a signature of its own, a group of its own), until a node is new.  Its node ids;
-    a variant's outputs are the op's."""
+    a variant's outputs are the op's.  (A recording made once, ``_Trace``, records every
+    call.)"""
     outputs = None if op.single else len(op.outs)
+    if type(f) is not Fold:
+        return f.op(op.fold_op, outputs)(*fargs)
     v = op
     while True:
         before = len(f)
@@ -206,7 +209,7 @@ class _Watched:
 
     __slots__ = ("op", "record", "fold")
 
-    def __init__(self, op: _Op, record: Callable[..., Any], fold: Fold) -> None:
+    def __init__(self, op: _Op, record: Callable[..., Any], fold: Any) -> None:
         self.op, self.record, self.fold = op, record, fold
 
     def __call__(self, *fargs: Any) -> Any:
@@ -685,11 +688,7 @@ class _Recorder:
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
         """Record a call that draws random numbers as a node of its own (``_fresh_nodes``):
         two dropouts of one value, or Monte Carlo samples of one input, draw apart."""
-        f = self.fold
-        if type(f) is not Fold:  # a recording made once (_Trace) records every call
-            outputs = None if op.single else len(op.outs)
-            return op.wrap(f.op(op.fold_op, outputs)(*fargs), self)
-        return op.wrap(_fresh_nodes(f, op, fargs), self)
+        return op.wrap(_fresh_nodes(self.fold, op, fargs), self)
 
     def _typed(self, op: _Op, r: Any, fargs: list[Any]) -> Any:
         """The round Fold's recorder of ``op`` made for these arguments' types, for a fast
