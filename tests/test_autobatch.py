@@ -2361,6 +2361,36 @@ def test_a_module_of_ones_own_that_reads_is_run_through(caplog, monkeypatch):
     assert [op for op in _OPS.values() if op.fn is gate.lin]
 
 
+def test_a_module_of_ones_own_returning_python_values_is_run_through():
+    """A step module returning a Python value beside its state (``(h, int(h.argmax()))``,
+    a read inside its forward): run through, not refused (a recorded call returns tensors
+    only), the read pausing the example; the number of steps each example takes is its
+    own.  Eager's values and gradients."""
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, h):
+            h = torch.tanh(self.lin(h))
+            return h, int(h.detach().argmax())
+
+    step = Step()
+
+    def fn(x):
+        h, a = step(x)
+        for _ in range(a):
+            h, _ = step(h)
+        return h
+
+    torch.manual_seed(3)
+    xs = [torch.randn(3) for _ in range(8)]
+    assert len({step(x)[1] for x in xs}) > 1  # examples take different numbers of steps
+    assert_same(fn, list(step.parameters()), xs)
+    assert not [op for op in _OPS.values() if op.fn is step]
+
+
 def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     """A call of torch's own that vmap cannot run (``torch.gru``, the kernel under
     nn.GRU, which has no batching rule): its group runs one call per example, with eager's

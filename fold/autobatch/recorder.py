@@ -252,8 +252,9 @@ _SIZED_BY_DATA_MAX = 4096
 class _Inline(Exception):
     """Raised by ``_new_op`` for a call of a module of the user's own that
     torch.func.vmap cannot run (a recurrent module inside it, on a batch of its own; a read
-    of a value in its forward): its calls are not recorded whole, but run through, each
-    call inside its forward recorded as the function's own calls are."""
+    of a value in its forward), or that returns Python values beside its tensors (a step
+    module returning ``(h, int(h.argmax()))``): its calls are not recorded whole, but run
+    through, each call inside its forward recorded as the function's own calls are."""
 
 
 # Such modules, by identity (id -> the module; emptied by clear_cache): every call of one
@@ -972,6 +973,8 @@ class _Recorder:
             _rng_restore(rng)
         leaves, treedef = pytree.tree_flatten(out)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            if op.kind == "module" and _inlinable(op.fn):
+                raise _Inline  # (a module of one's own returning Python values: run through)
             raise FoldError(
                 f"autobatch: {op.name} at {op.where or '?'} returns "
                 f"{type(out).__name__}, not tensors; a recorded call must return a tensor or "
