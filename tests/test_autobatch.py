@@ -4617,3 +4617,16 @@ def test_negated_known_flags_stay_known():
     for (t, got, dtype, t1, b), ok in zip(seen[:3], oks):
         assert t is values.Known and t1 is values.Known and dtype is torch.bool
         assert got == [not o for o in ok] and b is (not ok[0])
+
+
+def test_a_batchable_function_returning_python_values_is_a_fold_error():
+    """A ``@fold.batchable`` function runs as one recorded call per group: its results must
+    be tensors; a Python value among them is a FoldError naming the call and the fix (a
+    module of one's own returning one is run through instead, see above)."""
+
+    @fold.batchable
+    def scored(h):
+        return h.tanh(), 3
+
+    with pytest.raises(fold.FoldError, match=r"returns tuple, not tensors.*Fix: compute"):
+        fold.autobatch(lambda x: scored(x * 2)[0], [torch.randn(3) for _ in range(2)])
