@@ -13,8 +13,9 @@ so every alias of it sees the writes, as in eager code.
 A write through a view of such a tensor (``buf[ei] += out``: Python writes into the view
 ``buf[ei]``, then sets it back) writes the buffer's part the view sees (``_put_region``),
 and the view becomes a written buffer whose value is that part (``_region``), read from
-the buffer's value at each use.  Once written, ``buf[t]`` is a recorded value: assigning
-to it writes the buffer, an in-place method of it is refused as on any recorded value.
+the buffer's value at each use.  So does every view of a written buffer (``buf[t]``,
+``buf.T``, ``buf[1:3]``, ``buf.view(-1)``: ``_views``): writing into it (``buf[t].mul_(2)``)
+writes the buffer, as in eager code.
 
 A tensor is the example's own where it was made during the call by a factory autobatch
 wraps (``torch.zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``, ``randint``,
@@ -99,7 +100,11 @@ class _Written(torch.Tensor):
                 if name in _OWN:  # (the tensor's own: fold's checks of an argument)
                     with _NO_SUBCLASS():
                         return func(*args, **kwargs)
+                if name in _VIEW_ATTRIBUTES:
+                    return _views(rec, table, func, args, kwargs)
                 return getattr(held(args[0], table, rec), name)
+            if func in _VIEWS and not _lazy_among((args[1:], kwargs)):
+                return _views(rec, table, func, args, kwargs)
             if name is not None and getattr(torch.Tensor, name, None) is func:
                 # A method (repr, len, iteration, .tolist()): the value's own.
                 rest = _held(args[1:], table, rec)
@@ -113,6 +118,61 @@ class _Written(torch.Tensor):
             if type(a) is Lazy or (type(a) in (tuple, list) and any(type(x) is Lazy for x in a)):
                 return Lazy.__torch_function__(func, (Lazy,), args, kwargs)
         return func(*args, **kwargs)
+
+
+# Calls that give a view of a tensor (its memory, read and written through): on a written
+# buffer each gives a written buffer of its own, the part of the buffer it views (see
+# _views), so that writing into it writes the buffer, as in eager code.
+_VIEW_NAMES = (
+    "__getitem__ view view_as reshape reshape_as narrow select unsqueeze squeeze flatten "
+    "unflatten t transpose swapaxes swapdims permute movedim moveaxis expand expand_as "
+    "diagonal as_strided unbind split chunk tensor_split hsplit vsplit unfold detach alias"
+).split()
+_VIEWS = frozenset(
+    f
+    for space in (torch.Tensor, torch)
+    for f in (getattr(space, n, None) for n in _VIEW_NAMES)
+    if f is not None
+)
+_VIEW_ATTRIBUTES = frozenset(("T", "mT", "H", "mH", "data"))
+
+
+def _lazy_among(a: Any) -> bool:
+    """Whether a lazy or known value (a recorded index) is in ``a``, however nested."""
+    t = type(a)
+    if t is Lazy or t is _Written or (t is not torch.Tensor and isinstance(a, torch.Tensor)):
+        return True
+    if t is tuple or t is list:
+        return any(_lazy_among(x) for x in a)
+    if t is dict:
+        return any(_lazy_among(x) for x in a.values())
+    return False
+
+
+def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: Any) -> Any:
+    """A view of written buffer ``args[0]`` (``buf[t]``, ``buf.view(-1)``, ``buf.T``): the
+    view torch gives of the tensor's memory (which no write changes: only its geometry is
+    read), a written buffer of its own that holds the part it views (``_View``); a result
+    that is no view of the memory (a reshape that copies), the call on the held value."""
+    buf = args[0]
+    held(buf, table, rec)  # (the checks)
+    root = buf if buf._base is None else buf._base
+    with _NO_SUBCLASS():
+        out = func(*args, **kwargs)
+    outs = out if type(out) in (tuple, list) else (out,)
+    if not all(type(t) is torch.Tensor and t._base is root for t in outs):
+        if type(out) in (tuple, list) or type(out) is torch.Tensor:
+            value = held(buf, table, rec)
+            rest = _held(args[1:], table, rec)
+            return Lazy.__torch_function__(func, (Lazy,), (value, *rest), kwargs)
+        return out
+    with _NO_SUBCLASS():  # (the geometry of the memory, read as plain tensors)
+        start = root.storage_offset()
+        for t in outs:
+            view = _View(root, tuple(t.shape), tuple(t.stride()), t.storage_offset() - start)
+            table[id(t)] = [t, view, rec.example]
+            t.__class__ = _Written
+    return out
 
 
 # Attributes a written buffer answers as the eager tensor it is (autograd's bookkeeping,
