@@ -1250,6 +1250,31 @@ def test_writes_through_views_of_a_buffer_equal_eager(write):
     assert ops and all(op.mode is common._DIRECT for op in ops)
 
 
+def test_buffers_made_like_a_value_are_the_examples_own():
+    """``out = torch.zeros_like(h)`` (and ``ones_like``, ``empty_like`` then filled,
+    ``full_like``) of a recorded value, of one of an earlier round, or of the example's own
+    input: a tensor made from the shape alone, at once, that the example may fill in place
+    as a buffer.  Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        out = torch.zeros_like(h)
+        out[0] = h[1]
+        out[1] = h[0] * 2
+        if float(h.detach().sum()) > 0:  # a read: h is an earlier round's value after it
+            h = -h
+        ones = torch.ones_like(h)
+        ones[2] = h[2]
+        empty = torch.empty_like(h)
+        empty.copy_(h * 3)
+        full = torch.full_like(x, 0.5)
+        full[1] += h[0]
+        return out + ones + empty + full
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(5)])
+
+
 def _shared_buffer(buf, y):  # a tensor made before the call, shared by every example
     _SHARED.add_(y)
 

@@ -19,8 +19,9 @@ writes the buffer, as in eager code.
 
 A tensor is the example's own where it was made during the call by a factory autobatch
 wraps (``torch.zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``, ``randint``,
-``eye``, ``arange``, ``linspace``, ``logspace``, ``full_like``, ``Tensor.new_zeros`` and
-kin; noted by ``note_made``) by the example that writes it, is no view and has none, and
+``eye``, ``arange``, ``linspace``, ``logspace``, ``zeros_like``, ``ones_like``,
+``empty_like``, ``full_like`` (of a recorded value too: made from its shape alone),
+``Tensor.new_zeros`` and kin; noted by ``note_made``) by the example that writes it, is no view and has none, and
 needs no gradient.  Any other eager tensor written with a recorded value stays a FoldError
 (``values._inplace_call``): a tensor shared by the examples, or one made before the call,
 would be written by every example at once.

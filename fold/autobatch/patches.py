@@ -506,8 +506,7 @@ _WRAPPERS = {
         (
             torch,
             (
-                "full full_like arange linspace logspace zeros ones empty rand randn randint eye "
-                "reshape"
+                "full arange linspace logspace zeros ones empty rand randn randint eye reshape"
             ).split(),
         ),
         (torch.Tensor, ("new_full", "new_zeros", "new_ones", "new_empty", "expand")),
@@ -515,6 +514,33 @@ _WRAPPERS = {
     for name in names
 }
 _WRAPPERS[torch.Tensor, "new_tensor"] = _recording_new_tensor
+
+
+def _like_safe(fn: Any) -> Any:
+    """``torch.zeros_like`` and kin while autobatch runs: of a lazy value, the tensor made
+    from its shape, dtype and device alone (all they read of it), at once, as eager code
+    makes it, not a recorded call; its other arguments as ``_known_safe`` takes them.  So
+    the result is a tensor the example made (``out = torch.zeros_like(h)``, then ``out[t] =
+    ...``: see fold/autobatch/buffers.py)."""
+    local = _LOCAL
+    safe = _known_safe(fn)
+
+    @functools.wraps(fn)
+    def call(input: Any, *args: Any, **kwargs: Any) -> Any:
+        if local.rec is not None and type(input) is Lazy:
+            m = input.meta
+            input = torch.empty(m.shape, dtype=m.dtype, device=m.device)
+        return safe(input, *args, **kwargs)
+
+    return call
+
+
+_WRAPPERS.update(
+    {
+        (torch, name): _like_safe(getattr(torch, name))
+        for name in ("zeros_like", "ones_like", "empty_like", "full_like")
+    }
+)
 
 
 class _ApplyInstalled:
