@@ -21,10 +21,11 @@ A tensor is the example's own where it was made during the call by a factory aut
 wraps (``torch.zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``, ``randint``,
 ``eye``, ``arange``, ``linspace``, ``logspace``, ``zeros_like``, ``ones_like``,
 ``empty_like``, ``full_like`` (of a recorded value too: made from its shape alone),
-``Tensor.new_zeros`` and kin; noted by ``note_made``) by the example that writes it, is no view and has none, and
-needs no gradient.  Any other eager tensor written with a recorded value stays a FoldError
-(``values._inplace_call``): a tensor shared by the examples, or one made before the call,
-would be written by every example at once.
+``Tensor.new_zeros`` and kin; noted by ``note_made``) by the example that writes it, is no
+view itself, has no view but the one written through, and needs no gradient.  Any other
+eager tensor written with a recorded value stays a FoldError (``values._inplace_call``): a
+tensor shared by the examples, or one made before the call, would be written by every
+example at once, and a view taken before the write would keep the old values.
 
 When the call ends, each written buffer gets its class back (``restore``); a buffer the
 function returns is its recorded value among the results.  The tensor itself keeps what it
