@@ -70,13 +70,26 @@ def _put_region(x: torch.Tensor, shape: Any, stride: Any, offset: int, value: An
 
 
 class _View:
-    """What a written buffer that views another holds: that buffer's part (see
-    ``_region``), read from the other's value at each use."""
+    """What a written buffer that views another holds: that buffer's part, read from the
+    other's value at each use, and written through to it (``_put_region`` at the part's
+    place in ``base``, the buffer viewed).  Where the view was made of a written buffer
+    (``_views``), ``read`` makes the part from ``parent``'s value (the view call itself, on
+    the value: ``encoder_outputs.unsqueeze(0)`` reads as the value's ``unsqueeze(0)``);
+    else (a view written through before its buffer was, ``write``) ``_region`` does."""
 
-    __slots__ = ("base", "shape", "stride", "offset")
+    __slots__ = ("base", "shape", "stride", "offset", "parent", "read")
 
-    def __init__(self, base: Any, shape: Any, stride: Any, offset: int) -> None:
+    def __init__(
+        self,
+        base: Any,
+        shape: Any,
+        stride: Any,
+        offset: int,
+        parent: Any = None,
+        read: Any = None,
+    ) -> None:
         self.base, self.shape, self.stride, self.offset = base, shape, stride, offset
+        self.parent, self.read = parent, read
 
 
 class _Written(torch.Tensor):
@@ -94,7 +107,10 @@ class _Written(torch.Tensor):
                 return func(*args, **kwargs)
         table = rec.session.written
         if args and type(args[0]) is _Written:
-            if func is _SETITEM or _is_inplace(func):
+            inplace = _INPLACE.get(func)
+            if inplace is None:
+                inplace = _INPLACE[func] = func is _SETITEM or _is_inplace(func)
+            if inplace:
                 return _write(rec, table, func, args, kwargs)
             name = getattr(func, "__name__", None)
             if name == "__get__":  # an attribute (.shape, .T)
@@ -120,6 +136,11 @@ class _Written(torch.Tensor):
             if type(a) is Lazy or (type(a) in (tuple, list) and any(type(x) is Lazy for x in a)):
                 return Lazy.__torch_function__(func, (Lazy,), args, kwargs)
         return func(*args, **kwargs)
+
+
+# Whether a torch function changes its first argument in place, by function (filled on
+# first sight).
+_INPLACE: dict[Any, bool] = {}
 
 
 # Calls that give a view of a tensor (its memory, read and written through): on a written
@@ -158,8 +179,18 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
     that is no view of the memory (a reshape that copies), the call on the held value."""
     buf = args[0]
     held(buf, table, rec)  # (the checks)
-    root = buf if buf._base is None else buf._base
+    views = rec.session.views
+    rest = args[1:]
+    # The view made before by the same call (``encoder_outputs.unsqueeze(0)`` at every
+    # step), found without torch's call where its arguments are plain ints.
+    again = None
+    if not kwargs and all(type(a) is int for a in rest):
+        again = (id(buf), func, *rest)
+        got = views.get(again)
+        if got is not None and got[0] is buf and table.get(id(got[1]), (None,))[0] is got[1]:
+            return got[1]
     with _NO_SUBCLASS():
+        root = buf if buf._base is None else buf._base
         out = func(*args, **kwargs)
     outs = out if type(out) in (tuple, list) else (out,)
     if not all(type(t) is torch.Tensor and t._base is root for t in outs):
@@ -168,13 +199,55 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
             rest = _held(args[1:], table, rec)
             return Lazy.__torch_function__(func, (Lazy,), (value, *rest), kwargs)
         return out
+    made = []
+    single = type(out) is torch.Tensor  # (before its class is set below)
     with _NO_SUBCLASS():  # (the geometry of the memory, read as plain tensors)
         start = root.storage_offset()
-        for t in outs:
-            view = _View(root, tuple(t.shape), tuple(t.stride()), t.storage_offset() - start)
-            table[id(t)] = [t, view, rec.example]
+        for i, t in enumerate(outs):
+            geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - start)
+            # A view of the same part made again (``encoder_outputs.unsqueeze(0)`` at every
+            # step) is the view made before: one object, as two views of one memory see the
+            # same writes.
+            key = (id(root), *geometry)
+            got = views.get(key)
+            if got is not None and got[0] is root and table.get(id(got[1]), (None,))[0] is got[1]:
+                made.append(got[1])
+                continue
+            read = _reader(func, args[1:], kwargs, i if not single else None)
+            table[id(t)] = [t, _View(root, *geometry, buf, read), rec.example]
             t.__class__ = _Written
-    return out
+            views[key] = (root, t)
+            made.append(t)
+    if single and again is not None:
+        views[again] = (buf, made[0])
+    return made[0] if single else type(out)(made)
+
+
+def _reader(func: Any, rest: tuple[Any, ...], kwargs: Any, index: int | None) -> Any:
+    """How a view call reads its part of a value: the call itself, on the value (a tensor
+    method as the value's method, so that a recorded value's pure methods are made once,
+    see ``values._memoised``; an attribute as the value's attribute), the ``index``-th of its
+    results where it gives several (``unbind``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        attribute = func.__self__.__name__
+
+        def read(value: Any) -> Any:
+            return getattr(value, attribute)
+
+    elif name is not None and getattr(torch.Tensor, name, None) is func:
+
+        def read(value: Any) -> Any:
+            out = getattr(value, name)(*rest, **kwargs)
+            return out if index is None else out[index]
+
+    else:
+
+        def read(value: Any) -> Any:
+            out = func(value, *rest, **kwargs)
+            return out if index is None else out[index]
+
+    return read
 
 
 # Attributes a written buffer answers as the eager tensor it is (autograd's bookkeeping,
@@ -224,10 +297,27 @@ def held(buf: Any, table: dict[int, list[Any]], rec: Any) -> Any:
     value = entry[1]
     if type(value) is _View:  # (a view of another buffer: its part of that one's value)
         v = value
-        return rec.record(
-            _region, "torch", (held(v.base, table, rec), v.shape, v.stride, v.offset), {}
-        )
+        source = held(v.base if v.read is None else v.parent, table, rec)
+        # One part per view and value of what it views: a view made and read at every step
+        # (``encoder_outputs.unsqueeze(0)``, the same view object each time, see _views)
+        # reads the same part until the buffer is written.
+        parts = rec.session.parts
+        key = (id(buf), id(source))
+        got = parts.get(key)
+        if got is not None and got[0] is source and got[1] is buf:
+            return got[2]
+        if v.read is not None:
+            part = v.read(source)
+        else:
+            part = rec.record(_region, "torch", (source, v.shape, v.stride, v.offset), {})
+        if len(parts) >= _PARTS:
+            parts.clear()
+        parts[key] = (source, buf, part)
+        return part
     return value
+
+
+_PARTS = 256  # (the most parts a call keeps: see held)
 
 
 def _write(
@@ -356,6 +446,8 @@ def restore(session: Any) -> None:
         buf.__class__ = torch.Tensor
     session.written.clear()
     session.made.clear()
+    session.parts.clear()
+    session.views.clear()
 
 
 def results_held(leaves: list[Any], rec: Any) -> list[Any]:

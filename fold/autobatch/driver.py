@@ -251,6 +251,8 @@ class _Session:
         # holds, the example]): see fold/autobatch/buffers.py.
         self.made: dict[int, tuple[Any, int]] = {}
         self.written: dict[int, list[Any]] = {}
+        self.parts: dict[Any, Any] = {}  # (the parts views of them read: buffers.held)
+        self.views: dict[Any, Any] = {}  # (the views made of them: buffers._views)
 
     def records(self) -> bool:
         """Whether the current round records (a value of an earlier round may be used)."""
