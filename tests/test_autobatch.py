@@ -1250,6 +1250,28 @@ def test_writes_through_views_of_a_buffer_equal_eager(write):
     assert ops and all(op.mode is common._DIRECT for op in ops)
 
 
+def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
+    """After a read (every round batched, or the examples finishing as eager code), views
+    of a written buffer: ones that copy (``buf.T.reshape(-1)``: no view of its memory, the
+    call on its value), several at once (``unbind``, read), a view of a view written
+    through.
+    Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        buf = torch.zeros(2, 3)
+        buf[0] = lin(x)
+        if float(buf[0].detach().sum()) > 0:  # a read
+            buf[1] = buf[0] * 2
+        b = buf[1]
+        b[1:].add_(buf[0][:2])  # a view of a view, written: the buffer sees it
+        flat = buf.T.reshape(-1)
+        first, second = buf.unbind(0)  # (read only: eager refuses writes near unbind's views)
+        return flat, buf * 1, first + second + b
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+
+
 def test_buffers_made_like_a_value_are_the_examples_own():
     """``out = torch.zeros_like(h)`` (and ``ones_like``, ``empty_like`` then filled,
     ``full_like``) of a recorded value, of one of an earlier round, or of the example's own

@@ -197,7 +197,9 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
         if type(out) in (tuple, list) or type(out) is torch.Tensor:
             value = held(buf, table, rec)
             rest = _held(args[1:], table, rec)
-            return Lazy.__torch_function__(func, (Lazy,), (value, *rest), kwargs)
+            if type(value) is Lazy:
+                return Lazy.__torch_function__(func, (Lazy,), (value, *rest), kwargs)
+            return func(value, *rest, **kwargs)  # (the eager finish: the value's row)
         return out
     made = []
     single = type(out) is torch.Tensor  # (before its class is set below)
