@@ -3156,6 +3156,59 @@ def test_random_programs_writing_buffers_match_eager(finish, programs):
         torch.set_default_dtype(torch.float32)
 
 
+@_PROGRAMS
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 4), st.integers(1, 2)), min_size=1, max_size=5),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_random_programs_of_modules_run_through_match_eager(finish, programs):
+    """Random programs of a module of one's own that vmap cannot run (a GRU on a batch of
+    one inside it, a read in its forward that picks a branch), its cell on batches of one or
+    two rows, a Dropout in eval mode and ``bmm`` attention over a memory: values and
+    gradients equal eager (float64), whichever examples take which steps."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gru = nn.GRU(3, 3)
+                self.cell = nn.GRUCell(3, 3)
+                self.drop = nn.Dropout(0.3)
+                self.q = nn.Linear(3, 3)
+
+            def forward(self, h, mem, step, rows):
+                if step == 0:
+                    out, hn = self.gru(h.view(1, 1, -1), h.view(1, 1, -1))
+                    return out.view(-1) + hn.view(-1)
+                if step == 1:
+                    return self.cell(h.expand(rows, 3), h.expand(rows, 3)).sum(0) / rows
+                if step == 2:
+                    w = torch.softmax(mem @ self.q(h), 0)
+                    return torch.bmm(w.view(1, 1, -1), mem.unsqueeze(0)).view(-1)
+                if step == 3 and float(h.detach().sum()) > 0:  # a read in the forward
+                    return self.drop(-h)
+                return torch.tanh(self.q(self.drop(h)))
+
+        block = Block().eval()
+
+        def fn(x, program):
+            mem = torch.tanh(x.view(2, 3))
+            h = block.q(mem[0])
+            for step, rows in program:
+                h = block(h, mem, step, rows)
+            return h
+
+        xs = [torch.randn(6) for _ in programs]
+        assert_same(fn, list(block.parameters()), xs, programs)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 @st.composite
 def moded_programs(draw):
     """Per example: steps of (layer, how to read after it: not, plainly, or inside
