@@ -64,6 +64,7 @@ from fold.autobatch.values import (
     _value_of,
 )
 from fold.errors import FoldError
+from fold.executor import ModelBatched
 from fold.graph import Fold
 from fold.ops import PaddedRows
 from fold.ragged import Ragged
@@ -267,8 +268,10 @@ def _inlinable(module: Any) -> bool:
     of a class not of torch's own (whose forward is torch's kernels, recorded as one call or
     not at all), or a Sequential."""
     t = type(module)
-    return isinstance(module, nn.Module) and (
-        t is nn.Sequential or not t.__module__.startswith("torch.")
+    return (
+        isinstance(module, nn.Module)
+        and not isinstance(module, ModelBatched)  # (N models' rows: merged, see _MODELS)
+        and (t is nn.Sequential or not t.__module__.startswith("torch."))
     )
 
 
@@ -862,6 +865,13 @@ class _Recorder:
             args, kwargs = _positional(args, kwargs)
         where = _source_line()
         op = _Op(fn, kind, args, kwargs, where, _fn_name(fn, kind))
+        if (
+            kind == "module"
+            and _inlinable(fn)
+            and _module_mode(fn, args, kwargs) is _VMAP
+            and not self._vmaps(op)
+        ):
+            raise _Inline  # (before its shapes are inferred: its forward runs as code)
         self._infer(op)
         if kind == "torch":
             direct = _direct_template(fn, args, kwargs, op.outs)
@@ -884,8 +894,6 @@ class _Recorder:
                 op.mode = _module_mode(fn, args, kwargs)
             if op.mode is _MODELS and not self._merges_models(op):
                 op.mode = _VMAP
-            if op.mode is _VMAP and _inlinable(fn) and not self._vmaps(op):
-                raise _Inline
         elif kind == _BATCHED:
             op.mode = _BATCHED
         return op
