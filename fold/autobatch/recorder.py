@@ -498,6 +498,10 @@ class _Recorder:
     def _record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module" and _INLINE and _INLINE.get(id(fn)) is fn:
             return _call_module(fn, *args, **kwargs)
+        for a in args:  # a written buffer: the value it holds, for the fast path's key
+            if type(a) is _Written and not (kind == "torch" and _INPLACE[fn]):
+                args = tuple(buffers.held_by(x, self) if type(x) is _Written else x for x in args)
+                break
         # The grad/autocast mode the call is recorded in; None for the usual one (gradients
         # on, no autocast), the only one the fast table holds.
         mode = None if torch.is_grad_enabled() and not _any_autocast() else _current_mode()
