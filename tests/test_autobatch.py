@@ -1272,6 +1272,30 @@ def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
 
 
+def test_an_in_place_write_into_a_recorded_value_names_the_buffer_fix():
+    """``c = h.clone(); c[0] = 0`` writes into a recorded value, which cannot change: a
+    FoldError naming the out-of-place forms and the buffer the function can make instead;
+    that fix (``buf = torch.zeros_like(h); buf.copy_(h); buf[0] = 0``) equals eager."""
+    lin = nn.Linear(3, 3)
+
+    def refused(x):
+        c = lin(x).clone()
+        c[0] = 0.0
+        return c
+
+    with pytest.raises(fold.FoldError, match=r"in-place .* on a lazy value.*zeros_like\(x\)"):
+        fold.autobatch(refused, [torch.randn(3) for _ in range(2)])
+
+    def fixed(x):
+        h = lin(x)
+        buf = torch.zeros_like(h)
+        buf.copy_(h)
+        buf[0] = 0.0
+        return buf
+
+    assert_same(fixed, list(lin.parameters()), [torch.randn(3) for _ in range(3)])
+
+
 def test_buffers_made_like_a_value_are_the_examples_own():
     """``out = torch.zeros_like(h)`` (and ``ones_like``, ``empty_like`` then filled,
     ``full_like``) of a recorded value, of one of an earlier round, or of the example's own

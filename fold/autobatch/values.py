@@ -465,7 +465,8 @@ def _inplace(self: Lazy, name: str) -> None:
     raise FoldError(
         f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
         "values are immutable. Fix: use the out-of-place form (x = x.add(y), torch.where, "
-        "index_put without underscore)."
+        "masked_fill or index_put without underscore), or write into a tensor the function "
+        "makes (buf = torch.zeros_like(x); buf.copy_(x); buf[i] = y)."
     )
 
 
