@@ -1348,7 +1348,7 @@ def _shape_change(buf, y):
     "write, match",
     [
         (_out, r"out=.*in place.*Fix: .*buf = buf \+ y"),
-        (_shared_buffer, r"in place.*Fix: .*buf = buf \+ y"),
+        (_shared_buffer, r"in place.*not one the example made.*Fix: .*buf = buf \+ y.*zeros_like"),
         (_view_first, r"in place.*Fix: .*buf = buf \+ y"),
         (_unknown_form, r"normal_ on a buffer written with recorded values.*Fix: "),
         (_shape_change, r"unsqueeze_ on a buffer of shape \(3,\) would give shape"),

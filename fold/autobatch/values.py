@@ -482,10 +482,14 @@ def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[s
     what = "out=" if "out" in kwargs else name
     raise FoldError(
         f"autobatch: example {rec.example}: {what} writes a recorded value into an eager "
-        "tensor in place. Inside autobatch a recorded value is computed only after every "
-        "example is recorded, so the eager tensor (and every alias of it) would keep its old "
-        "value. Fix: compute out of place and rebind the name: buf = buf + y (for buf.add_(y) "
-        "or acc += y), buf = y (for buf.copy_(y)), torch.where or torch.cat (for buf[i] = y)."
+        "tensor in place that is not one the example made for it (one made before the call "
+        "or by another example, by torch.tensor, or one with a view taken before the write). "
+        "Inside autobatch a recorded value is computed only after every example is recorded, "
+        "so the eager tensor (and every alias of it) would keep its old value. Fix: compute "
+        "out of place and rebind the name: buf = buf + y (for buf.add_(y) or acc += y), "
+        "buf = y (for buf.copy_(y)), torch.where or torch.cat (for buf[i] = y); or make the "
+        "tensor inside the function with torch.zeros(...) or torch.zeros_like(...) and write "
+        "into it there."
     )
 
 
