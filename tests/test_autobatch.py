@@ -1296,6 +1296,26 @@ def test_an_in_place_write_into_a_recorded_value_names_the_buffer_fix():
     assert_same(fixed, list(lin.parameters()), [torch.randn(3) for _ in range(3)])
 
 
+def test_a_buffer_written_eagerly_with_a_computed_value_stays_the_examples_own(finish):
+    """After a read, an earlier round's value written into a buffer runs at once, as eager
+    code (the buffer then has a gradient history); a later write of a value of the round
+    recording now still records (it was refused: the buffer "needed a gradient").  Found
+    by the random-programs test of buffers.  Eager's values and gradients."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        buf = torch.zeros(4, 3)
+        h = torch.tanh(lin(x))
+        if float(h.detach().sum()) > 5:  # a read: h is an earlier round's value after it
+            h = -h
+        buf.view(-1)[0] = h[1]  # at once, on h's row
+        h = torch.tanh(lin(h))
+        buf[1] = h  # recorded
+        return buf * 2, h
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+
+
 def test_buffers_made_like_a_value_are_the_examples_own():
     """``out = torch.zeros_like(h)`` (and ``ones_like``, ``empty_like`` then filled,
     ``full_like``) of a recorded value, of one of an earlier round, or of the example's own

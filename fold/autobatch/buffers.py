@@ -383,7 +383,9 @@ def _own(session: Any, rec: Any, t: torch.Tensor, refs: int) -> bool:
     """Whether ``t`` is a tensor the recording example made (see the module's docstring)
     that no view of it but the one at hand sees (``refs``: the references its memory may
     have: itself and the one asking, and the view being written through)."""
-    if t.requires_grad or t._base is not None or type(t) is not torch.Tensor:
+    if type(t) is not torch.Tensor or t._base is not None or (t.requires_grad and t.is_leaf):
+        # (a leaf that needs a gradient is shared, like a parameter; a tensor that has a
+        # gradient history, written eagerly with a computed value, is the example's own)
         return False
     made = session.made.get(id(t))
     if made is None or made[0]() is not t or made[1] != rec.example:
