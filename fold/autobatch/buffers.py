@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from fold.autobatch.common import _LOCAL, _MISS, _is_inplace
+from fold.autobatch.common import _INPLACE, _LOCAL, _MISS, _is_inplace
 from fold.autobatch.values import Lazy
 from fold.errors import FoldError
 
@@ -107,10 +107,7 @@ class _Written(torch.Tensor):
                 return func(*args, **kwargs)
         table = rec.session.written
         if args and type(args[0]) is _Written:
-            inplace = _INPLACE.get(func)
-            if inplace is None:
-                inplace = _INPLACE[func] = func is _SETITEM or _is_inplace(func)
-            if inplace:
+            if _INPLACE[func]:
                 return _write(rec, table, func, args, kwargs)
             name = getattr(func, "__name__", None)
             if name == "__get__":  # an attribute (.shape, .T)
@@ -136,11 +133,6 @@ class _Written(torch.Tensor):
             if type(a) is Lazy or (type(a) in (tuple, list) and any(type(x) is Lazy for x in a)):
                 return Lazy.__torch_function__(func, (Lazy,), args, kwargs)
         return func(*args, **kwargs)
-
-
-# Whether a torch function changes its first argument in place, by function (filled on
-# first sight).
-_INPLACE: dict[Any, bool] = {}
 
 
 # Calls that give a view of a tensor (its memory, read and written through): on a written

@@ -188,3 +188,14 @@ def _is_inplace(fn: Any) -> bool:
 _AUGMENTED = frozenset(
     "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
 )
+
+
+class _InplaceTable(dict):  # type: ignore[type-arg]
+    """fn -> whether it works in place, filled on first sight (see _is_inplace)."""
+
+    def __missing__(self, fn: Any) -> bool:
+        out = self[fn] = _is_inplace(fn)
+        return out
+
+
+_INPLACE = _InplaceTable()

@@ -20,6 +20,7 @@ from fold.autobatch.common import (
     _BATCHED,
     _C,
     _DIRECT,
+    _INPLACE,
     _LOCAL,
     _MISS,
     _MODELS,
@@ -38,7 +39,6 @@ from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
     _DIM_OPS,
     _GROUP_CALLS,
-    _INPLACE,
     _PACKED_RNNS,
     _PADDED,
     _REWRITES,

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fold.autobatch import buffers
-from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP, _is_inplace
+from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
 from fold.autobatch.patches import _READ_FUNCTIONS, _call_module
 from fold.autobatch.values import _Meta
@@ -694,14 +694,3 @@ def _polymorphic_module(module: nn.Module) -> bool:
     if isinstance(module, nn.Sequential):
         return all(_polymorphic_module(m) for m in module)
     return isinstance(module, _POLYMORPHIC_MODULES)
-
-
-class _InplaceTable(dict):  # type: ignore[type-arg]
-    """fn -> whether it works in place, filled on first sight (see _is_inplace)."""
-
-    def __missing__(self, fn: Any) -> bool:
-        out = self[fn] = _is_inplace(fn)
-        return out
-
-
-_INPLACE = _InplaceTable()
