@@ -3113,34 +3113,30 @@ def test_random_programs_with_data_shaped_calls_match_eager(finish, programs):
     size given by a recorded count, a custom autograd.Function and a known accumulator
     changed in place: values and gradients equal eager (float64), whichever examples take
     which steps (each data-shaped call a read of its own)."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
 
-        def fn(x, program):
-            h = torch.tanh(layers[0](x))
-            acc = torch.tensor([0.0, 0.0, 0.0])
-            for step in program:
-                if step == 0:
-                    h = torch.tanh(layers[1](h))
-                elif step == 1 and float(h.sum().detach()) > 0:
-                    h = h * 0.5
-                elif step == 2:
-                    h = h + h[h > 0].sum()
-                elif step == 3:
-                    n = (h > 0).long().sum() + 1  # 1 to 4
-                    h = h + torch.ones(n, 3).sum(0) * 0.1 + h.repeat(n)[:3]
-                elif step == 4:
-                    h = _StraightThrough.apply(h) * h + h
-                else:
-                    acc += 1.0
-            return h * acc.sum()
+    def fn(x, program):
+        h = torch.tanh(layers[0](x))
+        acc = torch.tensor([0.0, 0.0, 0.0])
+        for step in program:
+            if step == 0:
+                h = torch.tanh(layers[1](h))
+            elif step == 1 and float(h.sum().detach()) > 0:
+                h = h * 0.5
+            elif step == 2:
+                h = h + h[h > 0].sum()
+            elif step == 3:
+                n = (h > 0).long().sum() + 1  # 1 to 4
+                h = h + torch.ones(n, 3).sum(0) * 0.1 + h.repeat(n)[:3]
+            elif step == 4:
+                h = _StraightThrough.apply(h) * h + h
+            else:
+                acc += 1.0
+        return h * acc.sum()
 
-        xs = [torch.randn(3) for _ in programs]
-        assert_same(fn, list(layers.parameters()), xs, programs)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    xs = [torch.randn(3) for _ in programs]
+    assert_same(fn, list(layers.parameters()), xs, programs)
 
 
 @_PROGRAMS
@@ -3157,47 +3153,43 @@ def test_random_programs_writing_buffers_match_eager(finish, programs):
     numbers, interleaved with reads that decide and with uses of the buffer (a matmul over
     it, a row of it): values and gradients equal eager (float64), whichever examples write
     where and when, and the buffer returned is its value."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        lin = nn.Linear(3, 3)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
 
-        def fn(x, program):
-            buf = torch.zeros(4, 3)
-            h = torch.tanh(lin(x))
-            for step, row in program:
-                if step == 0:
-                    buf[row] = h
-                elif step == 1:
-                    buf[row] += h * 0.5
-                elif step == 2:
-                    view = buf[row]
-                    view += h
-                    h = h + view
-                elif step == 3:
-                    buf.add_(h)
-                elif step == 4:
-                    buf[row] = 1.5
-                elif step == 5 and float(h.detach().sum()) > 0:  # a read that decides
-                    h = torch.tanh(lin(h + buf[row]))
-                elif step == 6:  # (a clone: a product saves its operand, which later writes change)
-                    h = torch.tanh(buf.clone() @ h)[:3] + h
-                elif step == 7:
-                    buf[row].mul_(0.5)  # a method of a part
-                elif step == 8:
-                    buf.T[row % 3].add_(h[0])  # a part of a view
-                elif step == 9:
-                    part = buf[1:3]
-                    part[row % 2] = h * 2  # a slice kept, written
-                    h = h + part.sum(0)
-                else:
-                    buf.view(-1)[row] = h[1]  # a flat view
-            return buf * 2, h
+    def fn(x, program):
+        buf = torch.zeros(4, 3)
+        h = torch.tanh(lin(x))
+        for step, row in program:
+            if step == 0:
+                buf[row] = h
+            elif step == 1:
+                buf[row] += h * 0.5
+            elif step == 2:
+                view = buf[row]
+                view += h
+                h = h + view
+            elif step == 3:
+                buf.add_(h)
+            elif step == 4:
+                buf[row] = 1.5
+            elif step == 5 and float(h.detach().sum()) > 0:  # a read that decides
+                h = torch.tanh(lin(h + buf[row]))
+            elif step == 6:  # (a clone: a product saves its operand, which later writes change)
+                h = torch.tanh(buf.clone() @ h)[:3] + h
+            elif step == 7:
+                buf[row].mul_(0.5)  # a method of a part
+            elif step == 8:
+                buf.T[row % 3].add_(h[0])  # a part of a view
+            elif step == 9:
+                part = buf[1:3]
+                part[row % 2] = h * 2  # a slice kept, written
+                h = h + part.sum(0)
+            else:
+                buf.view(-1)[row] = h[1]  # a flat view
+        return buf * 2, h
 
-        xs = [torch.randn(3) for _ in programs]
-        assert_same(fn, list(lin.parameters()), xs, programs)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    xs = [torch.randn(3) for _ in programs]
+    assert_same(fn, list(lin.parameters()), xs, programs)
 
 
 @_PROGRAMS
@@ -3213,44 +3205,40 @@ def test_random_programs_of_modules_run_through_match_eager(finish, programs):
     one inside it, a read in its forward that picks a branch), its cell on batches of one or
     two rows, a Dropout in eval mode and ``bmm`` attention over a memory: values and
     gradients equal eager (float64), whichever examples take which steps."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
+    torch.manual_seed(0)
 
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gru = nn.GRU(3, 3)
-                self.cell = nn.GRUCell(3, 3)
-                self.drop = nn.Dropout(0.3)
-                self.q = nn.Linear(3, 3)
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(3, 3)
+            self.cell = nn.GRUCell(3, 3)
+            self.drop = nn.Dropout(0.3)
+            self.q = nn.Linear(3, 3)
 
-            def forward(self, h, mem, step, rows):
-                if step == 0:
-                    out, hn = self.gru(h.view(1, 1, -1), h.view(1, 1, -1))
-                    return out.view(-1) + hn.view(-1)
-                if step == 1:
-                    return self.cell(h.expand(rows, 3), h.expand(rows, 3)).sum(0) / rows
-                if step == 2:
-                    w = torch.softmax(mem @ self.q(h), 0)
-                    return torch.bmm(w.view(1, 1, -1), mem.unsqueeze(0)).view(-1)
-                if step == 3 and float(h.detach().sum()) > 0:  # a read in the forward
-                    return self.drop(-h)
-                return torch.tanh(self.q(self.drop(h)))
+        def forward(self, h, mem, step, rows):
+            if step == 0:
+                out, hn = self.gru(h.view(1, 1, -1), h.view(1, 1, -1))
+                return out.view(-1) + hn.view(-1)
+            if step == 1:
+                return self.cell(h.expand(rows, 3), h.expand(rows, 3)).sum(0) / rows
+            if step == 2:
+                w = torch.softmax(mem @ self.q(h), 0)
+                return torch.bmm(w.view(1, 1, -1), mem.unsqueeze(0)).view(-1)
+            if step == 3 and float(h.detach().sum()) > 0:  # a read in the forward
+                return self.drop(-h)
+            return torch.tanh(self.q(self.drop(h)))
 
-        block = Block().eval()
+    block = Block().eval()
 
-        def fn(x, program):
-            mem = torch.tanh(x.view(2, 3))
-            h = block.q(mem[0])
-            for step, rows in program:
-                h = block(h, mem, step, rows)
-            return h
+    def fn(x, program):
+        mem = torch.tanh(x.view(2, 3))
+        h = block.q(mem[0])
+        for step, rows in program:
+            h = block(h, mem, step, rows)
+        return h
 
-        xs = [torch.randn(6) for _ in programs]
-        assert_same(fn, list(block.parameters()), xs, programs)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    xs = [torch.randn(6) for _ in programs]
+    assert_same(fn, list(block.parameters()), xs, programs)
 
 
 @st.composite
@@ -3415,34 +3403,28 @@ def test_calls_whose_shape_depends_on_the_data_read_their_arguments(call, finish
     reads its lazy arguments, as ``int(t)`` does: the example pauses until their round, and
     the call runs at once on their rows.  Values, shapes and gradients equal eager's, and
     the call costs one round, as a read does."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        lin = nn.Linear(3, 3)
-        g = torch.Generator().manual_seed(1)
-        xs = [torch.randn(4, 3, generator=g) for _ in range(5)]
-        masks = [torch.rand(4, 3, generator=g) > 0.5 for _ in range(5)]
-        masks[2] = torch.tanh(lin(xs[2])) > 0  # torch.equal true for one example at least
-        op = _DATA_SHAPED[call]
+    lin = nn.Linear(3, 3)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=g) for _ in range(5)]
+    masks = [torch.rand(4, 3, generator=g) > 0.5 for _ in range(5)]
+    masks[2] = torch.tanh(lin(xs[2])) > 0  # torch.equal true for one example at least
+    op = _DATA_SHAPED[call]
 
-        def fn(x, m):
-            y = torch.tanh(lin(x))
-            return (op(y, m) * 1.5,)  # a recorded call on the result, after the read
+    def fn(x, m):
+        y = torch.tanh(lin(x))
+        return (op(y, m) * 1.5,)  # a recorded call on the result, after the read
 
-        from fold.autobatch import driver
+    from fold.autobatch import driver
 
-        rounds = []
-        run_round = driver._Session.run_round
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(
-                driver._Session, "run_round", lambda self: rounds.append(1) or run_round(self)
-            )
-            got = fold.autobatch(fn, xs, masks, stack=False)
-        want = [fn(x, m) for x, m in zip(xs, masks)]
-        assert len({tuple(w[0].shape) for w in want}) > 1 or call in ("equal", "allclose")
-        assert_same_lists(got, want, list(lin.parameters()))
-        assert len(rounds) == 1  # the round of the read; the rest runs at once
-    finally:
-        torch.set_default_dtype(torch.float32)
+    rounds = []
+    run_round = driver._Session.run_round
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(driver._Session, "run_round", lambda self: rounds.append(1) or run_round(self))
+        got = fold.autobatch(fn, xs, masks, stack=False)
+    want = [fn(x, m) for x, m in zip(xs, masks)]
+    assert len({tuple(w[0].shape) for w in want}) > 1 or call in ("equal", "allclose")
+    assert_same_lists(got, want, list(lin.parameters()))
+    assert len(rounds) == 1  # the round of the read; the rest runs at once
 
 
 def test_formatting_a_one_number_value_reads_it_as_eager(finish):
@@ -3504,23 +3486,19 @@ def test_calls_sized_by_a_recorded_count_read_it(call, finish):
     autobatch).  Such a call is found by its shapes (zeros against ones for ``n``) and reads
     ``n``, as ``int(n)`` would; ``n`` as data (an index) stays batched.  Values, shapes and
     gradients equal eager's."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        lin = nn.Linear(3, 5)
-        op = _SIZED[call]
+    lin = nn.Linear(3, 5)
+    op = _SIZED[call]
 
-        def fn(x):
-            y = torch.tanh(lin(x))
-            n = (y[:3] > 0).long().sum() + 1  # 1 to 4, of the example's data
-            return (op(y, n) * 1.5,)
+    def fn(x):
+        y = torch.tanh(lin(x))
+        n = (y[:3] > 0).long().sum() + 1  # 1 to 4, of the example's data
+        return (op(y, n) * 1.5,)
 
-        g = torch.Generator().manual_seed(3)
-        xs = [torch.randn(3, generator=g) for _ in range(6)]
-        want = [fn(x) for x in xs]
-        got = fold.autobatch(fn, xs, stack=False)
-        assert_same_lists(got, want, list(lin.parameters()))
-    finally:
-        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(3, generator=g) for _ in range(6)]
+    want = [fn(x) for x in xs]
+    got = fold.autobatch(fn, xs, stack=False)
+    assert_same_lists(got, want, list(lin.parameters()))
 
 
 def test_a_wrong_size_given_as_a_recorded_count_raises_torchs_error():
@@ -3566,22 +3544,18 @@ def test_known_and_lazy_values_given_to_tensor_factories_match_eager(call, finis
     values' tensors, and ``torch.tensor`` of a lazy value copies its values without
     history, as of a tensor.  Values and gradients equal eager's, after a read, and the
     factories are torch's own again after the call."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        lin = nn.Linear(3, 3)
-        make = _KNOWN_AS_NUMBER[call]
+    lin = nn.Linear(3, 3)
+    make = _KNOWN_AS_NUMBER[call]
 
-        def fn(x):
-            y = torch.tanh(lin(x))
-            k = torch.tensor(2) if float(y.sum()) > 0 else torch.tensor(3)  # a read first
-            return (make(k, y) * 1.5).sum().reshape(1) + y
+    def fn(x):
+        y = torch.tanh(lin(x))
+        k = torch.tensor(2) if float(y.sum()) > 0 else torch.tensor(3)  # a read first
+        return (make(k, y) * 1.5).sum().reshape(1) + y
 
-        with warnings.catch_warnings():  # torch.tensor(t) of a tensor warns, as eager
-            warnings.filterwarnings("ignore", "To copy construct from a tensor")
-            warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")
-            assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with warnings.catch_warnings():  # torch.tensor(t) of a tensor warns, as eager
+        warnings.filterwarnings("ignore", "To copy construct from a tensor")
+        warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")
+        assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
     assert torch.full is _TORCH_FULL and torch.arange is _TORCH_ARANGE
     from fold.autobatch import patches
 
