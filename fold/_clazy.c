@@ -78,8 +78,10 @@ typedef struct {
 
 static PyTypeObject LazyBaseType;
 
-/* LazyBase(node, meta, rec): the fields are set here, once, and read-only from Python, so a
-   lazy value never lacks one (but after tp_clear, which the fast paths check for). */
+/* LazyBase(node, meta, rec): the fields are set here.  meta and rec are read-only from
+   Python; node is set again by an in-place change of the value (fold/autobatch/buffers.py,
+   write_lazy: the value becomes the node that computes its new value), so a lazy value
+   never lacks one (but after tp_clear, which the fast paths check for). */
 static PyObject *
 lazy_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -126,8 +128,8 @@ lazy_dealloc(LazyBase *self)
 }
 
 static PyMemberDef lazy_members[] = {
-    {"node", T_OBJECT_EX, offsetof(LazyBase, node), READONLY,
-     "the recorded node (or trace handle)"},
+    {"node", T_OBJECT_EX, offsetof(LazyBase, node), 0,
+     "the recorded node (or trace handle); set by an in-place change of the value"},
     {"meta", T_OBJECT_EX, offsetof(LazyBase, meta), READONLY, "per-example shape, dtype, device"},
     {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), READONLY, "the autobatch recorder"},
     {NULL},

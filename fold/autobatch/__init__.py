@@ -115,8 +115,11 @@ How a call is recorded (the choices the contract leaves open):
   the values literal rows of the round.  Grad mode is restored per example across pauses
   (``driver._Session.pause``).  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
-  In-place ops on Lazy values are FoldErrors, and so are writes of Lazy values into an
-  eager tensor the example did not make (see **Buffers**).  So is an eager tensor (not a view) that
+  In-place ops on a Lazy value of the round (``scores.masked_fill_(mask, -inf)``,
+  ``h[i] = v``, ``h += y``) are recorded out of place, the value object becoming the result
+  (``buffers.write_lazy``); on a view, a value with a view of it held, or one of an earlier
+  round they are FoldErrors, and so are writes of Lazy values into an eager tensor the
+  example did not make (see **Buffers**).  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
   updated while its call waits for its round): the call would read the changed value; the
   error names the example and the call.

@@ -34,14 +34,17 @@ held before its first recorded write: its values exist only in the call's result
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 
+from fold._encoding import node_id
 from fold.autobatch.common import _INPLACE, _LOCAL, _MISS, _is_inplace
 from fold.autobatch.values import Lazy
 from fold.errors import FoldError
+from fold.graph import Fold
 
 _SETITEM = torch.Tensor.__setitem__
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -390,6 +393,80 @@ def _own(session: Any, rec: Any, t: torch.Tensor, refs: int) -> bool:
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def write_lazy(
+    rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: bool
+) -> Any:
+    """An in-place torch call, method or operator ``fn`` on a lazy value (``args[0]``:
+    ``x.masked_fill_(m, v)``, ``x[i] = v``, ``torch.relu_(x)``, ``x += y``): recorded out
+    of place, and the lazy value becomes the node of its new value (the same object: every
+    name and list that holds it sees the change, as in eager code).  What it returns (the
+    value; None for ``x[i] = v``).
+
+    Only for a value of the round recording that shares memory with no other value in use:
+    no view itself (``x[0]``, ``x.view(...)``, ``x.detach()``, ``nn.Identity``; see
+    ``_Op.aliases``) and no view of it held (``recorder.note_views``).  Eager code would
+    change those too.  Else a FoldError naming why and the fix; for an operator ``_MISS``,
+    and the caller records ``x = x + y`` (a new value, the name rebound: what autobatch did
+    before it took in-place changes)."""
+    x = args[0]
+    why = _unwritable(rec, x)
+    if why is not None:
+        if operator:
+            return _MISS
+        name = getattr(fn, "__name__", "?")
+        what = "__setitem__ (x[...] = v)" if fn is _SETITEM else f".{name}()"
+        raise FoldError(
+            f"autobatch: example {getattr(rec, 'example', '?')}: in-place {what} on a lazy "
+            f"value {why}"
+        )
+    table = rec.session.written
+    rest = _held(args[1:], table, rec)
+    kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
+    new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value")
+    _SET(x, "node", new.node)
+    return None if fn is _SETITEM else x
+
+
+_SET = object.__setattr__  # (Lazy's own __setattr__ refuses: its node is set here alone)
+
+
+def _unwritable(rec: Any, x: Lazy) -> str | None:
+    """Why lazy value ``x`` cannot be changed in place (see ``write_lazy``); None where it
+    can."""
+    if (
+        rec is None
+        or x.rec is not rec
+        or rec.closed
+        or rec.session is None
+        or type(rec.fold) is not Fold
+        or type(x.node) is not rec.fold._node_type
+    ):
+        return (
+            "computed in an earlier round (before the example's last read: its value is a row "
+            "of that round's batched output, which other recorded calls still read), or "
+            "outside the examples' own recording. Fix: change a copy made now (x = x.clone(), "
+            "then change x), or compute out of place (x = x.masked_fill(...), torch.where)."
+        )
+    i = node_id(x.node)
+    if i in rec.view_roots:
+        return (
+            "that is a view of another value (x = h[i], h.view(...), h.t(), h.detach(), or a "
+            "module that returns its input): eager code would change the value it views "
+            "too, which autobatch does not follow. Fix: change the value itself "
+            "(h[i] = ..., h.masked_fill_(...)), or a copy (x = x.clone())."
+        )
+    for v, node, roots in rec.view_log.get(rec.example, ()):
+        # (in use: held beyond this log entry, the loop's name and getrefcount's argument)
+        if i in roots and v.node == node and sys.getrefcount(v) > 3:
+            return (
+                "while a view of it is in use (v = x[i], x.view(...), x.detach() kept in a "
+                "name): eager code would change the view too, which autobatch does not "
+                "follow. Fix: take the view after the change, or change a copy (x = "
+                "x.clone())."
+            )
+    return None
+
+
 def _out_of_place(
     rec: Any,
     fn: Any,
@@ -398,9 +475,10 @@ def _out_of_place(
     kwargs: dict[str, Any],
     shape: torch.Size,
     dtype: torch.dtype,
+    what: str = "a buffer written with recorded values",
 ) -> Any:
-    """In-place ``fn`` on value ``x`` (of a buffer of ``shape`` and ``dtype``), recorded out
-    of place: its result, the buffer's new value."""
+    """In-place ``fn`` on value ``x`` (of ``what``, of ``shape`` and ``dtype``: a buffer, a
+    lazy value), recorded out of place: its result, the new value."""
     name = getattr(fn, "__name__", "?")
     if fn is _SETITEM:
         return rec.record(_put, "torch", (x, *rest), {})
@@ -414,14 +492,13 @@ def _out_of_place(
     other = getattr(torch.Tensor, plain, None)
     if not callable(other) or _is_inplace(other):
         raise FoldError(
-            f"autobatch: example {rec.example}: {name} on a buffer written with recorded "
-            f"values has no out-of-place form autobatch knows. Fix: write buf = "
-            f"buf.{plain}(...) or use buf[...] = value."
+            f"autobatch: example {rec.example}: {name} on {what} has no out-of-place form "
+            f"autobatch knows. Fix: write x = x.{plain}(...) or use x[...] = value."
         )
     out = rec.record(other, "torch", (x, *rest), kwargs)
     if out.shape != shape:
         raise FoldError(
-            f"autobatch: example {rec.example}: {name} on a buffer of shape {tuple(shape)} "
+            f"autobatch: example {rec.example}: {name} on {what} of shape {tuple(shape)} "
             f"would give shape {tuple(out.shape)}; an in-place op keeps its tensor's shape "
             "(eager code raises too)."
         )

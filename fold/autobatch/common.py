@@ -40,6 +40,9 @@ class _Local(threading.local):
     # While an autobatch call runs its calls: the @batchable functions recorded once for this
     # call (see _compile), by op; None outside.
     programs: dict[Any, Any] | None = None
+    # The arguments of the call of an op that aliases being recorded, for its wrap, which
+    # notes its outputs as views of them (recorder._Viewed, _Recorder.note_views).
+    view_args: Any = ()
 
 
 _LOCAL = _Local()

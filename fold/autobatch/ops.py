@@ -150,6 +150,12 @@ class _Op:
         # The modules inside a module call that draw in training mode, where none was
         # training when it was first recorded: the call is random while one of them is.
         self.random_modules: tuple[nn.Module, ...] = ()
+        # Whether an output shares memory with an argument in eager code (a view: x[0],
+        # x.view(...), x.detach(); or the argument itself: nn.Identity, x.contiguous()), set
+        # by shape inference: its outputs are noted as views (recorder._Viewed), so that an
+        # in-place change of the value they view, or of them, is refused
+        # (buffers.write_lazy).
+        self.aliases = False
         self._variant: _Op | None = None
 
     def variant(self) -> _Op:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fold._encoding import float_key
+from fold._encoding import float_key, node_id
 from fold.autobatch import buffers
 from fold.autobatch.batchable import _batch_of_one
 from fold.autobatch.buffers import _Written
@@ -181,7 +181,34 @@ def _make_fast(k: int) -> Callable[..., Any]:
 def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
     """A ``_fast`` table entry: (the op's recorder, its outputs' metas as the C path makes
     them: one meta, a tuple of them for a flat tuple, or None, wrap)."""
-    return (r, op.fast_outs, op.wrap)
+    return (_Viewed(r) if op.aliases else r, op.fast_outs, op.wrap)
+
+
+class _Viewed:
+    """The recorder of a fast table entry for an op whose outputs are views of its
+    arguments (``_Op.aliases``): the arguments kept for its wrap (``_viewing``), which notes
+    the outputs as views of them."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Callable[..., Any]) -> None:
+        self.record = record
+
+    def __call__(self, *fargs: Any) -> Any:
+        _LOCAL.view_args = fargs
+        return self.record(*fargs)
+
+
+def _viewing(wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """An op's wrap whose outputs are then noted as views of the arguments its recorder was
+    given (see ``_Recorder.note_views``)."""
+
+    def viewing(nodes: Any, rec: Any) -> Any:
+        out = wrap(nodes, rec)
+        rec.note_views(out)
+        return out
+
+    return viewing
 
 
 def _fresh_nodes(f: Any, op: _Op, fargs: Any) -> Any:
@@ -365,6 +392,12 @@ class _Recorder:
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
+        # The views this round made (outputs of ops that alias, ``_Op.aliases``), for an
+        # in-place change of a value (buffers.write_lazy): per view's node id the node ids
+        # of the values whose memory it shares (through other views too), and per example
+        # its views as made, (the lazy value, its node, those ids).
+        self.view_roots: dict[int, frozenset[int]] = {}
+        self.view_log: dict[int, list[tuple[Any, Any, frozenset[int]]]] = {}
 
     def row_literal(self, src: Any, row: int) -> Any:
         """Row ``row`` of ``src`` (an output of this recorder's round) as the batch-of-one
@@ -418,6 +451,40 @@ class _Recorder:
             self._row_views[id(src)] = (src, views)
         return views
 
+    def write_lazy(
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: bool
+    ) -> Any:
+        """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
+        return buffers.write_lazy(self, fn, args, kwargs, operator)
+
+    def note_views(self, out: Any) -> None:
+        """Note the lazy outputs ``out`` of an op that aliases (``_Op.aliases``) as views of
+        the nodes among the arguments its recorder was just given (``_LOCAL.view_args``), and
+        of what those view in turn."""
+        fargs, _LOCAL.view_args = _LOCAL.view_args, ()
+        node = getattr(self.fold, "_node_type", None)  # (a trace's handles: not kept)
+        if node is None:
+            return
+        known = self.view_roots
+        found: set[int] = set()
+        for a in fargs:
+            for h in a if type(a) is list or type(a) is tuple else (a,):
+                if type(h) is node:  # a node of this round
+                    i = node_id(h)
+                    roots = known.get(i)
+                    if roots is None:
+                        found.add(i)
+                    else:
+                        found.update(roots)
+        roots = frozenset(found)
+        log = self.view_log.get(self.example)
+        if log is None:
+            log = self.view_log[self.example] = []
+        for v in (out,) if type(out) is Lazy else pytree.tree_leaves(out):
+            if type(v) is Lazy and type(v.node) is node:
+                known[node_id(v.node)] = roots
+                log.append((v, v.node, roots))
+
     def check_aliases(self) -> None:
         """A FoldError where an eager tensor that a recorded call took as an argument (a
         mask, a coverage vector made in the function) was changed in place after the call:
@@ -442,6 +509,8 @@ class _Recorder:
         self.closed = True
         self._fast.clear()
         self._fast_nograd.clear()
+        self.view_log.clear()  # (its lazy values refer to this recorder: no cycle left)
+        self.view_roots.clear()
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
@@ -531,7 +600,7 @@ class _Recorder:
                 out = buffers.write(self, fn, args, kwargs)  # (a buffer of the example's own)
                 if out is not _MISS:
                     return out
-                _inplace_call(self, fn, args, kwargs)
+                return _inplace_call(self, fn, args, kwargs)
             rewrite = _REWRITES.get(fn)
             if rewrite is not None:
                 return rewrite(*args, **kwargs)
@@ -600,6 +669,8 @@ class _Recorder:
                 _group_sequences(op, key, mode)
             elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
+        if op.aliases:  # (its outputs are noted as views of these: note_views)
+            _LOCAL.view_args = fargs
         if op.random:  # (no fast table entry: every call comes here)
             return self._record_fresh(op, fargs)
         watched = op.random_modules
@@ -1007,7 +1078,9 @@ class _Recorder:
         op.treedef = treedef
         op.single = isinstance(out, torch.Tensor)
         op.wrap = _wrapper(op.single, metas, treedef)
-        if op.single:
+        if op.aliases:  # its outputs noted as views as they are made (the C path too)
+            op.wrap = _viewing(op.wrap)
+        elif op.single:
             op.fast_outs = metas[0]
         elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
             op.fast_outs = tuple(metas)
@@ -1039,9 +1112,11 @@ class _Recorder:
                 op, slots, lambda sh, dt, dev: torch.empty(sh, dtype=dt, device=dev)
             )
             try:
-                return op.per_example(*values)
+                out = op.per_example(*values)
             finally:
                 self._drew = mode.drew
+            op.aliases = _aliasing(out, values)
+            return out
 
     def _vmaps(self, op: _Op) -> bool:
         """Whether ``op``, a module call, runs under torch.func.vmap: tried once, on fake
@@ -1085,7 +1160,27 @@ class _Recorder:
             values = self._inputs(
                 op, slots, lambda sh, dt, dev: torch.zeros(sh, dtype=dt, device=dev)
             )
-            return op.per_example(*values)
+            out = op.per_example(*values)
+            op.aliases = _aliasing(out, values)
+            return out
+
+
+def _aliasing(out: Any, values: list[Any]) -> bool:
+    """Whether an output of a per-example call (``out``, on fake tensors or zeros) shares
+    memory with one of its per-example arguments (``values``): a view of it, or the argument
+    itself (see ``_Op.aliases``); True where that cannot be told."""
+    try:
+        memory = set()
+        for v in values:
+            t = v.values if type(v) is Ragged else v
+            if isinstance(t, torch.Tensor):
+                memory.add(t.untyped_storage()._cdata)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in memory:
+                return True
+        return False
+    except Exception:  # (a tensor without storage of its own)
+        return True
 
 
 # Modules whose forward changes no state of theirs (no running statistics): their shapes

@@ -60,8 +60,9 @@ def _meta(shape: Any, dtype: torch.dtype, device: torch.device) -> _Meta:
 
 
 class _PyLazyBase:
-    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built; set once,
-    by the constructor (Lazy refuses later changes, as the C storage's read-only fields do)."""
+    """The storage of a Lazy value where the C one (fold/_clazy.c) is not built; set by the
+    constructor (Lazy refuses later changes, as the C storage's read-only fields do; its
+    node is set again by an in-place change, ``buffers.write_lazy``)."""
 
     __slots__ = ("node", "meta", "rec")
 
@@ -367,7 +368,7 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         )
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        _inplace(self, "__setitem__ (x[...] = v)")
+        _write(_SETITEM, (self, key, value), {})
 
 
 def _is_count(meta: _Meta) -> bool:
@@ -461,6 +462,20 @@ def _library_read() -> str:
     return ""
 
 
+_SETITEM = torch.Tensor.__setitem__
+
+
+def _write(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An in-place torch call or method ``fn`` on lazy value ``args[0]``: recorded out of
+    place by the recorder, the value then its result (``buffers.write_lazy``, which refuses
+    what it cannot take)."""
+    rec = _LOCAL.rec
+    if rec is None or rec.paused:
+        name = "__setitem__ (x[...] = v)" if fn is _SETITEM else f".{fn.__name__}()"
+        _inplace(args[0], name)
+    return rec.write_lazy(fn, args, kwargs, False)
+
+
 def _inplace(self: Lazy, name: str) -> None:
     raise FoldError(
         f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
@@ -470,14 +485,17 @@ def _inplace(self: Lazy, name: str) -> None:
     )
 
 
-def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A FoldError for an in-place torch call with a lazy argument.  On an eager tensor
+def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An in-place torch call with a lazy argument: on a lazy value (but ``out=``), recorded
+    (``buffers.write_lazy``); else a FoldError.  On an eager tensor
     (``buf.add_(y)``, ``buf.copy_(y)``, ``acc += y``, ``buf[0] = y``, ``out=buf``) it would
     change nothing that the Fold computes: the tensor stays as it was, and every alias of it
     with it."""
     name = _fn_name(fn, "torch")
     target = kwargs.get("out", args[0] if args else None)
     if type(target) is Lazy:
+        if "out" not in kwargs:
+            return rec.write_lazy(fn, args, kwargs, False)
         _inplace(target, name)
     what = "out=" if "out" in kwargs else name
     raise FoldError(
@@ -622,11 +640,32 @@ def _method(func: Any) -> Callable[..., Any]:
 
 
 def _inplace_method(name: str) -> Callable[..., Any]:
+    func = getattr(torch.Tensor, name)
+
     def method(self: Lazy, *args: Any, **kwargs: Any) -> Any:
-        _inplace(self, f".{name}()")
+        return _write(func, (self, *args), kwargs)
 
     method.__name__ = name
     return method
+
+
+def _inplace_operator(name: str) -> Callable[..., Any]:
+    """``x += y`` and kin on a lazy value: in place where the recorder can take it (see
+    ``buffers.write_lazy``: the value object changes, so every name and list holding it sees
+    the change, as in eager code), else ``x + y``, a new value (the name rebound)."""
+    func = getattr(torch.Tensor, name)
+    plain = getattr(Lazy, "__" + name[3:])
+
+    def operator(self: Lazy, other: Any) -> Any:
+        rec = _LOCAL.rec
+        if rec is not None and not rec.paused:
+            out = rec.write_lazy(func, (self, other), {}, True)
+            if out is not _MISS:
+                return out
+        return plain(self, other)
+
+    operator.__name__ = name
+    return operator
 
 
 _OPERATORS = (
@@ -641,7 +680,10 @@ for _name in _OPERATORS:
     setattr(Lazy, _name, _method(getattr(torch.Tensor, _name)))
 
 
-# No __iadd__ and kin: ``x += y`` rebinds x to ``x + y``, out of place.
+for _name in "iadd isub imul itruediv ifloordiv imod ipow iand ior ixor ilshift irshift".split():
+    setattr(Lazy, f"__{_name}__", _inplace_operator(f"__{_name}__"))
+
+
 for _name in dir(torch.Tensor):
     if _name.startswith("_") or hasattr(Lazy, _name):
         continue
