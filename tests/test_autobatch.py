@@ -1023,6 +1023,27 @@ def test_a_read_pauses_the_example_and_gives_the_eager_value(read):
         assert_same(fn, list(lin.parameters()), xs, [0, 1, 2])
 
 
+def test_a_read_of_a_value_without_history_grouped_with_rows_that_carry_one(finish):
+    """``float(h.detach().sum())`` in one example beside ``h[1:].sum()`` in another: one
+    group of sums (padded), whose output carries a history for the second example's row.  The
+    first example's read gets its number as eager code does, without the warning (or, for
+    ``.numpy()``, the error) of a tensor that carries a history.  Found by the random-programs
+    test of in-place changes."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x, k):
+        h = torch.sin(lin(x))
+        if k == 0:
+            v = float(h.detach().sum()) + float(h.detach().sum().numpy())
+            return h * v
+        return h + h[1:].sum()
+
+    xs = [torch.randn(3) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (eager code warns nowhere here)
+        assert_same(fn, list(lin.parameters()), xs, [0, 1, 1])
+
+
 def lazy_of_lin(lin, x):
     return torch.tanh(lin(x))
 
@@ -3274,6 +3295,53 @@ def test_random_programs_with_data_shaped_calls_match_eager(finish, programs):
 
     xs = [torch.randn(3) for _ in programs]
     assert_same(fn, list(layers.parameters()), xs, programs)
+
+
+@_PROGRAMS
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2)), max_size=7),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_random_programs_changing_recorded_values_in_place_match_eager(finish, programs):
+    """Random programs that change recorded values in place (methods, ``h[i] = v``,
+    ``h[i] += v``, ``+=``, torch's in-place functions), keep them in a list first (which
+    must see the changes), take views used and dropped, and read and decide (after which the
+    value is copied before it changes, as autobatch asks): values and gradients equal eager
+    (float64), whichever examples take which steps."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    def fn(x, program):
+        h = torch.sin(lin(x))
+        kept = []
+        for step, i in program:
+            if step == 0:
+                h = torch.sin(lin(h))  # a new value
+            elif step == 1:
+                h.mul_(0.5).add_(x)
+            elif step == 2:
+                h[i] = h[(i + 1) % 3] * 2  # (the view on the right is dropped first)
+            elif step == 3:
+                h[i] += x[i]
+            elif step == 4:
+                kept.append(h)  # the list holds h itself: later changes show in it
+            elif step == 5:
+                h += 1.0
+            elif step == 6:
+                h.masked_fill_(x > 0.5, 0.25)
+            elif step == 7:
+                y = h[i:].sum()  # a view used and dropped
+                torch.neg_(h)
+                h = h + y
+            else:  # a read that decides; h is a copy after (a value of an earlier round)
+                h = -h.clone() if float(h.detach().sum()) > 0 else h.clone()
+        return h + sum(kept, torch.zeros(3))
+
+    xs = [torch.randn(3) for _ in programs]
+    assert_same(fn, list(lin.parameters()), xs, programs)
 
 
 @_PROGRAMS

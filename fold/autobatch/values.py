@@ -279,7 +279,10 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         if value is None and rec.session is not None and rec.session.pause(self):
             value = _value_of(self)
         if value is not None:
-            return convert(value)
+            # Without its history: a group may join rows that carry one with rows that do
+            # not (x.detach().sum() beside h[1:].sum()), and eager code's conversion of this
+            # example's value would neither warn nor refuse (.numpy()) where it carries none.
+            return convert(value.detach() if value.requires_grad else value)
         fix = (
             _library_read()
             or _own_coroutine(rec.session)
@@ -423,9 +426,8 @@ def _number_of(rec: Any, node: Any) -> Any:
         n = src.shape[0] if src.ndim else -1
         if src.numel() != n:  # (a round's outputs are its rows stacked; never so, but be sure)
             return _MISS
-        if src.requires_grad:  # the row's own conversion: it warns, as eager code's does
-            return _MISS
-        flat = src if src.ndim == 1 else src.reshape(n)  # one-number rows, (1,) or (1, 1)
+        # (without history: see _read)
+        flat = (src if src.ndim == 1 else src.reshape(n)).detach()  # rows (1,), (1, 1)
         got = rec.numbers[id(src)] = (src, flat.tolist())  # src kept: its id stays its own
     return got[1][row]
 
