@@ -830,6 +830,34 @@ key_tuple(Key *k)
     return key;
 }
 
+/* An entry (recorder, outs, wrap, log) of an op whose outputs share memory with its
+   arguments (views: fold.autobatch.ops._Op.aliases): (its outputs, the nodes the recorder
+   was given) appended to the recorder's list named ``log`` (``view_log``), which an
+   in-place change reads (fold.autobatch.buffers.write_lazy).  0, or -1 on error. */
+static int
+log_view(PyObject *entry, PyObject *rec, PyObject *result, Key *k)
+{
+    PyObject *log = PyObject_GetAttr(rec, PyTuple_GET_ITEM(entry, 3));
+    if (log == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *nodes = PyTuple_New(k->nn);
+    if (nodes != NULL) {
+        for (Py_ssize_t i = 0; i < k->nn; i++) {
+            Py_INCREF(k->nodes[i]);
+            PyTuple_SET_ITEM(nodes, i, k->nodes[i]);
+        }
+        PyObject *item = PyTuple_Pack(2, result, nodes);
+        if (item != NULL) {
+            rc = PyList_Check(log) ? PyList_Append(log, item) : 0;
+            Py_DECREF(item);
+        }
+        Py_DECREF(nodes);
+    }
+    Py_DECREF(log);
+    return rc;
+}
+
 /* The fast path of a call of ``fn`` of ``kind`` on ``args``, recorded by ``rec``: its outputs,
    _MISS (a new reference) where it does not fit or its key is new, NULL on error. */
 static PyObject *
@@ -866,8 +894,9 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
             result = miss();
         goto out;
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) {
-        PyErr_SetString(PyExc_TypeError, "autobatch fast entry is not (recorder, outs, wrap)");
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 3 || PyTuple_GET_SIZE(entry) > 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "autobatch fast entry is not (recorder, outs, wrap[, log])");
         goto out;
     }
     Py_INCREF(entry); /* the recorder may run Python that changes the table */
@@ -881,6 +910,8 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
     }
     PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), k.nodes, k.nn, NULL);
     result = res == NULL ? NULL : emit(entry, res, rec);
+    if (result != NULL && PyTuple_GET_SIZE(entry) == 4 && log_view(entry, rec, result, &k) < 0)
+        Py_CLEAR(result);
     Py_DECREF(entry);
 out:
     Py_XDECREF(key);

@@ -404,7 +404,7 @@ def write_lazy(
 
     Only for a value of the round recording that shares memory with no other value in use:
     no view itself (``x[0]``, ``x.view(...)``, ``x.detach()``, ``nn.Identity``; see
-    ``_Op.aliases``) and no view of it held (``recorder.note_views``).  Eager code would
+    ``_Op.aliases``) and no view of it held (``_Recorder.views``).  Eager code would
     change those too.  Else a FoldError naming why and the fix; for an operator ``_MISS``,
     and the caller records ``x = x + y`` (a new value, the name rebound: what autobatch did
     before it took in-place changes)."""
@@ -448,16 +448,18 @@ def _unwritable(rec: Any, x: Lazy) -> str | None:
             "then change x), or compute out of place (x = x.masked_fill(...), torch.where)."
         )
     i = node_id(x.node)
-    if i in rec.view_roots:
+    roots, viewers = rec.views()
+    if i in roots:
         return (
             "that is a view of another value (x = h[i], h.view(...), h.t(), h.detach(), or a "
             "module that returns its input): eager code would change the value it views "
             "too, which autobatch does not follow. Fix: change the value itself "
             "(h[i] = ..., h.masked_fill_(...)), or a copy (x = x.clone())."
         )
-    for v, node, roots in rec.view_log.get(rec.example, ()):
-        # (in use: held beyond this log entry, the loop's name and getrefcount's argument)
-        if i in roots and v.node == node and sys.getrefcount(v) > 3:
+    for v, node in viewers.get(i, ()):
+        # In use: held beyond the view log's entry and this list's, the loop's name and
+        # getrefcount's argument (and not changed in place since: a new value then).
+        if v.node == node and sys.getrefcount(v) > 4:
             return (
                 "while a view of it is in use (v = x[i], x.view(...), x.detach() kept in a "
                 "name): eager code would change the view too, which autobatch does not "

@@ -41,7 +41,7 @@ class _Local(threading.local):
     # call (see _compile), by op; None outside.
     programs: dict[Any, Any] | None = None
     # The arguments of the call of an op that aliases being recorded, for its wrap, which
-    # notes its outputs as views of them (recorder._Viewed, _Recorder.note_views).
+    # logs them with its outputs (the generated Python recorders: recorder._Viewed).
     view_args: Any = ()
 
 

@@ -178,16 +178,22 @@ def _make_fast(k: int) -> Callable[..., Any]:
     return env["make"](Lazy, nn.Module, _MISS)
 
 
-def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, Any, Any]:
+def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, ...]:
     """A ``_fast`` table entry: (the op's recorder, its outputs' metas as the C path makes
-    them: one meta, a tuple of them for a flat tuple, or None, wrap)."""
-    return (_Viewed(r) if op.aliases else r, op.fast_outs, op.wrap)
+    them: one meta, a tuple of them for a flat tuple, or None, wrap).  An op whose outputs
+    are views of its arguments (``_Op.aliases``) logs each call's outputs and arguments in
+    the recorder's ``view_log`` (see ``_Recorder.views``): the C path where the entry names
+    that list fourth, the generated Python recorders through ``_Viewed`` and its wrap."""
+    if not op.aliases:
+        return (r, op.fast_outs, op.wrap)
+    if _C is not None:
+        return (r, op.fast_outs, op.wrap, "view_log")
+    return (_Viewed(r), op.fast_outs, _logging(op.wrap))
 
 
 class _Viewed:
-    """The recorder of a fast table entry for an op whose outputs are views of its
-    arguments (``_Op.aliases``): the arguments kept for its wrap (``_viewing``), which notes
-    the outputs as views of them."""
+    """The recorder of a Python fast table entry for an op that aliases: its arguments kept
+    for its wrap (``_logging``)."""
 
     __slots__ = ("record",)
 
@@ -199,16 +205,16 @@ class _Viewed:
         return self.record(*fargs)
 
 
-def _viewing(wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """An op's wrap whose outputs are then noted as views of the arguments its recorder was
-    given (see ``_Recorder.note_views``)."""
+def _logging(wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """An op's wrap that logs its outputs with the arguments ``_Viewed`` kept."""
 
-    def viewing(nodes: Any, rec: Any) -> Any:
+    def logging(nodes: Any, rec: Any) -> Any:
         out = wrap(nodes, rec)
-        rec.note_views(out)
+        rec.view_log.append((out, _LOCAL.view_args))
+        _LOCAL.view_args = ()
         return out
 
-    return viewing
+    return logging
 
 
 def _fresh_nodes(f: Any, op: _Op, fargs: Any) -> Any:
@@ -392,12 +398,13 @@ class _Recorder:
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
-        # The views this round made (outputs of ops that alias, ``_Op.aliases``), for an
-        # in-place change of a value (buffers.write_lazy): per view's node id the node ids
-        # of the values whose memory it shares (through other views too), and per example
-        # its views as made, (the lazy value, its node, those ids).
+        # The views this round made (outputs of ops that alias, ``_Op.aliases``): per call
+        # (its outputs, its recorder's arguments), logged as recorded (the C fast path too);
+        # read by ``views`` for an in-place change (buffers.write_lazy) from ``view_seen`` on.
+        self.view_log: list[tuple[Any, Any]] = []
+        self.view_seen = 0
         self.view_roots: dict[int, frozenset[int]] = {}
-        self.view_log: dict[int, list[tuple[Any, Any, frozenset[int]]]] = {}
+        self.viewers: dict[int, list[tuple[Any, Any]]] = {}
 
     def row_literal(self, src: Any, row: int) -> Any:
         """Row ``row`` of ``src`` (an output of this recorder's round) as the batch-of-one
@@ -457,33 +464,33 @@ class _Recorder:
         """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
         return buffers.write_lazy(self, fn, args, kwargs, operator)
 
-    def note_views(self, out: Any) -> None:
-        """Note the lazy outputs ``out`` of an op that aliases (``_Op.aliases``) as views of
-        the nodes among the arguments its recorder was just given (``_LOCAL.view_args``), and
-        of what those view in turn."""
-        fargs, _LOCAL.view_args = _LOCAL.view_args, ()
-        node = getattr(self.fold, "_node_type", None)  # (a trace's handles: not kept)
-        if node is None:
-            return
-        known = self.view_roots
-        found: set[int] = set()
-        for a in fargs:
-            for h in a if type(a) is list or type(a) is tuple else (a,):
-                if type(h) is node:  # a node of this round
-                    i = node_id(h)
-                    roots = known.get(i)
-                    if roots is None:
-                        found.add(i)
-                    else:
-                        found.update(roots)
-        roots = frozenset(found)
-        log = self.view_log.get(self.example)
-        if log is None:
-            log = self.view_log[self.example] = []
-        for v in (out,) if type(out) is Lazy else pytree.tree_leaves(out):
-            if type(v) is Lazy and type(v.node) is node:
-                known[node_id(v.node)] = roots
-                log.append((v, v.node, roots))
+    def views(self) -> tuple[dict[int, frozenset[int]], dict[int, list[tuple[Any, Any]]]]:
+        """The views of this round's values, from ``view_log``: per view's node id the node
+        ids of the values whose memory it shares (through other views too), and per such
+        node id its views as made, (the lazy value, its node).  The log's new calls are read
+        here, in order, once: recording pays for a log entry alone."""
+        log, known, viewers = self.view_log, self.view_roots, self.viewers
+        node = getattr(self.fold, "_node_type", None)
+        for j in range(self.view_seen, len(log)):
+            out, fargs = log[j]
+            found: set[int] = set()
+            for a in fargs:
+                for h in a if type(a) is list or type(a) is tuple else (a,):
+                    if type(h) is node:  # a node of this round (not a number)
+                        i = node_id(h)
+                        roots = known.get(i)
+                        if roots is None:
+                            found.add(i)
+                        else:
+                            found.update(roots)
+            roots = frozenset(found)
+            for v in (out,) if type(out) is Lazy else pytree.tree_leaves(out):
+                if type(v) is Lazy and type(v.node) is node:
+                    known[node_id(v.node)] = roots
+                    for i in roots:
+                        viewers.setdefault(i, []).append((v, v.node))
+        self.view_seen = len(log)
+        return known, viewers
 
     def check_aliases(self) -> None:
         """A FoldError where an eager tensor that a recorded call took as an argument (a
@@ -510,6 +517,7 @@ class _Recorder:
         self._fast.clear()
         self._fast_nograd.clear()
         self.view_log.clear()  # (its lazy values refer to this recorder: no cycle left)
+        self.viewers.clear()
         self.view_roots.clear()
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -669,8 +677,6 @@ class _Recorder:
                 _group_sequences(op, key, mode)
             elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
-        if op.aliases:  # (its outputs are noted as views of these: note_views)
-            _LOCAL.view_args = fargs
         if op.random:  # (no fast table entry: every call comes here)
             return self._record_fresh(op, fargs)
         watched = op.random_modules
@@ -688,6 +694,8 @@ class _Recorder:
             out = op.wrap(nodes, self)
         else:
             out = op.wrap(r(*fargs), self)
+        if op.aliases:  # (see views)
+            self.view_log.append((out, fargs))
         k = len(args)
         if watched:  # its modules' mode is looked at on every call, the fast path's too
             r = _Watched(op, r, self.fold)
@@ -1078,9 +1086,7 @@ class _Recorder:
         op.treedef = treedef
         op.single = isinstance(out, torch.Tensor)
         op.wrap = _wrapper(op.single, metas, treedef)
-        if op.aliases:  # its outputs noted as views as they are made (the C path too)
-            op.wrap = _viewing(op.wrap)
-        elif op.single:
+        if op.single:
             op.fast_outs = metas[0]
         elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
             op.fast_outs = tuple(metas)
