@@ -19,7 +19,8 @@
   64 sentences of the bundled treebank, forward+backward and forward alone, against the
   sentences padded and packed by hand (one BiLSTM call).
 - Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
-- Recording cost per lazy op, at growing graph sizes (it must stay linear).
+- Recording cost per lazy op, at growing graph sizes (it must stay linear), and for chains
+  of views.
 
 Every variant is checked against eager per example (values and gradients, float64) first.
 Runs are interleaved, one process, medians; ratios are of medians.
@@ -342,7 +343,9 @@ def mnist_list_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
 def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Recording alone (no apply): us per lazy op for per-example chains of growing length,
-    the same total number of ops each time."""
+    the same total number of ops each time; then chains of views (``y.view(4, 4)``, a
+    slice, ``reshape``, then ``* 0.5``), whose outputs autobatch logs for in-place changes
+    (``_Recorder.views``)."""
     from fold.autobatch import record_examples
 
     lin = nn.Linear(16, 16)
@@ -353,22 +356,34 @@ def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
             y = torch.tanh(y) * 0.5
         return y
 
+    def views(x: torch.Tensor, ops: int) -> torch.Tensor:
+        y = lin(x)
+        for _ in range(ops):
+            y = y.view(4, 4)[0:4].reshape(16) * 0.5
+        return y
+
     rows = []
-    for ops in (10, 100, 1000, 10000):
-        examples = [torch.randn(16) for _ in range(max(1, 20000 // ops))]
-        n_ops = (2 * ops + 1) * len(examples)
-        times = interleaved(
-            {"record": lambda ops=ops, ex=examples: record_examples(lambda x: chain(x, ops), ex)},
-            args.reps,
-        )
-        rows.append(
-            {
-                "ops per example": 2 * ops + 1,
-                "examples": len(examples),
-                "lazy ops": n_ops,
-                "us/op": 1e6 * median(times["record"]) / n_ops,
-            }
-        )
+    for fn, per, name in ((chain, 2, "tanh, * 0.5"), (views, 4, "3 views, * 0.5")):
+        for ops in (10, 100, 1000, 10000) if fn is chain else (10, 1000):
+            examples = [torch.randn(16) for _ in range(max(1, 20000 // ops))]
+            n_ops = (per * ops + 1) * len(examples)
+            times = interleaved(
+                {
+                    "record": lambda fn=fn, ops=ops, ex=examples: record_examples(
+                        lambda x: fn(x, ops), ex
+                    )
+                },
+                args.reps,
+            )
+            rows.append(
+                {
+                    "chain": name,
+                    "ops per example": per * ops + 1,
+                    "examples": len(examples),
+                    "lazy ops": n_ops,
+                    "us/op": 1e6 * median(times["record"]) / n_ops,
+                }
+            )
     return rows
 
 
@@ -501,7 +516,8 @@ def main() -> None:
     if "recording" in parts:
         out["recording"] = recording_rows(args)
         print("\nRecording alone, per example a Linear then a chain of tanh and * 0.5")
-        print(table(out["recording"], ["ops per example", "examples", "lazy ops", "us/op"]))
+        cols = ["chain", "ops per example", "examples", "lazy ops", "us/op"]
+        print(table(out["recording"], cols))
     print(f"wrote {write_json('autobatch', out)}")
 
 

@@ -419,6 +419,7 @@ def _record(
                     results.append(None)
                     specs.append(None)
                     rec.example = i
+                    rec.forget_views()
                     _finished(_example(fn, example, i)(), i, results, specs)
             else:
                 # One coroutine runs the examples one after another until one reads: it
@@ -429,6 +430,7 @@ def _record(
                         results.append(None)
                         specs.append(None)
                         session.current.example = i
+                        session.current.forget_views()
                         _finished(_example(fn, example, i)(), i, results, specs)
                     return None
 
@@ -444,6 +446,7 @@ def _record(
                     session.run_round()
                     for i, g in list(paused.items()):
                         session.current.example = i
+                        session.current.forget_views()
                         if _resume(session, g) is None:
                             del paused[i]
     except BaseException:

@@ -398,9 +398,11 @@ class _Recorder:
         self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
-        # The views this round made (outputs of ops that alias, ``_Op.aliases``): per call
-        # (its outputs, its recorder's arguments), logged as recorded (the C fast path too);
-        # read by ``views`` for an in-place change (buffers.write_lazy) from ``view_seen`` on.
+        # The views the running example made in this round (outputs of ops that alias,
+        # ``_Op.aliases``): per call (its outputs, its recorder's arguments), logged as
+        # recorded (the C fast path too), emptied as another example starts
+        # (``forget_views``); read by ``views`` for an in-place change (buffers.write_lazy)
+        # from ``view_seen`` on.
         self.view_log: list[tuple[Any, Any]] = []
         self.view_seen = 0
         self.view_roots: dict[int, frozenset[int]] = {}
@@ -463,6 +465,17 @@ class _Recorder:
     ) -> Any:
         """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
         return buffers.write_lazy(self, fn, args, kwargs, operator)
+
+    def forget_views(self) -> None:
+        """Empty the view log as another example starts or resumes: only the running
+        example's values of this round can change in place (a paused one's are values of
+        an earlier round when it resumes), so the log holds that example's views alone,
+        and the lazy values it holds are let go as eager code lets them go."""
+        if self.view_log:
+            self.view_log.clear()
+            self.view_seen = 0
+            self.view_roots.clear()
+            self.viewers.clear()
 
     def views(self) -> tuple[dict[int, frozenset[int]], dict[int, list[tuple[Any, Any]]]]:
         """The views of this round's values, from ``view_log``: per view's node id the node
