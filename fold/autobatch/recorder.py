@@ -788,7 +788,10 @@ class _Recorder:
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
         """Record a call that draws random numbers as a node of its own (``_fresh_nodes``):
         two dropouts of one value, or Monte Carlo samples of one input, draw apart."""
-        return op.wrap(_fresh_nodes(self.fold, op, fargs), self)
+        out = op.wrap(_fresh_nodes(self.fold, op, fargs), self)
+        if op.aliases:  # (see views)
+            self.view_log.append((out, fargs))
+        return out
 
     def _typed(self, op: _Op, r: Any, fargs: list[Any]) -> Any:
         """The round Fold's recorder of ``op`` made for these arguments' types, for a fast
