@@ -1069,6 +1069,12 @@ def _torch_inplace(x):
     return h
 
 
+def _functional_inplace(x):
+    h = lin_of_3(x) * 1.0
+    torch.nn.functional.leaky_relu_(h, 0.1)  # (no tensor method of its out-of-place name)
+    return h
+
+
 def _not_the_newest(x):
     a = lin_of_3(x)
     b = a * 2.0  # (a value made after a: a's change is recorded all the same)
@@ -1122,6 +1128,7 @@ _LIN3 = nn.Linear(3, 3)
         _masked_fill_,
         _set_items,
         _torch_inplace,
+        _functional_inplace,
         _not_the_newest,
         _list_alias,
         _dead_view,

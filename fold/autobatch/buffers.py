@@ -491,7 +491,12 @@ def _out_of_place(
     if name == "zero_" and not rest and not kwargs:
         return rec.record(_put, "torch", (x, Ellipsis, 0), {})
     plain = "__" + name[3:] if name.startswith("__i") else name[:-1]
-    other = getattr(torch.Tensor, plain, None)
+    # A tensor method, else the function of torch or torch.nn.functional whose in-place
+    # form fn is (F.leaky_relu_, F.elu_: no method of that name).
+    for where in (torch.Tensor, torch, torch.nn.functional):
+        other = getattr(where, plain, None)
+        if callable(other) and not _is_inplace(other):
+            break
     if not callable(other) or _is_inplace(other):
         raise FoldError(
             f"autobatch: example {rec.example}: {name} on {what} has no out-of-place form "
