@@ -47,6 +47,7 @@ from fold.errors import FoldError
 from fold.graph import Fold
 
 _SETITEM = torch.Tensor.__setitem__
+_F = torch.nn.functional
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 
 
@@ -491,12 +492,9 @@ def _out_of_place(
     if name == "zero_" and not rest and not kwargs:
         return rec.record(_put, "torch", (x, Ellipsis, 0), {})
     plain = "__" + name[3:] if name.startswith("__i") else name[:-1]
-    # A tensor method, else the function of torch or torch.nn.functional whose in-place
-    # form fn is (F.leaky_relu_, F.elu_: no method of that name).
-    for where in (torch.Tensor, torch, torch.nn.functional):
-        other = getattr(where, plain, None)
-        if callable(other) and not _is_inplace(other):
-            break
+    other = getattr(torch.Tensor, plain, None)
+    if other is None and getattr(_F, name, None) is fn:  # F.leaky_relu_: F.leaky_relu
+        other = getattr(_F, plain, None)
     if not callable(other) or _is_inplace(other):
         raise FoldError(
             f"autobatch: example {rec.example}: {name} on {what} has no out-of-place form "
