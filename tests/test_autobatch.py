@@ -1178,6 +1178,12 @@ def _earlier_round(x):
     return h
 
 
+def _random_fill(x):
+    h = lin_of_3(x)
+    h.uniform_()  # (no out-of-place form: torch.rand_like(h))
+    return h
+
+
 def _out_into_lazy(x):
     h = lin_of_3(x)
     torch.add(x, 1.0, out=h)
@@ -1192,8 +1198,9 @@ def _out_into_lazy(x):
         (_detached_held, r"\.add_\(\) on a lazy value while a view of it is in use"),
         (_earlier_round, r"__setitem__ .* computed in an earlier round.*Fix: .*x\.clone\(\)"),
         (_out_into_lazy, r"in-place torch\.add on a lazy value.*Fix: "),
+        (_random_fill, r"uniform_ on a lazy value has no out-of-place form.*Fix: .*rand_like"),
     ],
-    ids=["view-changed", "view-held", "detached-held", "earlier-round", "out="],
+    ids=["view-changed", "view-held", "detached-held", "earlier-round", "out=", "random-fill"],
 )
 def test_in_place_changes_autobatch_cannot_follow_are_fold_errors(finish, fn, match):
     """An in-place change that eager code would see through another tensor sharing the

@@ -498,7 +498,9 @@ def _out_of_place(
     if not callable(other) or _is_inplace(other):
         raise FoldError(
             f"autobatch: example {rec.example}: {name} on {what} has no out-of-place form "
-            f"autobatch knows. Fix: write x = x.{plain}(...) or use x[...] = value."
+            "autobatch knows. Fix: compute the new value out of place and rebind the name "
+            "(x = torch.rand_like(x) for a random fill; x = x.clamp(...) for x.clamp_(...)), "
+            "or write it with x[...] = value."
         )
     out = rec.record(other, "torch", (x, *rest), kwargs)
     if out.shape != shape:
