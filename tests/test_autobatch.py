@@ -9,6 +9,7 @@ import io
 import math
 import pickle
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -3356,6 +3357,58 @@ def test_random_programs_changing_recorded_values_in_place_match_eager(finish, p
 
     xs = [torch.randn(3) for _ in programs]
     assert_same(fn, list(lin.parameters()), xs, programs)
+
+
+@_PROGRAMS
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2)), max_size=7),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, programs):
+    """Random programs that keep views of a value (a slice, ``view``, ``detach``, a view of a
+    view) and change the value or the views in place, reading them after: autobatch either
+    gives eager's values and gradients (float64) or refuses with the FoldError of an
+    in-place change it cannot follow; never a result that differs silently.  Programs with
+    no view held when a change comes must run."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    def fn(x, program):
+        h = torch.sin(lin(x))
+        views = []
+        out = torch.zeros(3)
+        for step, i in program:
+            if step == 0:
+                views.append(h[i:])
+            elif step == 1:
+                views.append(h.view(3, 1)[:, 0])
+            elif step == 2:
+                views.append(h.detach())
+            elif step == 3 and views:
+                views.append(views[-1][:1])  # a view of a view
+            elif step == 4:
+                h.mul_(0.5)
+            elif step == 5 and views:
+                views[i % len(views)].add_(1.0)
+            elif step == 6:
+                h[i] = x[i]
+            else:
+                out = out + sum(v.sum() for v in views) + h  # read them all
+                views = []  # (dropped: changes after this may run)
+        return out + h + sum((v.sum() for v in views), torch.zeros(()))
+
+    xs = [torch.randn(3) for _ in programs]
+    try:
+        assert_same(fn, list(lin.parameters()), xs, programs)
+    except fold.FoldError as err:
+        assert re.search(r"in-place .* on a lazy value (that is a view|while a view)", str(err))
+        assert any(  # refused only where a change met a view held (or made on a view)
+            any(s in (0, 1, 2, 3) for s, _ in p) and any(s in (4, 5, 6) for s, _ in p)
+            for p in programs
+        ), (programs, err)
 
 
 @_PROGRAMS
