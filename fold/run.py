@@ -146,6 +146,7 @@ def run_groups(
     with collector_paused():
         arrays = fold.snapshot()
         arrays.facts = facts_of(obj)
+        arrays.rounds = True  # (auto plans a whole plan first: see auto_schedule)
         plan = plan_of(arrays, fold.strategy)
         ex = Executor(arrays, obj)
         ex.groups = []

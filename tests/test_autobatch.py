@@ -1024,6 +1024,43 @@ def test_a_read_pauses_the_example_and_gives_the_eager_value(read):
         assert_same(fn, list(lin.parameters()), xs, [0, 1, 2])
 
 
+def test_a_round_whose_op_reads_itself_runs_a_whole_plan(monkeypatch):
+    """A decoder step whose two ``cat`` calls are one op (the second reads the first through
+    the attention, as the translation tutorial's decoder does): every round runs a whole
+    plan (that op's groups split by depth), whose groups read their inputs where they lie,
+    not the general gathers; values and gradients equal eager."""
+    from fold import run
+
+    plans = []
+    plan_of = run.plan_of
+
+    def kept(arrays, strategy):
+        plan = plan_of(arrays, strategy)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(run, "plan_of", kept)
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    attn, combine, proj = nn.Linear(6, 3), nn.Linear(6, 3), nn.Linear(3, 3)
+
+    def fn(x, k):
+        h, e = torch.tanh(x), x * 0.5
+        for _ in range(3):
+            if k:  # (examples apart: no chain of whole outputs, which any plan runs whole)
+                e = e * 2.0
+            e, h = proj(e), proj(h)  # (values of this round: both cats take two)
+            w = torch.softmax(attn(torch.cat((e, h))), 0)
+            e = torch.relu(combine(torch.cat((e, w * h))))
+            h = torch.tanh(h + e)
+            if float(h.detach().sum()) > 5.0:  # a read: a round per step
+                break
+        return h
+
+    params = [*attn.parameters(), *combine.parameters(), *proj.parameters()]
+    assert_same(fn, params, [torch.randn(3) for _ in range(4)], [0, 1, 0, 1])
+    assert plans and all(p.whole for p in plans), [p.whole for p in plans]
+
+
 def test_a_read_of_a_value_without_history_grouped_with_rows_that_carry_one(finish):
     """``float(h.detach().sum())`` in one example beside ``h[1:].sum()`` in another: one
     group of sums (padded), whose output carries a history for the second example's row.  The
