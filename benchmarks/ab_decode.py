@@ -6,6 +6,7 @@ revision's fold and the working tree's, calls interleaved, medians and paired ra
     python benchmarks/ab_decode.py --base REV --limit --eager-group 0   # decode-limit, every
                                                          # round batched on both sides
     python benchmarks/ab_decode.py --base REV --parser   # the parser's 64 sentences
+    python benchmarks/ab_decode.py --base REV --tutorial # the translation tutorial's seq2seq
 
 Where the machine's speed drifts between processes (on a shared 2-core machine one core may
 run Python-heavy code 1.5x slower than the other, and a process stays where it started),
@@ -85,6 +86,11 @@ def main() -> None:
         help="the parser's workload instead (control_flow.py's parser row: 64 sentences)",
     )
     ap.add_argument(
+        "--tutorial",
+        action="store_true",
+        help="the translation tutorial's seq2seq instead (tutorials.py's seq2seq row)",
+    )
+    ap.add_argument(
         "--eager-group",
         type=int,
         default=None,
@@ -124,6 +130,22 @@ def main() -> None:
             def hand() -> list[Any]:
                 with torch.no_grad():
                     return hand_parse(parser_model, words)
+
+        elif args.tutorial:
+            from tutorials import Tutorial
+            from tutorials import sources as tutorial_sources
+
+            tutorial = Tutorial(128).eval()
+            srcs = tutorial_sources(64)
+
+            def decode(f: Any) -> list[Any]:
+                with torch.no_grad():
+                    got = f.autobatch(tutorial.translate, srcs, stack=False)
+                return [t.tolist() for t in got]
+
+            def hand() -> list[Any]:
+                with torch.no_grad():
+                    return [t.tolist() for t in tutorial.hand(srcs)]
 
         else:
             model = Seq2Seq(hidden=128, eos_bias=0.0 if args.long or args.limit else 0.3)
@@ -176,6 +198,8 @@ def main() -> None:
     write_json(
         "ab_parser"
         if args.parser
+        else "ab_tutorial"
+        if args.tutorial
         else "ab_decode_long"
         if args.long
         else "ab_decode_limit"
