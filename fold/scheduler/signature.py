@@ -260,7 +260,12 @@ def _split_schedule(
     columns = {s: (a.node_columns(s), w) for s, w in zip(reading, widths)}
     inputs: dict[int, list[Input | Pieces | None]] = {}
     members: dict[int, np.ndarray] = {}
-    found = []
+    # Every node column of every slot one after another in one array (a segment per
+    # column), each step below one array operation over all of them, as _fused_schedule
+    # does (the translation tutorial's rounds plan some 30 columns each).
+    reads: list[tuple[int, int]] = []  # per slot that reads nodes: (slot, its signature)
+    flats: list[np.ndarray] = []
+    seg_len: list[int] = []
     for v in np.flatnonzero(vcount).tolist():
         s = int(slot_sig[v])
         ids = order[first[v] : first[v] + counts[v]]
@@ -269,27 +274,38 @@ def _split_schedule(
             continue
         flat, width = columns[s]
         cols = flat.reshape(width, a.count[s])
-        if v >= nsig:
-            cols = cols[:, pos[ids]]
-        kinds = a.signatures[s][1]
-        got: list[Input | Pieces | None] = [None] * len(kinds)
-        for c, j in enumerate(j for j, k in enumerate(kinds) if k == NODE):
-            h = cols[c]
-            src_ids = node_id(h)
-            src, rows, low = vid[src_ids], posv[src_ids], h & LOW_MASK
-            key = src * (LOW_MASK + 1) + low
-            got[j] = _column_input(
-                counts,
-                src,
-                rows,
-                low,
-                key,
-                bool((key == key[0]).all()),
-                bool((rows[1:] - rows[:-1] == 1).all()),
-            )
-            found.append(distinct(src) * nv + v)
-        inputs[v] = got
-    levels = _levels(nv, distinct(np.concatenate(found)) if found else np.zeros(0, np.int64))
+        flats.append((cols if v < nsig else cols[:, pos[ids]]).ravel())
+        seg_len += [counts[v]] * width
+        reads.append((v, s))
+    found = np.zeros(0, np.int64)
+    if flats:
+        h = np.concatenate(flats)
+        lens = np.asarray(seg_len, np.int64)
+        ends = np.cumsum(lens)
+        starts = ends - lens
+        src_ids = node_id(h)
+        src, rows, low = vid[src_ids], posv[src_ids], h & LOW_MASK
+        key = src * (LOW_MASK + 1) + low
+        single = np.logical_and.reduceat(key == np.repeat(key[starts], lens), starts).tolist()
+        ok = np.empty(len(rows), bool)
+        np.equal(rows[1:] - rows[:-1], 1, out=ok[:-1])
+        ok[ends - 1] = True  # a column's last row has no next in it
+        steps = np.logical_and.reduceat(ok, starts).tolist()
+        seg_slot = np.repeat(np.asarray([v for v, s in reads for _ in range(columns[s][1])]), lens)
+        found = distinct(src * nv + seg_slot)
+        seg = 0
+        for v, s in reads:
+            kinds = a.signatures[s][1]
+            got: list[Input | Pieces | None] = [None] * len(kinds)
+            for j in (j for j, k in enumerate(kinds) if k == NODE):
+                lo = int(starts[seg])
+                cut = slice(lo, lo + counts[v])
+                got[j] = _column_input(
+                    counts, src[cut], rows[cut], low[cut], key[cut], single[seg], steps[seg]
+                )
+                seg += 1
+            inputs[v] = got
+    levels = _levels(nv, found)
     if levels is None:  # (cannot be: see above; the caller then plans by depth)
         return None
     pieces = {v: (int(slot_sig[v]), ids) for v, ids in members.items() if v >= nsig}
