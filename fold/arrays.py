@@ -195,6 +195,7 @@ class GraphArrays:
         self._first: dict[int, int] | None = None
         self._per_node: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._columns: list[Any] = [None] * len(self.count)
+        self._node_columns: dict[int, np.ndarray] = {}  # (see node_columns)
 
     @property
     def flat(self) -> bool:
@@ -400,7 +401,15 @@ class GraphArrays:
     def node_columns(self, sid: int) -> np.ndarray:
         """The node arguments' handles of signature ``sid``'s nodes as one int64 array, one
         column per node position, positions after one another (column-major: column c is
-        ``[c * count : (c + 1) * count]``), not checked (see ``columns``)."""
+        ``[c * count : (c + 1) * count]``), not checked (see ``columns``).  Made once per
+        snapshot (the split plans of a round read it after the fused plan tried), read-only."""
+        got = self._node_columns.get(sid)
+        if got is None:
+            got = self._node_columns[sid] = self._make_node_columns(sid)
+            got.flags.writeable = False
+        return got
+
+    def _make_node_columns(self, sid: int) -> np.ndarray:
         entry = self._columns[sid]
         if entry is not None:
             return np.ascontiguousarray(entry[2].T).ravel()
