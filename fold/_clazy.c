@@ -831,28 +831,28 @@ key_tuple(Key *k)
 }
 
 /* An entry (recorder, outs, wrap, log) of an op whose outputs share memory with its
-   arguments (views: fold.autobatch.ops._Op.aliases): (its outputs, the nodes the recorder
-   was given) appended to the recorder's list named ``log`` (``view_log``), which an
-   in-place change reads (fold.autobatch.buffers.write_lazy).  0, or -1 on error. */
+   arguments (views: fold.autobatch.ops._Op.aliases): (its outputs, the call's arguments)
+   appended to the recorder's list named ``log`` (``view_log``), which an in-place change
+   reads (fold.autobatch.buffers.write_lazy).  0, or -1 on error. */
 static int
-log_view(PyObject *entry, PyObject *rec, PyObject *result, Key *k)
+log_view(PyObject *entry, PyObject *rec, PyObject *result, PyObject *const *args, Py_ssize_t n)
 {
     PyObject *log = PyObject_GetAttr(rec, PyTuple_GET_ITEM(entry, 3));
     if (log == NULL)
         return -1;
     int rc = -1;
-    PyObject *nodes = PyTuple_New(k->nn);
-    if (nodes != NULL) {
-        for (Py_ssize_t i = 0; i < k->nn; i++) {
-            Py_INCREF(k->nodes[i]);
-            PyTuple_SET_ITEM(nodes, i, k->nodes[i]);
+    PyObject *given = PyTuple_New(n);
+    if (given != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(given, i, args[i]);
         }
-        PyObject *item = PyTuple_Pack(2, result, nodes);
+        PyObject *item = PyTuple_Pack(2, result, given);
         if (item != NULL) {
             rc = PyList_Check(log) ? PyList_Append(log, item) : 0;
             Py_DECREF(item);
         }
-        Py_DECREF(nodes);
+        Py_DECREF(given);
     }
     Py_DECREF(log);
     return rc;
@@ -910,7 +910,7 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
     }
     PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), k.nodes, k.nn, NULL);
     result = res == NULL ? NULL : emit(entry, res, rec);
-    if (result != NULL && PyTuple_GET_SIZE(entry) == 4 && log_view(entry, rec, result, &k) < 0)
+    if (result != NULL && PyTuple_GET_SIZE(entry) == 4 && log_view(entry, rec, result, args, n) < 0)
         Py_CLEAR(result);
     Py_DECREF(entry);
 out:

@@ -1145,6 +1145,19 @@ def _index_by_value(x):
     return h
 
 
+def _view_of_a_temporary(x):
+    m = lin_of_3(x).view(3, 1)  # a view of a value no name holds: changing it is safe
+    m[0, 0] = 0.0
+    m[1] *= 2.0  # (a view of m taken, changed, and set back)
+    return m.view(3)
+
+
+def _at_a_recorded_index(x):
+    h = lin_of_3(x).clone()
+    h[h.argmax()] += 1.0  # (the index a value of the round)
+    return h
+
+
 def _after_a_read(x):
     h = lin_of_3(x)
     tok = int(h.argmax())  # a read: h is a value of an earlier round now
@@ -1171,6 +1184,8 @@ _LIN3 = nn.Linear(3, 3)
         _list_alias,
         _dead_view,
         _index_by_value,
+        _view_of_a_temporary,
+        _at_a_recorded_index,
         _after_a_read,
     ],
     ids=lambda f: f.__name__.strip("_"),
@@ -1216,6 +1231,15 @@ def _earlier_round(x):
     return h
 
 
+def _view_of_an_earlier_value(x):
+    h = lin_of_3(x)
+    int(h.argmax())  # a read: h is a value of an earlier round now
+    g = lin_of_3(x * 2)
+    v = h.expand_as(g)  # recorded in this round, a view of h's row
+    v.mul_(2.0)
+    return v + g
+
+
 def _random_fill(x):
     h = lin_of_3(x)
     h.uniform_()  # (no out-of-place form: torch.rand_like(h))
@@ -1238,7 +1262,14 @@ def _out_into_lazy(x):
         (_out_into_lazy, r"in-place torch\.add on a lazy value.*Fix: "),
         (_random_fill, r"uniform_ on a lazy value has no out-of-place form.*Fix: .*rand_like"),
     ],
-    ids=["view-changed", "view-held", "detached-held", "earlier-round", "out=", "random-fill"],
+    ids=[
+        "view-changed",
+        "view-held",
+        "detached-held",
+        "earlier-round",
+        "out=",
+        "random-fill",
+    ],
 )
 def test_in_place_changes_autobatch_cannot_follow_are_fold_errors(finish, fn, match):
     """An in-place change that eager code would see through another tensor sharing the
@@ -1481,6 +1512,22 @@ def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
         return flat, buf * 1, first + second + b
 
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+
+
+def test_an_in_place_change_of_a_view_of_an_earlier_value_is_a_fold_error(monkeypatch):
+    """A view recorded in this round of a value of an earlier round (``h.expand_as(g)``
+    after a read of ``h``) changed in place: eager code changes ``h`` too, which autobatch
+    does not follow, so it is refused, naming the copy fix.  (Where the examples finish as
+    eager code, ``h`` is a row of its round's output, and torch itself refuses the change
+    of a view of one of several views.)"""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    _LIN3.to(torch.float64)
+    with pytest.raises(
+        fold.FoldError,
+        match=r"example 0: .*\.mul_\(\) on a lazy value that is a view of a value computed "
+        r"in an earlier round.*Fix: .*clone",
+    ):
+        fold.autobatch(_view_of_an_earlier_value, [torch.randn(3) for _ in range(3)])
 
 
 def test_an_in_place_write_into_a_copy_of_a_recorded_value_equals_eager():

@@ -42,7 +42,7 @@ import torch
 
 from fold._encoding import node_id
 from fold.autobatch.common import _INPLACE, _LOCAL, _MISS, _is_inplace
-from fold.autobatch.values import Lazy
+from fold.autobatch.values import _FOREIGN, Lazy
 from fold.errors import FoldError
 from fold.graph import Fold
 
@@ -449,24 +449,35 @@ def _unwritable(rec: Any, x: Lazy) -> str | None:
             "then change x), or compute out of place (x = x.masked_fill(...), torch.where)."
         )
     i = node_id(x.node)
-    roots, viewers = rec.views()
-    if i in roots:
+    roots, holders, refs = rec.views()
+    mine = roots.get(i)  # (x a view: the values whose memory it shares)
+    if mine is not None and _FOREIGN in mine:
         return (
-            "that is a view of another value (x = h[i], h.view(...), h.t(), h.detach(), or a "
-            "module that returns its input): eager code would change the value it views "
-            "too, which autobatch does not follow. Fix: change the value itself "
-            "(h[i] = ..., h.masked_fill_(...)), or a copy (x = x.clone())."
+            "that is a view of a value computed in an earlier round or of a tensor the "
+            "function did not record (x = h[i], h.view(...), h.detach()): eager code would "
+            "change that value too, which autobatch does not follow. Fix: change a copy "
+            "(x = x.clone())."
         )
-    for v, node in viewers.get(i, ()):
-        # In use: held beyond the view log's entry and this list's, the loop's name and
-        # getrefcount's argument (and not changed in place since: a new value then).
-        if v.node == node and sys.getrefcount(v) > 4:
-            return (
-                "while a view of it is in use (v = x[i], x.view(...), x.detach() kept in a "
-                "name): eager code would change the view too, which autobatch does not "
-                "follow. Fix: take the view after the change, or change a copy (x = "
-                "x.clone())."
-            )
+    for r in (i,) if mine is None else mine:
+        for j, where, node in holders.get(r, ()):
+            v = rec.held(j, where)
+            # In use: held beyond the log's own references, this name and getrefcount's
+            # argument; and not changed in place since (a new value then).
+            if v is not x and v.node == node and sys.getrefcount(v) > 2 + refs.get(id(v), 0):
+                if mine is None:
+                    return (
+                        "while a view of it is in use (v = x[i], x.view(...), x.detach() kept "
+                        "in a name): eager code would change the view too, which autobatch "
+                        "does not follow. Fix: take the view after the change, or change a "
+                        "copy (x = x.clone())."
+                    )
+                return (
+                    "that is a view of another value, which is still in use, or another view "
+                    "of it is (x = h[i], h.view(...), h.t(), h.detach(), or a module that "
+                    "returns its input): eager code would change those too, which autobatch "
+                    "does not follow. Fix: change the value itself (h[i] = ..., "
+                    "h.masked_fill_(...)), or a copy (x = x.clone())."
+                )
     return None
 
 

@@ -40,9 +40,6 @@ class _Local(threading.local):
     # While an autobatch call runs its calls: the @batchable functions recorded once for this
     # call (see _compile), by op; None outside.
     programs: dict[Any, Any] | None = None
-    # The arguments of the call of an op that aliases being recorded, for its wrap, which
-    # logs them with its outputs (the generated Python recorders: recorder._Viewed).
-    view_args: Any = ()
 
 
 _LOCAL = _Local()

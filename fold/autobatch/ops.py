@@ -152,8 +152,8 @@ class _Op:
         self.random_modules: tuple[nn.Module, ...] = ()
         # Whether an output shares memory with an argument in eager code (a view: x[0],
         # x.view(...), x.detach(); or the argument itself: nn.Identity, x.contiguous()), set
-        # by shape inference: its outputs are noted as views (recorder._Viewed), so that an
-        # in-place change of the value they view, or of them, is refused
+        # by shape inference: its calls are logged (recorder ``views``), so that an
+        # in-place change of a value shared with another one in use is refused
         # (buffers.write_lazy).
         self.aliases = False
         self._variant: _Op | None = None

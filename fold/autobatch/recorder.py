@@ -50,6 +50,7 @@ from fold.autobatch.tables import (
     _reads,
 )
 from fold.autobatch.values import (
+    _FOREIGN,
     Known,
     Lazy,
     _as_number,
@@ -181,40 +182,13 @@ def _make_fast(k: int) -> Callable[..., Any]:
 def _entry(op: _Op, r: Callable[..., Any]) -> tuple[Any, ...]:
     """A ``_fast`` table entry: (the op's recorder, its outputs' metas as the C path makes
     them: one meta, a tuple of them for a flat tuple, or None, wrap).  An op whose outputs
-    are views of its arguments (``_Op.aliases``) logs each call's outputs and arguments in
-    the recorder's ``view_log`` (see ``_Recorder.views``): the C path where the entry names
-    that list fourth, the generated Python recorders through ``_Viewed`` and its wrap."""
+    share memory with its arguments (``_Op.aliases``) logs each call's outputs and
+    arguments in the recorder's ``view_log`` (see ``_Recorder.views``): the C path, where
+    the entry names that list fourth (the generated Python recorders file no entry for such
+    an op: its calls take the slow path, which logs them)."""
     if not op.aliases:
         return (r, op.fast_outs, op.wrap)
-    if _C is not None:
-        return (r, op.fast_outs, op.wrap, "view_log")
-    return (_Viewed(r), op.fast_outs, _logging(op.wrap))
-
-
-class _Viewed:
-    """The recorder of a Python fast table entry for an op that aliases: its arguments kept
-    for its wrap (``_logging``)."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Callable[..., Any]) -> None:
-        self.record = record
-
-    def __call__(self, *fargs: Any) -> Any:
-        _LOCAL.view_args = fargs
-        return self.record(*fargs)
-
-
-def _logging(wrap: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """An op's wrap that logs its outputs with the arguments ``_Viewed`` kept."""
-
-    def logging(nodes: Any, rec: Any) -> Any:
-        out = wrap(nodes, rec)
-        rec.view_log.append((out, _LOCAL.view_args))
-        _LOCAL.view_args = ()
-        return out
-
-    return logging
+    return (r, op.fast_outs, op.wrap, "view_log")
 
 
 def _fresh_nodes(f: Any, op: _Op, fargs: Any) -> Any:
@@ -406,7 +380,8 @@ class _Recorder:
         self.view_log: list[tuple[Any, Any]] = []
         self.view_seen = 0
         self.view_roots: dict[int, frozenset[int]] = {}
-        self.viewers: dict[int, list[tuple[Any, Any]]] = {}
+        self.viewers: dict[int, list[Any]] = {}
+        self.view_refs: dict[int, int] = {}
 
     def row_literal(self, src: Any, row: int) -> Any:
         """Row ``row`` of ``src`` (an output of this recorder's round) as the batch-of-one
@@ -476,34 +451,61 @@ class _Recorder:
             self.view_seen = 0
             self.view_roots.clear()
             self.viewers.clear()
+            self.view_refs.clear()
 
-    def views(self) -> tuple[dict[int, frozenset[int]], dict[int, list[tuple[Any, Any]]]]:
-        """The views of this round's values, from ``view_log``: per view's node id the node
-        ids of the values whose memory it shares (through other views too), and per such
-        node id its views as made, (the lazy value, its node).  The log's new calls are read
-        here, in order, once: recording pays for a log entry alone."""
-        log, known, viewers = self.view_log, self.view_roots, self.viewers
+    def views(self) -> tuple[dict[int, frozenset[int]], dict[int, list[Any]], dict[int, int]]:
+        """What the running example's views share, from ``view_log`` (its new calls read
+        here, in order, once: recording pays for a log entry alone):
+
+        - per view's node id the node ids of the values of this round whose memory it
+          shares, through other views too (``_FOREIGN`` among them where it views a tensor
+          of another round or an eager one);
+        - per such node id every lazy value known to hold that memory, as logged: the
+          values views were taken of (arguments) and the views (outputs), each as
+          ``(entry, where)`` (the log entry and where in it: an argument's position, or
+          -1 for a single output, ``(-2, j)`` for output j of several), with its node then;
+        - per lazy value (by id) the references the log holds to it, for ``held``."""
+        log, known, holders, refs = self.view_log, self.view_roots, self.viewers, self.view_refs
         node = getattr(self.fold, "_node_type", None)
         for j in range(self.view_seen, len(log)):
-            out, fargs = log[j]
+            out, args = log[j]
             found: set[int] = set()
-            for a in fargs:
-                for h in a if type(a) is list or type(a) is tuple else (a,):
-                    if type(h) is node:  # a node of this round (not a number)
-                        i = node_id(h)
+            for p, a in enumerate(args):
+                for x in a if type(a) is list or type(a) is tuple else (a,):
+                    t = type(x)
+                    if t is Lazy and x.rec is self and type(x.node) is node:
+                        i = node_id(x.node)
                         roots = known.get(i)
                         if roots is None:
                             found.add(i)
+                            holders.setdefault(i, []).append((j, p, x.node))
                         else:
                             found.update(roots)
+                        if x is a:  # (an element of a list the log holds through the list)
+                            refs[id(x)] = refs.get(id(x), 0) + 1
+                    elif t is Lazy or isinstance(x, torch.Tensor) or t is Known:
+                        found.add(_FOREIGN)  # a view of another round's value, or a tensor
             roots = frozenset(found)
-            for v in (out,) if type(out) is Lazy else pytree.tree_leaves(out):
+            leaves = [(-1, out)] if type(out) is Lazy else list(enumerate(pytree.tree_leaves(out)))
+            for w, v in leaves:
                 if type(v) is Lazy and type(v.node) is node:
                     known[node_id(v.node)] = roots
                     for i in roots:
-                        viewers.setdefault(i, []).append((v, v.node))
+                        holders.setdefault(i, []).append((j, -1 if w < 0 else (-2, w), v.node))
+                    if w < 0:
+                        refs[id(v)] = refs.get(id(v), 0) + 1
         self.view_seen = len(log)
-        return known, viewers
+        return known, holders, refs
+
+    def held(self, j: int, where: Any) -> Any:
+        """The lazy value of log entry ``j`` at ``where`` (see ``views``)."""
+        out, args = self.view_log[j]
+        if where == -1:
+            return out
+        if type(where) is tuple:
+            return pytree.tree_leaves(out)[where[1]]
+        a = args[where]
+        return a
 
     def check_aliases(self) -> None:
         """A FoldError where an eager tensor that a recorded call took as an argument (a
@@ -532,6 +534,7 @@ class _Recorder:
         self.view_log.clear()  # (its lazy values refer to this recorder: no cycle left)
         self.viewers.clear()
         self.view_roots.clear()
+        self.view_refs.clear()
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
@@ -691,10 +694,10 @@ class _Recorder:
             elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
                 _group_padded(op, key, mode)
         if op.random:  # (no fast table entry: every call comes here)
-            return self._record_fresh(op, fargs)
+            return self._logged(op, self._record_fresh(op, fargs), args)
         watched = op.random_modules
         if watched and any(m.training for m in watched):  # (eval mode: no draw, pure)
-            return self._record_fresh(op, fargs)
+            return self._logged(op, self._record_fresh(op, fargs), args)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
             outputs = None if op.single else len(op.outs)
@@ -708,7 +711,9 @@ class _Recorder:
         else:
             out = op.wrap(r(*fargs), self)
         if op.aliases:  # (see views)
-            self.view_log.append((out, fargs))
+            self.view_log.append((out, args))
+            if _C is None:  # (the generated Python recorders do not log: no entry)
+                return out
         k = len(args)
         if watched:  # its modules' mode is looked at on every call, the fast path's too
             r = _Watched(op, r, self.fold)
@@ -788,9 +793,12 @@ class _Recorder:
     def _record_fresh(self, op: _Op, fargs: list[Any]) -> Any:
         """Record a call that draws random numbers as a node of its own (``_fresh_nodes``):
         two dropouts of one value, or Monte Carlo samples of one input, draw apart."""
-        out = op.wrap(_fresh_nodes(self.fold, op, fargs), self)
-        if op.aliases:  # (see views)
-            self.view_log.append((out, fargs))
+        return op.wrap(_fresh_nodes(self.fold, op, fargs), self)
+
+    def _logged(self, op: _Op, out: Any, args: tuple[Any, ...]) -> Any:
+        """``out``, logged as views of ``args`` where ``op`` aliases (see ``views``)."""
+        if op.aliases:
+            self.view_log.append((out, args))
         return out
 
     def _typed(self, op: _Op, r: Any, fargs: list[Any]) -> Any:

@@ -466,6 +466,10 @@ def _library_read() -> str:
 
 _SETITEM = torch.Tensor.__setitem__
 
+# Among the node ids a view shares memory with (recorder ``views``): a value of another
+# round, or a tensor autobatch did not record.
+_FOREIGN = -1
+
 
 def _write(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An in-place torch call or method ``fn`` on lazy value ``args[0]``: recorded out of
