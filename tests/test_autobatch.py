@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import logging
 import math
 import pickle
 import random
@@ -1145,6 +1146,13 @@ def _index_by_value(x):
     return h
 
 
+def _masked_set(x):
+    h = lin_of_3(x)
+    h[h < 0] = -1.0  # (a mask of h's shape and one number: one torch.where a group)
+    h[x > 0.5] = 2
+    return h
+
+
 def _view_of_a_temporary(x):
     m = lin_of_3(x).view(3, 1)  # a view of a value no name holds: changing it is safe
     m[0, 0] = 0.0
@@ -1184,6 +1192,7 @@ _LIN3 = nn.Linear(3, 3)
         _list_alias,
         _dead_view,
         _index_by_value,
+        _masked_set,
         _view_of_a_temporary,
         _at_a_recorded_index,
         _after_a_read,
@@ -1512,6 +1521,18 @@ def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
         return flat, buf * 1, first + second + b
 
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
+
+
+def test_a_write_at_a_mask_runs_as_one_call_a_group(monkeypatch, caplog):
+    """``h[mask] = number`` with a mask of h's shape (``logits[banned] = -inf``) is recorded
+    as a ``torch.where``: one call a group, where a boolean index runs one call per example
+    (vmap cannot batch it, and says so in a logged warning); values and gradients equal
+    eager's."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    _LIN3.to(torch.float64)
+    with caplog.at_level(logging.WARNING):
+        assert_same(_masked_set, list(_LIN3.parameters()), [torch.randn(3) for _ in range(4)])
+    assert not [r for r in caplog.records if "vmap" in r.getMessage()]
 
 
 def test_an_in_place_change_of_a_view_of_an_earlier_value_is_a_fold_error(monkeypatch):

@@ -495,6 +495,18 @@ def _out_of_place(
     lazy value), recorded out of place: its result, the new value."""
     name = getattr(fn, "__name__", "?")
     if fn is _SETITEM:
+        index, value = rest if len(rest) == 2 else (None, None)
+        if (
+            (type(index) is Lazy or type(index) is torch.Tensor)
+            and index.dtype is torch.bool
+            and index.shape == shape
+            and (type(value) in (int, float, bool) or (type(value) is Lazy and not value.ndim))
+        ):
+            # x[mask] = v, a mask of x's shape and one number (logits[banned] = -inf): a
+            # torch.where, which runs as one call a group (a boolean index does not under
+            # vmap: its groups would run one call per example).
+            out = rec.record(torch.where, "torch", (index, value, x), {})
+            return out if out.dtype == dtype else out.to(dtype)
         return rec.record(_put, "torch", (x, *rest), {})
     if name == "copy_" and len(rest) == 1 and not kwargs:
         return rec.record(_put, "torch", (x, Ellipsis, rest[0]), {})
