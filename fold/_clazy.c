@@ -135,6 +135,26 @@ static PyMemberDef lazy_members[] = {
     {NULL},
 };
 
+/* x[key]: the recorded __getitem__ (a Method, set by configure_subscript).  A mapping's
+   subscript, not a sequence's item: torch's indexing takes an index that is a sequence
+   (PySequence_Check: an sq_item slot, which a Python __getitem__ fills) for a tuple of its
+   items, with a warning, and read each item of a lazy index (W[idx] of a parameter W):
+   a lazy value is one index, as a tensor is. */
+static PyObject *g_subscript;
+
+static PyObject *
+lazy_subscript(PyObject *self, PyObject *key)
+{
+    if (g_subscript == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "fold._clazy is used through fold.autobatch only");
+        return NULL;
+    }
+    PyObject *args[2] = {self, key};
+    return PyObject_Vectorcall(g_subscript, args, 2, NULL);
+}
+
+static PyMappingMethods lazy_as_mapping = {.mp_subscript = lazy_subscript};
+
 static PyTypeObject LazyBaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fold._clazy.LazyBase",
@@ -146,6 +166,7 @@ static PyTypeObject LazyBaseType = {
     .tp_traverse = (traverseproc)lazy_traverse,
     .tp_clear = (inquiry)lazy_clear,
     .tp_members = lazy_members,
+    .tp_as_mapping = &lazy_as_mapping,
 };
 
 #define LAZY(o) ((LazyBase *)(o))
@@ -1928,6 +1949,16 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* configure_subscript(method): the Method that records x[key] on a lazy value (see
+   lazy_subscript). */
+static PyObject *
+configure_subscript(PyObject *module, PyObject *method)
+{
+    Py_INCREF(method);
+    Py_XSETREF(g_subscript, method);
+    Py_RETURN_NONE;
+}
+
 /* configure_memo(pure, wrap): values._PURE_METHODS and values._memo_wrap. */
 static PyObject *
 configure_memo(PyObject *module, PyObject *args)
@@ -1947,6 +1978,8 @@ configure_memo(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef functions[] = {
+    {"configure_subscript", configure_subscript, METH_O,
+     PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
     {"configure_memo", configure_memo, METH_VARARGS,
      PyDoc_STR("configure_memo(pure methods, memo_wrap)")},
     {"configure", configure, METH_VARARGS,

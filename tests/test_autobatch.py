@@ -1523,6 +1523,30 @@ def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
     assert_same(fn, list(lin.parameters()), [torch.randn(3) for _ in range(4)])
 
 
+def test_a_tensor_indexed_by_a_lazy_value_takes_it_as_one_index():
+    """``W[idx]`` of a parameter (or of the example's input, or a buffer written at a mask)
+    by a lazy index: one recorded index, as a tensor index is.  Torch takes a sequence index
+    for a tuple of its items, and a lazy value with a Python ``__getitem__`` was one: torch
+    read each of its items (a node each) and warned.  Values and gradients equal eager's;
+    with the C storage (fold/_clazy.c), no warning."""
+    table = nn.Parameter(torch.randn(6, 4))
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        h = lin(x)
+        rows = table[h.topk(2).indices]  # a lazy index of two rows
+        picked = x[h > 0].sum()  # a lazy mask of the input
+        buf = torch.zeros(4)
+        buf[h > 0] = 1.0  # a buffer written at a lazy mask
+        return rows.sum(0) + picked + buf
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_same(fn, [table, *lin.parameters()], [torch.randn(4) for _ in range(4)])
+    if values._C is not None:
+        assert not [w for w in seen if "sequence" in str(w.message)], [str(w.message) for w in seen]
+
+
 def test_a_write_at_a_mask_runs_as_one_call_a_group(monkeypatch, caplog):
     """``h[mask] = number`` with a mask of h's shape (``logits[banned] = -inf``) is recorded
     as a ``torch.where``: one call a group, where a boolean index runs one call per example

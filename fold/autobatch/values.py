@@ -683,6 +683,12 @@ _OPERATORS = (
 
 
 for _name in _OPERATORS:
+    if _name == "__getitem__" and _C is not None:
+        # The C storage's subscript (fold/_clazy.c, lazy_subscript): a Python __getitem__
+        # would make a lazy value a sequence to torch, whose indexing of a tensor by one
+        # (W[idx]) then reads its items one by one, with a warning.
+        _C.configure_subscript(_method(torch.Tensor.__getitem__))
+        continue
     setattr(Lazy, _name, _method(getattr(torch.Tensor, _name)))
 
 
