@@ -1321,6 +1321,8 @@ def test_lazy_values_do_not_escape():
     assert isinstance(kept[0], Lazy)
     with pytest.raises(fold.FoldError, match="outside the function autobatch runs"):
         torch.tanh(kept[0])
+    with pytest.raises(fold.FoldError, match=r"in-place \.add_\(\) .*outside the function"):
+        kept[0].add_(1.0)
     with pytest.raises(fold.FoldError, match="inside a function autobatch is running"):
         fold.autobatch(lambda x: fold.autobatch(lin, [x]), [torch.randn(2)])
 

@@ -482,12 +482,19 @@ def _write(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return rec.write_lazy(fn, args, kwargs, False)
 
 
-def _inplace(self: Lazy, name: str) -> None:
+def _inplace(self: Lazy, name: str, out: bool = False) -> None:
+    """The FoldError for an in-place change of a lazy value that autobatch cannot record:
+    through ``out=`` (``out``), or outside the function it runs."""
+    if out:
+        raise FoldError(
+            f"autobatch: example {self.rec.example}: in-place {name} on a lazy value through "
+            "out=: autobatch records a value as a call's result only. Fix: compute out of "
+            "place and rebind the name (x = torch.add(a, b) for torch.add(a, b, out=x))."
+        )
     raise FoldError(
-        f"autobatch: example {self.rec.example}: in-place {name} on a lazy value; recorded "
-        "values are immutable. Fix: use the out-of-place form (x = x.add(y), torch.where, "
-        "masked_fill or index_put without underscore), or write into a tensor the function "
-        "makes (buf = torch.zeros_like(x); buf.copy_(x); buf[i] = y)."
+        f"autobatch: in-place {name} on a lazy value outside the function autobatch runs "
+        "(kept from an earlier call, or used while its graph runs). Fix: use the results "
+        "autobatch returns."
     )
 
 
@@ -502,7 +509,7 @@ def _inplace_call(rec: _Recorder, fn: Any, args: tuple[Any, ...], kwargs: dict[s
     if type(target) is Lazy:
         if "out" not in kwargs:
             return rec.write_lazy(fn, args, kwargs, False)
-        _inplace(target, name)
+        _inplace(target, name, out=True)
     what = "out=" if "out" in kwargs else name
     raise FoldError(
         f"autobatch: example {rec.example}: {what} writes a recorded value into an eager "
