@@ -1146,6 +1146,13 @@ def _index_by_value(x):
     return h
 
 
+def _split_dropped(x):
+    h = lin_of_3(x)
+    s = torch.split(h, 2)[0].sum()  # views of several outputs, dropped at once
+    h.mul_(2.0)
+    return h + s
+
+
 def _masked_set(x):
     h = lin_of_3(x)
     h[h < 0] = -1.0  # (a mask of h's shape and one number: one torch.where a group)
@@ -1193,6 +1200,7 @@ _LIN3 = nn.Linear(3, 3)
         _dead_view,
         _index_by_value,
         _masked_set,
+        _split_dropped,
         _view_of_a_temporary,
         _at_a_recorded_index,
         _after_a_read,
@@ -1249,6 +1257,13 @@ def _view_of_an_earlier_value(x):
     return v + g
 
 
+def _split_held(x):
+    h = lin_of_3(x)
+    first, rest = torch.split(h, 2)  # views of several outputs, held
+    h.mul_(2.0)  # eager code changes first and rest too
+    return h + first.sum() + rest.sum()
+
+
 def _random_fill(x):
     h = lin_of_3(x)
     h.uniform_()  # (no out-of-place form: torch.rand_like(h))
@@ -1270,6 +1285,7 @@ def _out_into_lazy(x):
         (_earlier_round, r"__setitem__ .* computed in an earlier round.*Fix: .*x\.clone\(\)"),
         (_out_into_lazy, r"in-place torch\.add on a lazy value.*Fix: "),
         (_random_fill, r"uniform_ on a lazy value has no out-of-place form.*Fix: .*rand_like"),
+        (_split_held, r"\.mul_\(\) on a lazy value while a view of it is in use"),
     ],
     ids=[
         "view-changed",
@@ -1278,6 +1294,7 @@ def _out_into_lazy(x):
         "earlier-round",
         "out=",
         "random-fill",
+        "split-held",
     ],
 )
 def test_in_place_changes_autobatch_cannot_follow_are_fold_errors(finish, fn, match):

@@ -463,7 +463,14 @@ def _unwritable(rec: Any, x: Lazy) -> str | None:
             v = rec.held(j, where)
             # In use: held beyond the log's own references, this name and getrefcount's
             # argument; and not changed in place since (a new value then).
-            if v is not x and v.node == node and sys.getrefcount(v) > 2 + refs.get(id(v), 0):
+            if (
+                v is not x
+                and v.node == node
+                and sys.getrefcount(v)
+                > 2
+                + refs.get(id(v), 0)
+                + (type(where) is tuple and where[0] == -2 and _dropped(rec.view_log[j][0], v))
+            ):
                 if mine is None:
                     return (
                         "while a view of it is in use (v = x[i], x.view(...), x.detach() kept "
@@ -479,6 +486,13 @@ def _unwritable(rec: Any, x: Lazy) -> str | None:
                     "h.masked_fill_(...)), or a copy (x = x.clone())."
                 )
     return None
+
+
+def _dropped(out: Any, v: Any) -> bool:
+    """Whether ``out``, the outputs of a logged call (a tuple: ``torch.split``'s parts), is
+    held by the log alone (its entry, this name and getrefcount's argument), and holds
+    ``v`` itself: its reference to ``v`` is then the log's too."""
+    return type(out) is tuple and any(o is v for o in out) and sys.getrefcount(out) <= 3
 
 
 def _out_of_place(

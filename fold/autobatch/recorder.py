@@ -462,8 +462,8 @@ class _Recorder:
           of another round or an eager one);
         - per such node id every lazy value known to hold that memory, as logged: the
           values views were taken of (arguments) and the views (outputs), each as
-          ``(entry, where)`` (the log entry and where in it: an argument's position, or
-          -1 for a single output, ``(-2, j)`` for output j of several), with its node then;
+          ``(entry, where, node)`` (the log entry, where in it: see ``held``, and its node
+          then);
         - per lazy value (by id) the references the log holds to it, for ``held``."""
         log, known, holders, refs = self.view_log, self.view_roots, self.viewers, self.view_refs
         node = getattr(self.fold, "_node_type", None)
@@ -471,19 +471,20 @@ class _Recorder:
             out, args = log[j]
             found: set[int] = set()
             for p, a in enumerate(args):
-                for x in a if type(a) is list or type(a) is tuple else (a,):
+                many = type(a) is list or type(a) is tuple
+                for k, x in enumerate(a if many else (a,)):
                     t = type(x)
                     if t is Lazy and x.rec is self and type(x.node) is node:
                         i = node_id(x.node)
                         roots = known.get(i)
                         if roots is None:
                             found.add(i)
-                            holders.setdefault(i, []).append((j, p, x.node))
+                            holders.setdefault(i, []).append((j, (p, k) if many else p, x.node))
                         else:
                             found.update(roots)
-                        if x is a:  # (an element of a list the log holds through the list)
+                        if not many:  # (an element of a list the log holds through the list)
                             refs[id(x)] = refs.get(id(x), 0) + 1
-                    elif t is Lazy or isinstance(x, torch.Tensor) or t is Known:
+                    elif t is Lazy or isinstance(x, torch.Tensor) or (t is Known and not x.number):
                         found.add(_FOREIGN)  # a view of another round's value, or a tensor
             roots = frozenset(found)
             leaves = [(-1, out)] if type(out) is Lazy else list(enumerate(pytree.tree_leaves(out)))
@@ -498,14 +499,16 @@ class _Recorder:
         return known, holders, refs
 
     def held(self, j: int, where: Any) -> Any:
-        """The lazy value of log entry ``j`` at ``where`` (see ``views``)."""
+        """The lazy value of log entry ``j`` at ``where`` (see ``views``): an argument's
+        position (``(p, k)``: element k of a list argument p), -1 the single output,
+        ``(-2, w)`` output w of several."""
         out, args = self.view_log[j]
         if where == -1:
             return out
         if type(where) is tuple:
-            return pytree.tree_leaves(out)[where[1]]
-        a = args[where]
-        return a
+            p, k = where
+            return pytree.tree_leaves(out)[k] if p == -2 else args[p][k]
+        return args[where]
 
     def check_aliases(self) -> None:
         """A FoldError where an eager tensor that a recorded call took as an argument (a
