@@ -3510,17 +3510,17 @@ def test_random_programs_changing_recorded_values_in_place_match_eager(finish, p
 @_PROGRAMS
 @given(
     st.lists(
-        st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2)), max_size=7),
+        st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2)), max_size=7),
         min_size=1,
         max_size=4,
     )
 )
 def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, programs):
     """Random programs that keep views of a value (a slice, ``view``, ``detach``, a view of a
-    view) and change the value or the views in place, reading them after: autobatch either
-    gives eager's values and gradients (float64) or refuses with the FoldError of an
-    in-place change it cannot follow; never a result that differs silently.  Programs with
-    no view held when a change comes must run."""
+    view, ``split``'s parts) and change the value or the views in place, reading them after:
+    autobatch either gives eager's values and gradients (float64) or refuses with the
+    FoldError of an in-place change it cannot follow; never a result that differs silently.
+    Programs with no view held when a change comes must run."""
     torch.manual_seed(0)
     lin = nn.Linear(3, 3)
 
@@ -3543,6 +3543,8 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
                 views[i % len(views)].add_(1.0)
             elif step == 6:
                 h[i] = x[i]
+            elif step == 7:
+                views.extend(torch.split(h, 2))  # views of several outputs
             else:
                 out = out + sum(v.sum() for v in views) + h  # read them all
                 views = []  # (dropped: changes after this may run)
@@ -3554,7 +3556,7 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
     except fold.FoldError as err:
         assert re.search(r"in-place .* on a lazy value (that is a view|while a view)", str(err))
         assert any(  # refused only where a change met a view held (or made on a view)
-            any(s in (0, 1, 2, 3) for s, _ in p) and any(s in (4, 5, 6) for s, _ in p)
+            any(s in (0, 1, 2, 3, 7) for s, _ in p) and any(s in (4, 5, 6) for s, _ in p)
             for p in programs
         ), (programs, err)
 
