@@ -534,10 +534,7 @@ class _Recorder:
         self.closed = True
         self._fast.clear()
         self._fast_nograd.clear()
-        self.view_log.clear()  # (its lazy values refer to this recorder: no cycle left)
-        self.viewers.clear()
-        self.view_roots.clear()
-        self.view_refs.clear()
+        self.forget_views()  # (its lazy values refer to this recorder: no cycle left)
 
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The examples of a tensor passed to autobatch: ``t.unbind(0)``, as iterating it
