@@ -3398,6 +3398,15 @@ _PROGRAMS = settings(
 )
 
 
+def step_programs(steps: int, arg: tuple[int, int], length: int, examples: int, min_steps=0):
+    """Per example a list of (step, argument) pairs: a step in ``0..steps``, an argument in
+    ``arg`` (inclusive), ``min_steps`` to ``length`` of them; 1 to ``examples`` examples."""
+    pair = st.tuples(st.integers(0, steps), st.integers(*arg))
+    return st.lists(
+        st.lists(pair, min_size=min_steps, max_size=length), min_size=1, max_size=examples
+    )
+
+
 @st.composite
 def read_programs(draw):
     """Per example: a list of steps, each a layer to apply and whether to read (and branch
@@ -3461,13 +3470,7 @@ def test_random_programs_with_data_shaped_calls_match_eager(finish, programs):
 
 
 @_PROGRAMS
-@given(
-    st.lists(
-        st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2)), max_size=7),
-        min_size=1,
-        max_size=5,
-    )
-)
+@given(step_programs(8, (0, 2), 7, 5))
 def test_random_programs_changing_recorded_values_in_place_match_eager(finish, programs):
     """Random programs that change recorded values in place (methods, ``h[i] = v``,
     ``h[i] += v``, ``+=``, torch's in-place functions), keep them in a list first (which
@@ -3508,13 +3511,7 @@ def test_random_programs_changing_recorded_values_in_place_match_eager(finish, p
 
 
 @_PROGRAMS
-@given(
-    st.lists(
-        st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2)), max_size=7),
-        min_size=1,
-        max_size=4,
-    )
-)
+@given(step_programs(8, (0, 2), 7, 4))
 def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, programs):
     """Random programs that keep views of a value (a slice, ``view``, ``detach``, a view of a
     view, ``split``'s parts) and change the value or the views in place, reading them after:
@@ -3562,13 +3559,7 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
 
 
 @_PROGRAMS
-@given(
-    st.lists(
-        st.lists(st.tuples(st.integers(0, 10), st.integers(0, 3)), max_size=6),
-        min_size=1,
-        max_size=5,
-    )
-)
+@given(step_programs(10, (0, 3), 6, 5))
 def test_random_programs_writing_buffers_match_eager(finish, programs):
     """Random programs that fill a buffer they made (``torch.zeros(4, 3)``) with recorded
     rows, by assignment, ``+=``, a write through a view kept, ``add_`` of the whole, a row of
@@ -3615,13 +3606,7 @@ def test_random_programs_writing_buffers_match_eager(finish, programs):
 
 
 @_PROGRAMS
-@given(
-    st.lists(
-        st.lists(st.tuples(st.integers(0, 4), st.integers(1, 2)), min_size=1, max_size=5),
-        min_size=1,
-        max_size=5,
-    )
-)
+@given(step_programs(4, (1, 2), 5, 5, min_steps=1))
 def test_random_programs_of_modules_run_through_match_eager(finish, programs):
     """Random programs of a module of one's own that vmap cannot run (a GRU on a batch of
     one inside it, a read in its forward that picks a branch), its cell on batches of one or
