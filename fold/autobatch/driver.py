@@ -418,8 +418,7 @@ def _record(
                 for i, example in examples:
                     results.append(None)
                     specs.append(None)
-                    rec.example = i
-                    rec.forget_views()
+                    rec.start_example(i)
                     _finished(_example(fn, example, i)(), i, results, specs)
             else:
                 # One coroutine runs the examples one after another until one reads: it
@@ -429,8 +428,7 @@ def _record(
                     for i, example in examples:
                         results.append(None)
                         specs.append(None)
-                        session.current.example = i
-                        session.current.forget_views()
+                        session.current.start_example(i)
                         _finished(_example(fn, example, i)(), i, results, specs)
                     return None
 
@@ -445,8 +443,7 @@ def _record(
                 while paused:
                     session.run_round()
                     for i, g in list(paused.items()):
-                        session.current.example = i
-                        session.current.forget_views()
+                        session.current.start_example(i)
                         if _resume(session, g) is None:
                             del paused[i]
     except BaseException:

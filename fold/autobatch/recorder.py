@@ -441,6 +441,12 @@ class _Recorder:
         """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
         return buffers.write_lazy(self, fn, args, kwargs, operator)
 
+    def start_example(self, i: int) -> None:
+        """Example ``i`` runs (starts, or resumes after its round): it is the one recording,
+        and the view log is its alone (``forget_views``)."""
+        self.example = i
+        self.forget_views()
+
     def forget_views(self) -> None:
         """Empty the view log as another example starts or resumes: only the running
         example's values of this round can change in place (a paused one's are values of
