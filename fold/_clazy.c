@@ -360,7 +360,7 @@ key_release(Key *k)
    literal row is a view of it (a change in place before its round runs is an error there,
    naming the call, not a silent change of the recorded call's argument).  0, -1 on error. */
 static int
-note_alias(PyObject *rec, PyObject *a, PyObject *fn, PyObject *kind)
+note_alias(PyObject *rec, PyObject *a, PyObject *version, PyObject *fn, PyObject *kind)
 {
     PyObject *base = PyObject_GetAttr(a, s_base);
     if (base == NULL)
@@ -373,13 +373,11 @@ note_alias(PyObject *rec, PyObject *a, PyObject *fn, PyObject *kind)
         return -1;
     int out = 0;
     if (PyList_CheckExact(aliases)) {
-        PyObject *version = PyObject_GetAttr(a, s_version);
-        PyObject *example = version ? PyObject_GetAttr(rec, s_example) : NULL;
+        PyObject *example = PyObject_GetAttr(rec, s_example);
         PyObject *entry = example ? PyTuple_Pack(5, a, version, example, fn, kind) : NULL;
         out = entry == NULL || PyList_Append(aliases, entry) < 0 ? -1 : 0;
         Py_XDECREF(entry);
         Py_XDECREF(example);
-        Py_XDECREF(version);
     }
     Py_DECREF(aliases);
     return out;
@@ -420,11 +418,22 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     Py_DECREF(rows);
     if (listed != 0)
         return listed < 0 ? -1 : 0;
+    /* An inference tensor has no version counter (reading it raises RuntimeError): the slow
+       path copies its value at the call. */
+    PyObject *version = PyObject_GetAttr(a, s_version);
+    if (version == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
     PyObject *shape = PyObject_GetAttr(a, s_shape);
     PyObject *dtype = shape ? PyObject_GetAttr(a, s_dtype) : NULL;
     PyObject *device = dtype ? PyObject_GetAttr(a, s_device) : NULL;
     PyObject *row = device ? PyObject_CallMethodOneArg(a, s_unsqueeze, g_small[0]) : NULL;
-    if (row == NULL || note_alias(rec, a, k->items[0], k->items[1]) < 0) { /* fn, kind */
+    int noted = row == NULL ? -1 : note_alias(rec, a, version, k->items[0], k->items[1]);
+    Py_DECREF(version);
+    if (noted < 0) { /* (items 0 and 1: fn, kind) */
         Py_XDECREF(row);
         Py_XDECREF(shape);
         Py_XDECREF(dtype);
@@ -1231,6 +1240,10 @@ memo_key(PyObject *func, PyObject *x, PyObject *row, PyObject *const *args, Py_s
     if (key == NULL)
         return NULL;
     PyObject *version = PyObject_GetAttr(row, s_version);
+    if (version == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        PyErr_Clear(); /* an inference tensor: no version counter (values.version_of) */
+        version = Py_NewRef(Py_None);
+    }
     PyObject *grad = version ? PyObject_CallNoArgs(g_grad_enabled) : NULL;
     if (grad == NULL) {
         Py_XDECREF(version);

@@ -290,6 +290,15 @@ def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple
     return outs
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, the count of in-place changes to its memory; None for an inference
+    tensor (made under ``torch.inference_mode()``), which has no version counter."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 # torch.tensor as fold found it: an autobatch call wraps torch.tensor while it records (a
 # known value), and its rounds convert their number columns here, recording nothing.
 _TENSOR = torch.tensor
@@ -465,7 +474,7 @@ def padded_rows_of(
     if kept is not None:
         key = tuple(map(id, column))
         entry = kept.get(key)
-        if entry is not None and entry[1]._version == entry[2]:
+        if entry is not None and version_of(entry[1]) == entry[2]:
             return entry[3]
     found = _rows_in(column)
     if found is None:
@@ -491,7 +500,8 @@ def padded_rows_of(
         if len(kept) >= _KEPT_COLUMNS:  # type: ignore[arg-type]
             kept.clear()  # type: ignore[union-attr]
         # The column itself keeps its views alive, so that no other tensor takes their ids.
-        kept[key] = (column, b, b._version, got)  # type: ignore[index]
+        # (b is an output of fold's own: an inference tensor's None is no change seen)
+        kept[key] = (column, b, version_of(b), got)  # type: ignore[index]
     return got
 
 

@@ -3159,6 +3159,57 @@ def test_attention_decoding_under_no_grad_and_inference_mode_matches_eager(mode,
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
 
 
+def _stack_rows(enc_lin, x):
+    """A parser's features: rows of an earlier round's encoding, picked by read values."""
+    enc = torch.tanh(enc_lin(x))  # (n, 4)
+    picked, i = [], 0
+    for _ in range(4):
+        f = torch.cat([enc[i], enc[0] * 0, enc.mean(0)])  # methods of an earlier value
+        i = int(f.argmax()) % len(enc)
+        picked.append(i)
+    return torch.tensor(picked)
+
+
+def _masked_choices(enc_lin, x):
+    """An eager mask made in the function, used by a recorded call, then changed in place
+    before the call's round runs (eager code read it as it was at the call)."""
+    mask = torch.zeros(4, dtype=torch.float64)
+    h, out = x[0], []
+    for _ in range(3):
+        scores = enc_lin(h) + mask
+        mask[len(out)] = float("-inf")
+        t = int(scores.argmax())
+        out.append(t)
+        h = torch.tanh(enc_lin(h))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("program", [_stack_rows, _masked_choices])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_reads_under_inference_mode_take_values_without_version_counters(mode, program, finish):
+    """Under torch.inference_mode() every tensor is an inference tensor, which has no
+    version counter: rows of earlier rounds that methods are memoised on, eager tensors a
+    recorded call takes, and the tensor autobatch iterates over (made in inference mode)
+    give the eager tokens, as under torch.no_grad() (float64)."""
+    torch.manual_seed(3)
+    lin = nn.Linear(4, 4).double()
+    with torch.inference_mode():
+        xs = torch.randn(6, 5, 4, dtype=torch.float64)  # an inference tensor, iterated over
+    if mode == "no_grad":
+        xs = xs.clone()
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    if mode == "no_grad" and program is _masked_choices:
+        # (a tensor with a version counter, changed after a call took it: refused)
+        with context(), pytest.raises(fold.FoldError, match="changed in place after a recorded"):
+            fold.autobatch(lambda x: program(lin, x), xs, stack=False)
+        return
+    with context():
+        want = [program(lin, x) for x in xs]
+        got = fold.autobatch(lambda x: program(lin, x), xs, stack=False)
+    assert len({tuple(w.tolist()) for w in want}) > 1
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
 def test_examples_without_reads_mix_with_ones_that_read_and_results_stack(finish):
     """Some examples read, some never do, one stops at its first step: stacked results
     (one shape) equal eager, and so does every example alone (batch invariance)."""

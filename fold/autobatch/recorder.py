@@ -549,7 +549,9 @@ class _Recorder:
         travels as.  ``_part`` takes a row from here while its version shows no in-place
         change; it computes anything else (a row changed in place, a new tensor) itself."""
         rows = t.unbind(0)
-        if not rows or t.requires_grad:  # rows that carry gradients: the general path
+        if not rows or t.requires_grad or t.is_inference():
+            # Rows that carry gradients, or of an inference tensor (no version counter to
+            # see a change by): the general path.
             return rows
         if self.device is None:
             self.device = t.device
@@ -901,6 +903,10 @@ class _Recorder:
                 self.device = device
             if not grad and not a.ndim and _as_number(dtype):
                 fargs.append(a.item())
+            elif a.is_inference():
+                # No version counter to check a later change by: its value now, as eager
+                # code reads it at the call.
+                fargs.append(a.clone().unsqueeze(0))
             else:
                 fargs.append(a.unsqueeze(0))
                 if a._base is None:  # (views of one tensor share its version: not checked)

@@ -17,7 +17,10 @@ import torch
 from torch import nn
 
 from fold.errors import FoldError, describe
-from fold.ops import _TENSOR  # torch.tensor as fold found it at import
+from fold.ops import (
+    _TENSOR,  # torch.tensor as fold found it at import
+    version_of,
+)
 
 if TYPE_CHECKING:  # the recorder uses this module: names for annotations only
     from fold.autobatch.recorder import _Recorder
@@ -591,7 +594,8 @@ def _memoised(session: Any, func: Any, x: Lazy, row: torch.Tensor, rest: tuple[A
 
 
 def _memo_key(func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
-    parts = [func, x.rec, x.node, row._version, torch.is_grad_enabled()]
+    # (an inference tensor's version is None: a row of fold's own, which only fold writes)
+    parts = [func, x.rec, x.node, version_of(row), torch.is_grad_enabled()]
     for a in rest:
         p = _memo_part(a, False)
         if p is _MISS:
