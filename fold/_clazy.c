@@ -56,6 +56,7 @@ static PyObject *g_default_dtype;  /* torch.get_default_dtype */
 static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set by configure_memo) */
+static PyObject *g_inference_enabled; /* torch.is_inference_mode_enabled (configure_memo) */
 static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
@@ -65,7 +66,7 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
 
 static PyObject *s_row_literal, *s_row_of, *s_memo, *s_rounds, *s_row_views;
 static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
-    *s_version, *s_example, *s_base;
+    *s_version, *s_example, *s_base, *s_is_inference, *s_clone;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -355,6 +356,17 @@ key_release(Key *k)
     k->nk = k->nn = 0;
 }
 
+/* ``row._version``, or None for an inference tensor (values.version_of); NULL on error. */
+static PyObject *
+row_version(PyObject *row)
+{
+    PyObject *inference = PyObject_CallMethodNoArgs(row, s_is_inference);
+    if (inference == NULL)
+        return NULL;
+    Py_DECREF(inference);
+    return inference == Py_True ? Py_NewRef(Py_None) : PyObject_GetAttr(row, s_version);
+}
+
 /* As the slow path's _part: (tensor, its version, the example, the call's fn and kind) in
    ``rec.aliases``, for a tensor (not a view: views of one tensor share its version) whose
    literal row is a view of it (a change in place before its round runs is an error there,
@@ -418,22 +430,26 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     Py_DECREF(rows);
     if (listed != 0)
         return listed < 0 ? -1 : 0;
-    /* An inference tensor has no version counter (reading it raises RuntimeError): the slow
-       path copies its value at the call. */
-    PyObject *version = PyObject_GetAttr(a, s_version);
-    if (version == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
+    PyObject *version = row_version(a);
+    if (version == NULL)
+        return -1;
     PyObject *shape = PyObject_GetAttr(a, s_shape);
     PyObject *dtype = shape ? PyObject_GetAttr(a, s_dtype) : NULL;
     PyObject *device = dtype ? PyObject_GetAttr(a, s_device) : NULL;
     PyObject *row = device ? PyObject_CallMethodOneArg(a, s_unsqueeze, g_small[0]) : NULL;
-    int noted = row == NULL ? -1 : note_alias(rec, a, version, k->items[0], k->items[1]);
+    /* An inference tensor has no version counter to see a later change by: its value
+       now, copied, as eager code reads it at the call (the slow path's _part alike). */
+    int noted = 0;
+    if (row == NULL)
+        noted = -1;
+    else if (version == Py_None)
+        Py_SETREF(row, PyObject_CallMethodNoArgs(row, s_clone));
+    else /* (items 0 and 1: fn, kind) */
+        noted = note_alias(rec, a, version, k->items[0], k->items[1]);
     Py_DECREF(version);
-    if (noted < 0) { /* (items 0 and 1: fn, kind) */
+    if (row == NULL)
+        noted = -1;
+    if (noted < 0) {
         Py_XDECREF(row);
         Py_XDECREF(shape);
         Py_XDECREF(dtype);
@@ -1239,14 +1255,20 @@ memo_key(PyObject *func, PyObject *x, PyObject *row, PyObject *const *args, Py_s
     PyObject *key = PyTuple_New(5 + n);
     if (key == NULL)
         return NULL;
-    PyObject *version = PyObject_GetAttr(row, s_version);
-    if (version == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-        PyErr_Clear(); /* an inference tensor: no version counter (values.version_of) */
-        version = Py_NewRef(Py_None);
+    /* As values._memo_key: under inference mode (grad off, first) no version; else the
+       row's, None for an inference tensor (values.version_of). */
+    PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
+    PyObject *version = NULL;
+    if (grad == Py_False) {
+        PyObject *inference = PyObject_CallNoArgs(g_inference_enabled);
+        if (inference != NULL)
+            version = inference == Py_True ? Py_NewRef(Py_None) : row_version(row);
+        Py_XDECREF(inference);
     }
-    PyObject *grad = version ? PyObject_CallNoArgs(g_grad_enabled) : NULL;
-    if (grad == NULL) {
-        Py_XDECREF(version);
+    else if (grad != NULL)
+        version = row_version(row);
+    if (version == NULL) {
+        Py_XDECREF(grad);
         Py_DECREF(key);
         return NULL;
     }
@@ -1972,12 +1994,13 @@ configure_subscript(PyObject *module, PyObject *method)
     Py_RETURN_NONE;
 }
 
-/* configure_memo(pure, wrap): values._PURE_METHODS and values._memo_wrap. */
+/* configure_memo(pure, wrap, inference): values._PURE_METHODS, values._memo_wrap and
+   torch.is_inference_mode_enabled. */
 static PyObject *
 configure_memo(PyObject *module, PyObject *args)
 {
-    PyObject *pure, *wrap;
-    if (!PyArg_ParseTuple(args, "OO", &pure, &wrap))
+    PyObject *pure, *wrap, *inference;
+    if (!PyArg_ParseTuple(args, "OOO", &pure, &wrap, &inference))
         return NULL;
     if (!PyAnySet_Check(pure)) {
         PyErr_SetString(PyExc_TypeError, "configure_memo: pure must be a set");
@@ -1987,6 +2010,8 @@ configure_memo(PyObject *module, PyObject *args)
     Py_XSETREF(g_pure, pure);
     Py_INCREF(wrap);
     Py_XSETREF(g_memo_wrap, wrap);
+    Py_INCREF(inference);
+    Py_XSETREF(g_inference_enabled, inference);
     Py_RETURN_NONE;
 }
 
@@ -1994,7 +2019,7 @@ static PyMethodDef functions[] = {
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
     {"configure_memo", configure_memo, METH_VARARGS,
-     PyDoc_STR("configure_memo(pure methods, memo_wrap)")},
+     PyDoc_STR("configure_memo(pure methods, memo_wrap, torch.is_inference_mode_enabled)")},
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
                "'torch', record_method, torch_function, BATCHED, torch.long, torch.bool, "
@@ -2049,11 +2074,11 @@ PyInit__clazy(void)
             return NULL;
     PyObject **more[] = {&s_token,    &s_eager,   &s_record,  &s_module_kind, &s_literals,
                          &s_aliases,  &s_version, &s_example, &s_base,        &s_row_literal,
-                         &s_row_of,   &s_memo,    &s_rounds,  &s_row_views};
+                         &s_row_of,   &s_memo,    &s_rounds,  &s_row_views,   &s_is_inference, &s_clone};
     const char *more_names[] = {"token",    "eager",   "record",   "module", "literals",
                                 "aliases",  "_version", "example", "_base",  "row_literal",
-                                "row_of",   "memo",    "rounds",   "_row_views"};
-    for (int i = 0; i < 14; i++)
+                                "row_of",   "memo",    "rounds",   "_row_views", "is_inference", "clone"};
+    for (int i = 0; i < 16; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
     for (int i = 0; i < 64; i++)

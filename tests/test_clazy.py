@@ -809,12 +809,16 @@ def test_methods_of_earlier_rounds_values_take_the_fast_path(monkeypatch: Any) -
 
 
 @pytest.mark.skipif(C is None, reason="fold._clazy not built")
-def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("mode", ["grad", "inference_mode"])
+def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(
+    monkeypatch: Any, mode: str
+) -> None:
     """A pure method of an earlier round's value with plain arguments runs at once, memoised
     (values._memoised); the C path builds the memo key the Python path builds for the same
     call (ints, bools, floats by their bits, slices, tuples, None, Ellipsis), so the two
     share one memo: every call below is made by C, filed under Python's key, and a second
-    call gives the same lazy value.  Values equal eager."""
+    call gives the same lazy value.  Values equal eager.  Under torch.inference_mode() too,
+    where the rows are inference tensors, without a version counter."""
     driver = importlib.import_module("fold.autobatch.driver")
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)
     lin = nn.Linear(3, 4).double()
@@ -855,14 +859,37 @@ def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(monkeypa
         return outs
 
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
-    C.configure_memo(values._PURE_METHODS, spy)
+    inference = torch.is_inference_mode_enabled
+    C.configure_memo(values._PURE_METHODS, spy, inference)
     try:
-        got = fold.autobatch(fn, xs, stack=False)
+        with torch.inference_mode(mode == "inference_mode"):
+            got = fold.autobatch(fn, xs, stack=False)
     finally:
-        C.configure_memo(values._PURE_METHODS, values._memo_wrap)
+        C.configure_memo(values._PURE_METHODS, values._memo_wrap, inference)
     assert checked and all(checked), checked
     assert len(by_c) == len(calls) * len(xs)  # every call made by the C path
     for g, x in zip(got, xs):
         for a, b in zip(g, fn(x), strict=True):
             assert a.shape == b.shape and torch.equal(torch.signbit(a), torch.signbit(b))
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["_clazy", "_crecord"])
+def test_a_built_c_extension_is_not_older_than_its_source(name: str) -> None:
+    """A C extension built in place before its source was changed runs the old code, and an
+    optional extension that no longer compiles leaves the old build in place silently
+    (setup.py): the tests would check the old C.  Fix: ``python setup.py build_ext
+    --inplace`` (or reinstall)."""
+    module = importlib.import_module("fold")
+    root = os.path.dirname(module.__file__)
+    built = [
+        f for f in os.listdir(root) if f.startswith(name + ".") and f.endswith((".so", ".pyd"))
+    ]
+    if not built:
+        pytest.skip(f"fold.{name} is not built in place")
+    source = os.path.getmtime(os.path.join(root, name + ".c"))
+    for f in built:
+        assert os.path.getmtime(os.path.join(root, f)) >= source, (
+            f"fold/{f} is older than fold/{name}.c: rebuild it (python setup.py build_ext "
+            "--inplace); a build that fails keeps the old one"
+        )

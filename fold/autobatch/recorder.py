@@ -906,7 +906,7 @@ class _Recorder:
             elif a.is_inference():
                 # No version counter to check a later change by: its value now, as eager
                 # code reads it at the call.
-                fargs.append(a.clone().unsqueeze(0))
+                fargs.append(a.unsqueeze(0).clone())
             else:
                 fargs.append(a.unsqueeze(0))
                 if a._base is None:  # (views of one tensor share its version: not checked)

@@ -594,8 +594,11 @@ def _memoised(session: Any, func: Any, x: Lazy, row: torch.Tensor, rest: tuple[A
 
 
 def _memo_key(func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
-    # (an inference tensor's version is None: a row of fold's own, which only fold writes)
-    parts = [func, x.rec, x.node, version_of(row), torch.is_grad_enabled()]
+    grad = torch.is_grad_enabled()
+    # Under inference mode the rows are inference tensors (no version counter): None, a
+    # row of fold's own, which only fold writes.  (Grad mode first: it is off there.)
+    version = None if not grad and torch.is_inference_mode_enabled() else version_of(row)
+    parts = [func, x.rec, x.node, version, grad]
     for a in rest:
         p = _memo_part(a, False)
         if p is _MISS:
@@ -1004,4 +1007,4 @@ if _C is not None:
         torch.get_default_dtype,
         Known,
     )
-    _C.configure_memo(_PURE_METHODS, _memo_wrap)
+    _C.configure_memo(_PURE_METHODS, _memo_wrap, torch.is_inference_mode_enabled)
