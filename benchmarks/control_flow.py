@@ -3,6 +3,7 @@
     python benchmarks/control_flow.py                # 64 sources, hidden 128, 1 thread
     python benchmarks/control_flow.py --reps 7 --save
     python benchmarks/control_flow.py --only decode-long     # one workload (see --only)
+    python benchmarks/control_flow.py --mode inference_mode  # under torch.inference_mode()
 
 A GRU encoder and an attention decoder (hidden 128, vocab 8, EOS one of them) decode 64
 sources of 5-30 tokens greedily, at most 40 steps, each until it emits EOS:
@@ -128,11 +129,15 @@ def sources(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(2, vocab, (int(k),), generator=g) for k in lengths]
 
 
+# The mode every contender runs in (``--mode``): decoding and parsing are inference.
+_MODE = {"mode": torch.no_grad}
+
+
 def _no_grad(fn):  # type: ignore[no-untyped-def]
-    """``fn`` run under torch.no_grad() (decoding and parsing are inference)."""
+    """``fn`` run under torch.no_grad() (or torch.inference_mode(), with ``--mode``)."""
 
     def go() -> None:
-        with torch.no_grad():
+        with _MODE["mode"]():
             fn()
 
     return go
@@ -161,7 +166,7 @@ def decode_rows(args, long: bool = False, biased: bool = True) -> list[dict]:  #
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = Seq2Seq(hidden=args.hidden, eos_bias=bias)
-    with torch.no_grad():
+    with _MODE["mode"]():
         eager = [model.greedy(s, n) for s, n in zip(srcs, limits)]
         auto = fold.autobatch(lambda s, n: model.greedy(s, n), srcs, limits, stack=False)
         hand = model.hand(srcs, limits)
@@ -251,7 +256,7 @@ def parser_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = Parser(vocab_size)
-    with torch.no_grad():
+    with _MODE["mode"]():
         eager = [model.parse(w).tolist() for w in words]
         auto = [h.tolist() for h in fold.autobatch(lambda w: model.parse(w), words, stack=False)]
         assert eager == auto == hand(model)
@@ -456,8 +461,15 @@ def main() -> None:
         default=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
         help="the workloads to run (all by default)",
     )
+    ap.add_argument(
+        "--mode",
+        choices=["no_grad", "inference_mode"],
+        default="no_grad",
+        help="the mode every contender runs in (results of inference_mode are written apart)",
+    )
     args = ap.parse_args()
     setup(args)
+    _MODE["mode"] = getattr(torch, args.mode)
     out = {"args": vars(args)}
     if "decode" in args.only:
         out["decode"] = decode_rows(args)
@@ -486,7 +498,8 @@ def main() -> None:
         out["first_call"] = first_call_rows(args)
         print("\nthe first call in a fresh process (decode-long; the parser)")
         print(table(out["first_call"], list(out["first_call"][0])))
-    print(f"wrote {write_json('control_flow', out)}")
+    name = "control_flow" if args.mode == "no_grad" else "control_flow_inference"
+    print(f"wrote {write_json(name, out)}")
 
 
 if __name__ == "__main__":

@@ -166,7 +166,11 @@ class PaddedRows:
         n = int(self.lengths[start])
         if dim != 0 or any(int(x) != n for x in self.lengths[start : start + length]):
             raise ValueError("PaddedRows.narrow: rows of one length in dim 0 only")
-        return self.data.narrow(0, start, length).narrow(self.dim, 0, n)
+        out = self.data.narrow(0, start, length).narrow(self.dim, 0, n)
+        if out._base is None:  # (an inference tensor: its base noted, see view_base)
+            base = view_base(self.data)
+            setattr(out, _VIEW_OF, self.data if base is None else base)
+        return out
 
     def numel(self) -> int:
         return self.data.numel()
@@ -288,6 +292,18 @@ def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple
                     "it), or mark a node whose value is shared with .nobatch()."
                 )
     return outs
+
+
+# The attribute where fold notes the base of a view it made of an inference tensor (made
+# under torch.inference_mode()), whose views keep none: their ``_base`` is None.
+_VIEW_OF = "_fold_view_of"
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``t._base``), or the one fold noted for a view of an
+    inference tensor (``PaddedRows.narrow``); None for a tensor that is no view."""
+    b = t._base
+    return getattr(t, _VIEW_OF, None) if b is None else b
 
 
 def version_of(t: torch.Tensor) -> int | None:
@@ -423,13 +439,19 @@ def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:
 def _rows_in(column: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
     """``(b, rows, lengths)`` where every tensor of ``column`` is a whole row of one marked
     zero-padded tensor ``b`` (see ``rows_of_padded``): the rows' indices and lengths."""
-    b = column[0]._base
+    first = column[0]
+    b = first._base
+    noted = b is None  # (views of an inference tensor: the base noted, see view_base)
+    if noted:
+        b = getattr(first, _VIEW_OF, None)
     known = None if b is None else zero_past(b)
     if known is None or known[0] != 1 or len(column) < 2 or b.dim() < 2:
         return None
     stride, start = b.stride(), b.storage_offset()
-    first = column[0]
-    if any(t._base is not b for t in column):
+    if noted:
+        if any(getattr(t, _VIEW_OF, None) is not b for t in column):
+            return None
+    elif any(t._base is not b for t in column):
         return None
     # One shape past the length and one stride for all: views made alike (a row each).
     rest, strides = first.shape[2:], first.stride()

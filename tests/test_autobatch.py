@@ -1520,6 +1520,33 @@ def test_writes_through_views_of_a_buffer_equal_eager(write):
     assert ops and all(op.mode is common._DIRECT for op in ops)
 
 
+@pytest.mark.parametrize(
+    "write", [_row_iadd, _through_a_view, _slice_copy, _method_on_a_part], ids=lambda f: f.__name__
+)
+def test_writes_through_views_of_a_buffer_under_inference_mode_equal_eager(write, finish):
+    """Under torch.inference_mode() torch keeps no base for a view (its ``_base`` is None):
+    the buffer a view is written through is found by its memory (``buffers._base_of``), so
+    ``encoder_outputs[ei] += out[0, 0]`` records as it does under torch.no_grad() (it was a
+    FoldError).  Values equal eager, before and after a read (float64)."""
+    lin = nn.Linear(3, 3).double()
+
+    def fn(x):
+        buf = torch.ones(2, 3, dtype=torch.float64)
+        got = write(buf, lin(x))
+        if float(buf.sum()) > 0:  # a read
+            buf[0] = buf[0] * 2
+        write(buf, lin(buf[1]))
+        return buf * 2, buf.sum() if got is None else got
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with torch.inference_mode():
+        want = [fn(x) for x in xs]
+        got = fold.autobatch(fn, xs, stack=False)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def test_views_of_a_written_buffer_across_reads_and_copies_equal_eager(finish):
     """After a read (every round batched, or the examples finishing as eager code), views
     of a written buffer: ones that copy (``buf.T.reshape(-1)``: no view of its memory, the
@@ -5051,10 +5078,13 @@ def test_padded_rows_of_earlier_rows_are_views_in_order_and_kept_across_calls():
     assert m1.tolist() == [[False, False, True, True], [False] * 4, [False] * 3 + [True]]
 
 
-def test_decoder_rounds_read_the_memories_padded_once(monkeypatch):
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_decoder_rounds_read_the_memories_padded_once(monkeypatch, mode):
     """Every round of a decoder over memories of several lengths reads the same memories:
     they are found padded from the first round that read them on (``_rows_in`` runs once per
-    column of them, not per round), values, decisions and gradients equal eager (float64)."""
+    column of them, not per round), values, decisions and gradients equal eager (float64).
+    Under torch.inference_mode() too, where torch keeps no base for a view (the rows note
+    theirs: ``fold.ops.view_base``)."""
     from fold import ops as fold_ops
 
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)
@@ -5077,12 +5107,13 @@ def test_decoder_rounds_read_the_memories_padded_once(monkeypatch):
     real = fold_ops._rows_in
     with monkeypatch.context() as m:
         m.setattr(fold_ops, "_rows_in", lambda c: calls.append(len(c)) or real(c))
-        with torch.no_grad():
+        with getattr(torch, mode)():
             got = fold.autobatch(fn, xs)
+            want = torch.stack([fn(x) for x in xs])
     # Once where the first step's mean reads the encoder's rows, once where the second
     # round's attention reads them; not once per round (five rounds read them).
     assert calls == [5, 5], calls
-    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
+    torch.testing.assert_close(got, want)
     assert_same(fn, params, xs)
 
 

@@ -185,11 +185,13 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
         got = views.get(again)
         if got is not None and got[0] is buf and table.get(id(got[1]), (None,))[0] is got[1]:
             return got[1]
+    session = rec.session
     with _NO_SUBCLASS():
-        root = buf if buf._base is None else buf._base
+        base = _base_of(session, buf)
+        root = buf if base is None else base
         out = func(*args, **kwargs)
     outs = out if type(out) in (tuple, list) else (out,)
-    if not all(type(t) is torch.Tensor and t._base is root for t in outs):
+    if not all(type(t) is torch.Tensor and _base_of(session, t) is root for t in outs):
         if type(out) in (tuple, list) or type(out) is torch.Tensor:
             value = held(buf, table, rec)
             rest = _held(args[1:], table, rec)
@@ -351,7 +353,7 @@ def write(rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         return _write(rec, session.written, fn, args, kwargs)
     if session is None or "out" in kwargs or type(buf) is not torch.Tensor:
         return _MISS
-    base = buf._base
+    base = _base_of(session, buf)
     own = _own(session, rec, buf if base is None else base, 2 if base is None else 3)
     if not own:
         return _MISS
@@ -373,6 +375,19 @@ def write(rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     session.written[id(buf)] = [buf, _View(base, shape, stride, offset), rec.example]
     base.__class__ = buf.__class__ = _Written
     return None if fn is _SETITEM else buf
+
+
+def _base_of(session: Any, t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``t._base``; None where it is no view).  Torch keeps
+    none for a view of an inference tensor (made under torch.inference_mode()): there, the
+    tensor an example made on the same memory (``note_made``), if any."""
+    with _NO_SUBCLASS():
+        base = t._base
+        if base is not None or not session.memories or not t.is_inference():
+            return base
+        ref = session.memories.get(t.untyped_storage().data_ptr())
+    base = None if ref is None else ref()
+    return None if base is t else base
 
 
 def _own(session: Any, rec: Any, t: torch.Tensor, refs: int) -> bool:
@@ -554,7 +569,12 @@ def note_made(out: Any) -> None:
     docstring): it may become a written buffer of that example."""
     rec = _LOCAL.rec
     if rec is not None and type(out) is torch.Tensor and rec.session is not None:
-        rec.session.made[id(out)] = (weakref.ref(out), rec.example)
+        ref = weakref.ref(out)
+        rec.session.made[id(out)] = (ref, rec.example)
+        if out.is_inference():  # (its views keep no base: found by memory, see _base_of)
+            memory = out.untyped_storage().data_ptr()
+            if memory:
+                rec.session.memories[memory] = ref
 
 
 def restore(session: Any) -> None:
@@ -563,6 +583,7 @@ def restore(session: Any) -> None:
         buf.__class__ = torch.Tensor
     session.written.clear()
     session.made.clear()
+    session.memories.clear()
     session.parts.clear()
     session.views.clear()
 

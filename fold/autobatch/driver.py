@@ -250,6 +250,9 @@ class _Session:
         # example)), and the written buffers among them (id -> [the tensor, the value it
         # holds, the example]): see fold/autobatch/buffers.py.
         self.made: dict[int, tuple[Any, int]] = {}
+        # (those made under inference mode by the address of their memory: their views keep
+        # no base, see buffers._base_of)
+        self.memories: dict[int, Any] = {}
         self.written: dict[int, list[Any]] = {}
         self.parts: dict[Any, Any] = {}  # (the parts views of them read: buffers.held)
         self.views: dict[Any, Any] = {}  # (the views made of them: buffers._views)
