@@ -3770,6 +3770,49 @@ def test_random_programs_with_reads_under_no_grad_and_kept_values_match_eager(fi
     assert_same(fn, list(layers.parameters()), xs, programs)
 
 
+@_PROGRAMS
+@given(step_programs(5, (0, 2), 7, 5))
+def test_random_programs_under_inference_mode_match_eager(finish, programs):
+    """Under torch.inference_mode() tensors have no version counter and their views no
+    base.  Random programs that apply a layer, read and branch, add a row of a value kept
+    from their first step (memoised methods of an earlier round's value), write a buffer
+    they made through a view (``buf[i] += h``), add an eager mask they change afterwards,
+    and sum a boolean-mask selection: values equal eager's (float64), whichever examples
+    take which steps."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(3)]).double()
+
+    def fn(x, program):
+        kept = torch.tanh(layers[0](x.expand(3, 3)))  # (3, 3)
+        buf = torch.zeros(3, 3, dtype=torch.float64)
+        mask = torch.zeros(3, dtype=torch.float64)
+        h = kept[0]
+        for step, arg in program:
+            if step == 0:
+                h = torch.tanh(layers[arg](h))
+            elif step == 1:
+                if float(h[arg]) > 0:  # a read
+                    h = -h
+            elif step == 2:
+                h = h + kept[arg] * 0.5
+            elif step == 3:
+                buf[arg] += h
+            elif step == 4:
+                h = h + mask
+                mask[arg] = mask[arg] - 1.0  # after the call took it: eager read it before
+            else:
+                h = h + h[h > 0].sum()
+        return h, buf
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in programs]
+    with torch.inference_mode():
+        want = [fn(x, p) for x, p in zip(xs, programs)]
+        got = fold.autobatch(fn, xs, programs, stack=False)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize(
     "shapes",
     [
