@@ -2045,7 +2045,8 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
 ):
     """Shape inference runs torch functions and modules of stateless types on one example's
     zeros (fake tensors cost milliseconds a call, a GRU over 30 steps 100 ms, and their
-    first use 1 s of imports).  A call that could change a shared tensor in place (a name
+    first use 1 s of imports): torch.nn's own modules but those that keep state (running
+    statistics, a lazy module's parameters), made of such modules (a transformer layer).  A call that could change a shared tensor in place (a name
     with "norm", an embedding with ``max_norm``) and a module of any other type run on fake
     tensors, and so does a call that fails on zeros (a Cholesky factor).  Values and
     gradients equal eager's, float64; no parameter changes."""
@@ -2067,6 +2068,7 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     torch.manual_seed(0)
     gru, sub = nn.GRU(3, 4).double(), Scaled(4, 4).double()
     mlp = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True).double().eval()
     table = nn.Embedding(5, 4, max_norm=1.0).double()
     scale = nn.Parameter(torch.rand(4, dtype=torch.float64))
 
@@ -2074,6 +2076,7 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
         out, h = gru(x)
         y = torch.softmax(mlp(out) @ h[0], 0)  # (L,)
         z = sub(torch.mul(out, scale)).sum() + F.layer_norm(out, (4,), scale).sum()
+        z = z + layer(out[None]).sum()  # torch.nn's own, of torch.nn's own: zeros
         # Zeros are not positive-definite: fake tensors infer the shape.
         c = torch.linalg.cholesky(out.T @ out + k * torch.eye(4, dtype=torch.float64))
         w = table(out[:, 0].abs().long().clamp(max=4)).sum()
@@ -2082,6 +2085,7 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     xs = [torch.randn(n, 3, dtype=torch.float64) for n in (4, 2, 4, 5)]
     ks = [torch.tensor(v, dtype=torch.float64) for v in (1.0, 3.0, 2.0, 5.0)]
     params = [*gru.parameters(), *mlp.parameters(), *sub.parameters(), scale]
+    params += list(layer.parameters())
     kept = [t.clone() for t in params]
     assert_same(fn, params, xs, ks)
     for a, b in zip(kept, params):
@@ -2089,6 +2093,7 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     zeros = {name for how, name in ran if how == "zeros"}
     fake = {name for how, name in ran if how == "fake"}
     assert {"GRU call", "Sequential call", "Tensor.__matmul__", "torch.mul"} <= zeros - fake
+    assert "TransformerEncoderLayer call" in zeros - fake
     assert {"Scaled call", "F.layer_norm", "Embedding call"} <= fake - zeros
     assert "linalg_cholesky" in zeros & fake  # zeros failed, then fake tensors ran
 
@@ -2847,6 +2852,45 @@ def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     with caplog.at_level("WARNING", logger="fold.autobatch.ops"):
         assert_same(fn, list(gru.parameters()), xs)
     assert any("one call per example" in r.message for r in caplog.records)
+
+
+def test_a_transformer_decoding_greedily_loops_its_decoder_and_warns_once(caplog, finish):
+    """Greedy decoding with torch.nn's transformer, as written for one source: the decoder
+    (its causal mask compared by value: vmap cannot run it) is called on a longer prefix
+    each round, a new op each time.  Its groups run one call per example, said once for
+    the module (it was said, and vmap tried, every round); the encoder layer's fast path,
+    which vmap runs with torch's warning of an op run example by example, warns nothing
+    (eager code does not).  Tokens equal eager (float64)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(7, 8).double()
+    enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
+    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    dec = nn.TransformerDecoder(layer, 1).double().eval()
+    proj = nn.Linear(8, 7).double()
+
+    def greedy(src):
+        mem = enc(emb(src)[None])
+        toks = [1]
+        for _ in range(5):
+            mask = nn.Transformer.generate_square_subsequent_mask(len(toks), dtype=torch.float64)
+            out = dec(emb(torch.tensor(toks))[None], mem, tgt_mask=mask)
+            toks.append(int(proj(out[0, -1]).argmax()))
+            if toks[-1] == 0:
+                break
+        return torch.tensor(toks)
+
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randint(1, 7, (int(n),), generator=g) for n in (3, 5, 2, 6, 4, 3)]
+    with torch.no_grad():
+        want = [greedy(s) for s in srcs]
+        with warnings.catch_warnings(record=True) as seen, caplog.at_level("WARNING"):
+            warnings.simplefilter("always")
+            got = fold.autobatch(greedy, srcs, stack=False)
+    assert [x.tolist() for x in got] == [x.tolist() for x in want]
+    assert max(len(w) for w in want) > 3  # several rounds, each a new prefix length
+    assert not [str(w.message) for w in seen]
+    said = [r for r in caplog.records if "does not run under torch.func.vmap" in r.message]
+    assert len(said) == 1 and "TransformerDecoder" in said[0].message, said
 
 
 @pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM, nn.RNN], ids=["gru", "lstm", "rnn"])

@@ -9,6 +9,8 @@ import copy
 import functools
 import logging
 import math
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,14 @@ from fold.autobatch.values import Lazy, _Meta
 from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, zero_past
 
 _LOG = logging.getLogger(__name__)
+
+# The modules of which a call failed under vmap: every call of theirs runs example by example
+# (``_Op._run``).
+_LOOPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+# The start of torch's warning where vmap runs an op without a batching rule one example at a
+# time.
+_VMAP_FALLBACK = "There is a performance drop because we have not yet implemented the batching"
 
 
 class _Slot:
@@ -230,10 +240,17 @@ class _Op:
                     _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
         if self.looped:
             return self._loop(values)
+        if self.kind == "module" and self.fn in _LOOPED_MODULES:
+            self.looped = True  # (another call of the module, other shapes: see below)
+            return self._loop(values)
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         try:
-            return self._vmapped(*values)
+            with warnings.catch_warnings():
+                # vmap runs an op without a batching rule example by example, and torch
+                # warns of that: the eager code fold runs raises no such warning.
+                warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+                return self._vmapped(*values)
         except Exception as err:
             if self.kind is _PER_EXAMPLE:
                 raise  # a @batchable body runs batched: a read in it stays an error
@@ -242,6 +259,10 @@ class _Op:
             # Where that fails too, its error is the user's, and it is raised.
             out = self._loop(values)
             self.looped = True
+            if self.kind == "module":
+                # Its calls on other shapes (a decoder's growing prefix, a round each) are
+                # other ops: they loop too, without trying vmap again, or saying so again.
+                _LOOPED_MODULES.add(self.fn)
             _LOG.warning(
                 "autobatch: %s does not run under torch.func.vmap (%s: %s); its groups run one "
                 "call per example",

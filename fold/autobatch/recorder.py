@@ -1257,9 +1257,11 @@ def _stateless(op: _Op) -> bool:
     """Whether ``op``'s shapes are inferred on zeros before fake tensors: where the call can
     change no tensor but its own outputs.
 
-    - A module of ``_STATELESS_MODULES`` (its exact type: a subclass may change its
-      forward), an ``nn.Embedding`` without ``max_norm`` (which renormalises the table in
-      place), an ``nn.Sequential`` of such modules.
+    - A module of torch.nn's own (its exact type: a subclass may change its forward) that
+      changes no tensor of its own when called, whose submodules are all such modules
+      (``_stateless_module``): not a batch or instance norm (running statistics), an
+      ``nn.Embedding`` with ``max_norm`` (which renormalises the table in place) or a lazy
+      module.
     - A torch function (in-place ones never come here: ``_inplace_call``), but one given a
       shared tensor that its name says it may update (``batch_norm``'s running statistics,
       ``embedding``'s ``max_norm``: any name with "norm" or "embedding"), or a module.
@@ -1286,11 +1288,21 @@ def _stateless(op: _Op) -> bool:
 
 def _stateless_module(m: nn.Module) -> bool:
     t = type(m)
-    if t is nn.Sequential:
-        return all(_stateless_module(c) for c in m)
-    if t is nn.Embedding:
+    if t in _STATELESS_MODULES:
+        return True
+    if t is nn.Embedding or t is nn.EmbeddingBag:
         return m.max_norm is None
-    return t in _STATELESS_MODULES
+    # Any other module of torch.nn's own (its exact type) but those that change a tensor of
+    # theirs when called (running statistics; a lazy module's parameters, made on its first
+    # call from the random stream), whose submodules are all stateless: nn.Sequential, a
+    # transformer layer (nn.MultiheadAttention, nn.LayerNorm, nn.Dropout), a pooling.
+    if not t.__module__.startswith("torch.nn.modules.") or issubclass(t, _KEEPS_STATE):
+        return False
+    return all(_stateless_module(c) for c in m.children())
+
+
+# torch.nn's modules that change a tensor of theirs when called (see _stateless_module).
+_KEEPS_STATE = (torch.nn.modules.batchnorm._NormBase, torch.nn.modules.lazy.LazyModuleMixin)
 
 
 # Modules that draw random numbers in training mode: a module call holding one draws while
