@@ -29,6 +29,10 @@ bundled treebank with its own transitions: autobatch against a hand-batched stac
 per-sentence code alone (eager with the scoring MLP stubbed: the Python and the small
 per-sentence tensor ops that autobatch runs once per sentence as written, a floor).
 
+``transformer`` (not run by default): greedy decoding with torch.nn's transformer written for
+one source (``TinyTransformer``), autobatch against eager per example, for sources of 5-30
+tokens and of one length; and its first call in a fresh process.
+
 ``first-call``: the first call of decode-long and of the parser in a fresh process (what a
 user's script meets: shape inference of every op not seen yet), autobatch against eager per
 example, each in a process of its own.
@@ -285,6 +289,108 @@ def parser_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return _against(interleaved(contenders, args.reps), "hand, stack machine")
 
 
+class TinyTransformer(nn.Module):
+    """torch.nn's transformer (2 encoder and 2 decoder layers, width 64, 4 heads, batch
+    first, no dropout), greedy decoding written for ONE source as torch's modules take it:
+    a batch of one, the decoder given the whole prefix and its causal mask at every step."""
+
+    def __init__(self, vocab: int = 8, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.randn(64, width) * 0.1)
+        enc = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        dec = nn.TransformerDecoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(enc, 2, enable_nested_tensor=False)
+        self.dec = nn.TransformerDecoder(dec, 2)
+        self.out = nn.Linear(width, vocab)
+
+    def greedy(self, src: torch.Tensor, limit: int = 20) -> torch.Tensor:
+        mem = self.enc(self.embed(src)[None] + self.pos[: len(src)])  # (1, L, width)
+        toks = [BOS]
+        for _ in range(limit):
+            tgt = self.embed(torch.tensor(toks))[None] + self.pos[: len(toks)]
+            mask = nn.Transformer.generate_square_subsequent_mask(len(toks))
+            h = self.dec(tgt, mem, tgt_mask=mask)
+            tok = int(self.out(h[0, -1]).argmax())  # a read
+            toks.append(tok)
+            if tok == EOS:
+                break
+        return torch.tensor(toks[1:])
+
+
+def transformer_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Greedy decoding with torch.nn's transformer (``TinyTransformer``), 64 sources of 5-30
+    tokens, and 64 of one length (12): autobatch against eager per example, warm
+    (interleaved, medians), and for the first the first call in a fresh process.  vmap
+    runs the decoder's groups with their causal masks given as one value (each example
+    makes its own, alike); a group holds the examples whose memories have one length, so
+    sources of many lengths make small groups."""
+    import json
+    import subprocess
+
+    g = torch.Generator().manual_seed(1)
+    one_length = [torch.randint(2, 8, (12,), generator=g) for _ in range(args.sources)]
+    rows = []
+    for work, srcs in (("5-30 tokens", sources(args.sources, 8)), ("12 tokens", one_length)):
+        rows += _transformer_times(args, work, srcs)
+    first: dict[str, list[float]] = {"autobatch": [], "eager": []}
+    for _ in range(args.first_reps):
+        for how in first:
+            cmd = [sys.executable, __file__, "--first-call-worker", "transformer", how]
+            cmd += ["--threads", str(args.threads)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            first[how].append(json.loads(done.stdout.strip().splitlines()[-1])["first"])
+    for how, t in first.items():
+        rows.append(
+            {
+                "sources": "5-30 tokens",
+                "method": f"{how} (first call)",
+                "median_ms": 1e3 * median(t),
+                "vs_eager": median(t) / median(first["eager"]),
+            }
+        )
+    return rows
+
+
+def _transformer_times(args, work: str, srcs: list[torch.Tensor]) -> list[dict]:  # type: ignore[no-untyped-def]
+    """``transformer_rows`` for one set of sources: the same tokens from both (float64),
+    then autobatch against eager per example, interleaved."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    with _MODE["mode"]():
+        eager = [model.greedy(s) for s in srcs]
+        auto = fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)
+    assert [e.tolist() for e in eager] == [a.tolist() for a in auto]
+    lengths = sorted(len(e) for e in eager)
+    print(
+        f"sources of {work}: decoded lengths {lengths[0]}-{lengths[-1]}, median "
+        f"{lengths[len(lengths) // 2]}"
+    )
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    times = interleaved(
+        {
+            "autobatch": _no_grad(
+                lambda: fold.autobatch(lambda s: model.greedy(s), srcs, stack=False)
+            ),
+            "eager per example": _no_grad(lambda: [model.greedy(s) for s in srcs]),
+        },
+        args.reps,
+    )
+    eager_t = median(times["eager per example"])
+    return [
+        {
+            "sources": work,
+            "method": k,
+            "median_ms": 1e3 * median(v),
+            "vs_eager": median(v) / eager_t,
+        }
+        for k, v in times.items()
+    ]
+
+
 class _Stub(nn.Module):
     """The parser's scores without its MLP: three numbers of the features."""
 
@@ -418,6 +524,14 @@ def _first_call_worker(work: str, how: str) -> None:
         def eager_fn(s, n):  # type: ignore[no-untyped-def]
             return model.greedy(s, n)
 
+    elif work == "transformer":
+        items = (sources(64, 8),)
+        torch.manual_seed(0)
+        model = TinyTransformer().eval()
+
+        def eager_fn(s):  # type: ignore[no-untyped-def]
+            return model.greedy(s)
+
     else:
         Parser, words, vocab_size = parser_workload(64)
         items = (words,)
@@ -457,7 +571,15 @@ def main() -> None:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
+        choices=[
+            "decode",
+            "decode-long",
+            "decode-limit",
+            "parser",
+            "rounds",
+            "first-call",
+            "transformer",
+        ],
         default=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
         help="the workloads to run (all by default)",
     )
@@ -494,6 +616,10 @@ def main() -> None:
         out["rounds"] = round_rows(args)
         print("\nper-round cost: a step of one module call and one read")
         print(table(out["rounds"], list(out["rounds"][0])))
+    if "transformer" in args.only:
+        out["transformer"] = transformer_rows(args)
+        print("\ngreedy decoding with torch.nn's transformer, as written for one source")
+        print(table(out["transformer"], ["sources", "method", "median_ms", "vs_eager"]))
     if "first-call" in args.only:
         out["first_call"] = first_call_rows(args)
         print("\nthe first call in a fresh process (decode-long; the parser)")

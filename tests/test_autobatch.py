@@ -2854,43 +2854,91 @@ def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     assert any("one call per example" in r.message for r in caplog.records)
 
 
-def test_a_transformer_decoding_greedily_loops_its_decoder_and_warns_once(caplog, finish):
-    """Greedy decoding with torch.nn's transformer, as written for one source: the decoder
-    (its causal mask compared by value: vmap cannot run it) is called on a longer prefix
-    each round, a new op each time.  Its groups run one call per example, said once for
-    the module (it was said, and vmap tried, every round); the encoder layer's fast path,
-    which vmap runs with torch's warning of an op run example by example, warns nothing
-    (eager code does not).  Tokens equal eager (float64)."""
-    torch.manual_seed(0)
-    emb = nn.Embedding(7, 8).double()
-    enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
-    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    dec = nn.TransformerDecoder(layer, 1).double().eval()
-    proj = nn.Linear(8, 7).double()
+class _TinyTransformer(nn.Module):
+    """torch.nn's transformer, greedy decoding written for one source (a batch of one, the
+    whole prefix and a mask at every step); ``alike``: the usual causal mask, else one that
+    differs between examples (a bias of the example's own)."""
 
-    def greedy(src):
-        mem = enc(emb(src)[None])
-        toks = [1]
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.dec = nn.TransformerDecoder(layer, 1)
+        self.proj = nn.Linear(8, 7)
+
+    def greedy(self, src: torch.Tensor, alike: bool = True) -> tuple[torch.Tensor, ...]:
+        mem = self.enc(self.emb(src)[None])
+        toks, outs = [1], []
         for _ in range(5):
-            mask = nn.Transformer.generate_square_subsequent_mask(len(toks), dtype=torch.float64)
-            out = dec(emb(torch.tensor(toks))[None], mem, tgt_mask=mask)
-            toks.append(int(proj(out[0, -1]).argmax()))
+            n = len(toks)
+            mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=torch.float64)
+            if not alike:
+                mask = mask + 0.1 * int(src[0])
+            out = self.dec(self.emb(torch.tensor(toks))[None], mem, tgt_mask=mask)
+            logits = self.proj(out[0, -1])
+            outs.append(logits)
+            toks.append(int(logits.argmax()))
             if toks[-1] == 0:
                 break
-        return torch.tensor(toks)
+        return torch.tensor(toks), torch.stack(outs)
 
+
+def test_a_transformer_decoder_whose_masks_differ_loops_and_says_so_once(caplog, finish):
+    """Greedy decoding with torch.nn's transformer, each example's mask its own: the
+    decoder (which compares its mask by value: vmap cannot run it batched) is called on a
+    longer prefix each round, a new op each time.  Its groups run one call per example,
+    said once for the module (it was said, and vmap tried, every round); the encoder
+    layer's fast path, which vmap runs with torch's warning of an op run example by
+    example, warns nothing (eager code does not).  Tokens equal eager (float64)."""
+    torch.manual_seed(0)
+    model = _TinyTransformer().double().eval()
     g = torch.Generator().manual_seed(1)
-    srcs = [torch.randint(1, 7, (int(n),), generator=g) for n in (3, 5, 2, 6, 4, 3)]
+    srcs = [torch.randint(1, 7, (int(n),), generator=g) for n in (3, 5, 3, 6, 5, 3)]
     with torch.no_grad():
-        want = [greedy(s) for s in srcs]
+        want = [model.greedy(s, False)[0] for s in srcs]
         with warnings.catch_warnings(record=True) as seen, caplog.at_level("WARNING"):
             warnings.simplefilter("always")
-            got = fold.autobatch(greedy, srcs, stack=False)
+            got = fold.autobatch(lambda s: model.greedy(s, False)[0], srcs, stack=False)
     assert [x.tolist() for x in got] == [x.tolist() for x in want]
     assert max(len(w) for w in want) > 3  # several rounds, each a new prefix length
     assert not [str(w.message) for w in seen]
     said = [r for r in caplog.records if "does not run under torch.func.vmap" in r.message]
     assert len(said) == 1 and "TransformerDecoder" in said[0].message, said
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_transformer_decoder_given_masks_made_alike_runs_under_vmap(monkeypatch, grad):
+    """The same decoding with the usual causal mask, which every example makes alike: a
+    group's masks are one value, given to vmap unbatched, and the decoder's groups run
+    under vmap (they ran one call per example: see ``benchmarks/control_flow.py --only
+    transformer``).  Tokens, logits and gradients equal eager (float64)."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    torch.manual_seed(0)
+    model = _TinyTransformer().double().eval()
+    g = torch.Generator().manual_seed(2)
+    srcs = [torch.randint(1, 7, (4,), generator=g) for _ in range(6)]  # one length
+    looped = []
+    from fold.autobatch.ops import _Op
+
+    real = _Op._loop
+
+    def spy(self, values):
+        looped.append((self.name, len(values[0])))
+        return real(self, values)
+
+    monkeypatch.setattr(_Op, "_loop", spy)
+    with torch.set_grad_enabled(grad):
+        want = [model.greedy(s) for s in srcs]
+        got = fold.autobatch(model.greedy, srcs, stack=False)
+    assert max(len(w[0]) for w in want) > 3
+    assert [g[0].tolist() for g in got] == [w[0].tolist() for w in want]
+    assert not [(name, n) for name, n in looped if n > 1], looped
+    if grad:
+        assert_same_lists([g[1:] for g in got], [w[1:] for w in want], list(model.parameters()))
+    else:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[1], b[1])
 
 
 @pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM, nn.RNN], ids=["gru", "lstm", "rnn"])

@@ -25,6 +25,7 @@ from fold.autobatch.common import (
     _BATCHED,
     _DIRECT,
     _LOCAL,
+    _MISS,
     _MODELS,
     _PER_EXAMPLE,
     _RNN,
@@ -43,6 +44,19 @@ _LOG = logging.getLogger(__name__)
 # The modules of which a call failed under vmap: every call of theirs runs example by example
 # (``_Op._run``).
 _LOOPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _one_value(v: Any) -> bool:
+    """Whether ``v``, a group's argument (n first), holds one value in every row and needs
+    no gradient: given as that one value, every example's call is its eager call."""
+    return (
+        type(v) is torch.Tensor
+        and v.dim() > 0
+        and v.shape[0] > 1  # (a group of one: every argument would be unbatched)
+        and not v.requires_grad
+        and bool((v == v[:1]).all())
+    )
+
 
 # The start of torch's warning where vmap runs an op without a batching rule one example at a
 # time.
@@ -132,6 +146,10 @@ class _Op:
         # The outputs' metas as the C fast path makes them (see _entry).
         self.fast_outs: Any = None
         self._vmapped: Callable[..., Any] | None = None
+        # The arguments that vmap takes unbatched (one value in every example; set where
+        # vmap fails on them batched, see _run), and its functions per such pattern.
+        self.shared: tuple[int, ...] = ()
+        self._shared_vmaps: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Set once a group of it could not run under vmap: its groups run one call per
         # example (see _run).
         self.looped = False
@@ -178,6 +196,7 @@ class _Op:
             v.fold_op, v._variant = v, None
             v.padded_call = v.ragged_call = v.padding = None
             v.part_outs, v.ragged_outs = {}, {}
+            v._vmapped, v._shared_vmaps = None, {}
             self._variant = v
         return self._variant
 
@@ -243,6 +262,9 @@ class _Op:
         if self.kind == "module" and self.fn in _LOOPED_MODULES:
             self.looped = True  # (another call of the module, other shapes: see below)
             return self._loop(values)
+        if self.shared:
+            out = self._vmap_shared(values, self.shared)
+            return self._loop(values) if out is _MISS else out
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         try:
@@ -254,6 +276,21 @@ class _Op:
         except Exception as err:
             if self.kind is _PER_EXAMPLE:
                 raise  # a @batchable body runs batched: a read in it stays an error
+            # An argument that holds one value in every example (a transformer decoder's
+            # causal mask, made alike by each example, which the module compares by value:
+            # a read under vmap) may run unbatched, as one value: vmap then runs.
+            shared = tuple(j for j, v in enumerate(values) if _one_value(v))
+            out = _MISS
+            if shared:
+                try:
+                    out = self._vmap_shared(values, shared)
+                except Exception:
+                    out = _MISS
+            if out is not _MISS:
+                self.shared = shared
+                return out
+            if len(values) and type(values[0]) is torch.Tensor and len(values[0]) == 1:
+                return self._loop(values)  # (a group of one: its call, and no verdict)
             # vmap cannot run this torch function or module (an op with no batching rule, a
             # read of a value inside a module): one call per example, as eager code runs it.
             # Where that fails too, its error is the user's, and it is raised.
@@ -271,6 +308,22 @@ class _Op:
                 str(err).split("\n")[0],
             )
             return out
+
+    def _vmap_shared(self, values: tuple[Any, ...], shared: tuple[int, ...]) -> Any:
+        """The group under vmap with the arguments at ``shared`` given unbatched, as their
+        first row, where each holds one value in every row (``_one_value``); ``_MISS``
+        where one does not (the caller runs the group one call per example)."""
+        if not all(_one_value(values[j]) for j in shared):
+            return _MISS
+        dims = tuple(None if j in shared else 0 for j in range(len(values)))
+        run = self._shared_vmaps.get(dims)
+        if run is None:
+            run = torch.func.vmap(self.per_example, in_dims=dims, randomness="different")
+            self._shared_vmaps[dims] = run
+        args = [v[0] if d is None else v for v, d in zip(values, dims)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+            return run(*args)
 
     def _loop(self, values: tuple[Any, ...]) -> Any:
         """The group's calls one by one, each on its example's values, outputs stacked."""
