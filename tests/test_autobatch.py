@@ -1919,11 +1919,12 @@ def test_recurrent_modules_on_one_unbatched_sequence_match_eager(make, state):
     [lambda: nn.GRU(3, 4), lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True)],
     ids=["gru", "lstm-2-bi"],
 )
-def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
-    """An RNN on sentences of several lengths: one call on the packed batch (a forward hook
+def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad, monkeypatch):
+    """An RNN on sentences of several lengths: one call on the packed batch (its forward
     sees one PackedSequence), every sentence's outputs (each position, the last state)
     equal to eager per sentence, and gradients with them; float64, where a mix-up of rows
-    or lengths cannot hide in rounding."""
+    or lengths cannot hide in rounding.  (Seen through the class's forward: a hook on the
+    module would make its calls run one per example, see the hook tests.)"""
     from torch.nn.utils.rnn import PackedSequence
 
     from fold.autobatch.common import _LOCAL
@@ -1934,9 +1935,13 @@ def test_sequences_of_several_lengths_run_as_one_packed_call(make, grad):
     torch.manual_seed(0)
     rnn, emb = make().double(), nn.Linear(2, 3).double()
     packed = []  # per call of the module: packed, or not (None: shape inference's)
-    rnn.register_forward_hook(
-        lambda m, args, out: packed.append(None if inferring() else type(args[0]) is PackedSequence)
-    )
+    real = type(rnn).forward
+
+    def forward(self, x, *rest):
+        packed.append(None if inferring() else type(x) is PackedSequence)
+        return real(self, x, *rest)
+
+    monkeypatch.setattr(type(rnn), "forward", forward)
 
     def fn(x):
         out, h = rnn(torch.tanh(emb(x)))
@@ -2835,6 +2840,97 @@ def test_a_module_of_ones_own_returning_python_values_is_run_through():
     assert len({step(x)[1] for x in xs}) > 1  # examples take different numbers of steps
     assert_same(fn, list(step.parameters()), xs)
     assert not [op for op in _OPS.values() if op.fn is step]
+
+
+def _centre(module, inputs, out):
+    return out - out.mean()  # over the example's own values, in eager code
+
+
+def _unit_input(module, inputs):
+    return (inputs[0] / inputs[0].norm(),)
+
+
+def _scaled_grad(module, grad_in, grad_out):
+    return tuple(None if g is None else g / (1 + g.norm()) for g in grad_in)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["forward", "forward pre", "global forward", "full backward", "on a submodule", "on an RNN"],
+)
+def test_module_hooks_see_each_examples_values_as_in_eager_code(hook, finish):
+    """A module hook reads or changes the values of one call: run on a group's batched call,
+    ``out - out.mean()`` centred over every example's values at once, silently.  A module
+    with hooks (its own or a submodule's, forward or backward, or global module hooks) runs
+    its calls one per example, as eager code; values and gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    seq = nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double()
+    gru = nn.GRU(3, 3).double()
+    handles = []
+    if hook == "forward":
+        handles.append(lin.register_forward_hook(_centre))
+    elif hook == "forward pre":
+        handles.append(lin.register_forward_pre_hook(_unit_input))
+    elif hook == "global forward":
+        handles.append(
+            nn.modules.module.register_module_forward_hook(
+                lambda m, i, o: _centre(m, i, o) if isinstance(o, torch.Tensor) else None
+            )
+        )
+    elif hook == "full backward":
+        handles.append(lin.register_full_backward_hook(_scaled_grad))
+    elif hook == "on a submodule":
+        handles.append(seq[0].register_forward_hook(_centre))
+    else:
+        handles.append(gru.register_forward_hook(lambda m, i, o: (o[0] - o[0].mean(), o[1])))
+
+    def fn(x):
+        out, h = gru(x)
+        y = seq(lin(h[0]) + out.sum(0))
+        if float(y.detach().sum()) > 0:  # a read: a round
+            y = y * 2
+        return lin(y)
+
+    xs = [torch.randn(n, 3, dtype=torch.float64) for n in (2, 4, 4, 3, 2)]
+    params = [*lin.parameters(), *seq.parameters(), *gru.parameters()]
+    try:
+        want = [fn(x) for x in xs]
+        got = fold.autobatch(fn, xs, stack=False)
+        assert_same_lists([(g,) for g in got], [(w,) for w in want], params)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated:FutureWarning")
+def test_a_module_with_torchs_weight_hooks_runs_batched():
+    """torch's own pre-hooks that make a module's weight from its parameters (spectral and
+    weight norm, pruning) read no value of the call: such a module's groups stay one call.
+    Values and gradients equal eager (float64, eval mode: no power iteration)."""
+    from torch.nn.utils import prune, spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    mods = [spectral_norm(nn.Linear(3, 3)), weight_norm(nn.Linear(3, 3)), nn.Linear(3, 3)]
+    prune.l1_unstructured(mods[2], "weight", amount=0.3)
+    mods = [m.double().eval() for m in mods]
+    calls = []
+    real = nn.Linear.forward
+
+    def counted(self, x):
+        calls.append(x.shape)
+        return real(self, x)
+
+    def fn(x):
+        return torch.tanh(mods[2](mods[1](mods[0](x))))
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nn.Linear, "forward", counted)
+        got = fold.autobatch(fn, xs)
+    assert (5, 3) in calls  # a group's call, not five
+    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
+    assert_same(fn, [p for m in mods for p in m.parameters()], xs)
 
 
 def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.prune import BasePruningMethod as _PruningMethod
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import (
@@ -44,6 +47,35 @@ _LOG = logging.getLogger(__name__)
 # The modules of which a call failed under vmap: every call of theirs runs example by example
 # (``_Op._run``).
 _LOOPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+_HOOKS = torch.nn.modules.module
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks that may read or change the call's values:
+    a forward or backward hook of it or of a submodule, or a global module hook, but
+    torch's own pre-hooks that make a weight from the module's parameters (spectral and
+    weight norm, pruning).  A hook sees one call's values: on a group's call it would see
+    every example's at once (``out - out.mean()`` centred over all of them, silently), so
+    the module's calls run one per example, as eager code runs them."""
+    if (
+        _HOOKS._global_forward_hooks
+        or _HOOKS._global_forward_pre_hooks
+        or _HOOKS._global_backward_hooks
+        or _HOOKS._global_backward_pre_hooks
+    ):
+        return True
+    for m in module.modules():
+        if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        pre = m._forward_pre_hooks
+        if pre and not all(isinstance(h, _WEIGHT_HOOKS) for h in pre.values()):
+            return True
+    return False
+
+
+_WEIGHT_HOOKS = (_SpectralNorm, _WeightNorm, _PruningMethod)
 
 
 def _one_value(v: Any) -> bool:
@@ -209,7 +241,8 @@ class _Op:
         return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
-        out = self._recorded(self._run, values, values)
+        run = self._loop if self.kind == "module" and _hooked(self.fn) else self._run
+        out = self._recorded(run, values, values)
         if self.single:
             return out
         return tuple(pytree.tree_leaves(out))
@@ -355,6 +388,8 @@ class _Op:
         stacked sequences (n, L, D), all of one length, and states) as ONE call: the
         sequences padded to the longest and packed (as hand-batched code runs an encoder),
         states in the same order; per part its outputs, cut back to its length."""
+        if _hooked(self.fn):  # (one call per example: see _hooked)
+            return [self(*values) for values in parts]
         return self._recorded(self._packed, parts, parts[0])
 
     def _packed(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
@@ -393,6 +428,8 @@ class _Op:
         ``PaddedRows`` of the same lengths (zeros past each), the final states one tensor.
         None where the sequences are no ``PaddedRows`` along their time dim, a state is, or
         a sequence is empty (pack refuses it): the caller then runs the group in parts."""
+        if _hooked(self.fn):
+            return None
         return self._recorded(
             self._packed_rows, values, [v.data if type(v) is PaddedRows else v for v in values]
         )
@@ -443,6 +480,8 @@ class _Op:
         shape (attention scores over memories of one length), as ONE call on the values
         padded to the largest shape (``tables._PADDED`` says with what); per part its
         outputs cut back to its shapes."""
+        if self.kind == "module" and _hooked(self.fn):
+            return [(self(*values),) for values in parts]
         return self._recorded(self._pad_run, parts, parts[0])
 
     def _pad_run(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
@@ -517,6 +556,8 @@ class _Op:
         the rows' shapes were not all recorded, their outputs differ in more than one dim,
         or padding would more than double the values: the caller then runs the group in
         parts."""
+        if self.kind == "module" and _hooked(self.fn):
+            return None
         return self._recorded(
             self._ragged_run, values, [v.data if type(v) is PaddedRows else v for v in values]
         )
