@@ -190,8 +190,9 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
         base = _base_of(session, buf)
         root = buf if base is None else base
         out = func(*args, **kwargs)
-    outs = out if type(out) in (tuple, list) else (out,)
-    if not all(type(t) is torch.Tensor and _base_of(session, t) is root for t in outs):
+        outs = out if type(out) in (tuple, list) else (out,)
+        viewed = all(type(t) is torch.Tensor and _base_of(session, t) is root for t in outs)
+    if not viewed:
         if type(out) in (tuple, list) or type(out) is torch.Tensor:
             value = held(buf, table, rec)
             rest = _held(args[1:], table, rec)
@@ -380,12 +381,12 @@ def write(rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 def _base_of(session: Any, t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (``t._base``; None where it is no view).  Torch keeps
     none for a view of an inference tensor (made under torch.inference_mode()): there, the
-    tensor an example made on the same memory (``note_made``), if any."""
-    with _NO_SUBCLASS():
-        base = t._base
-        if base is not None or not session.memories or not t.is_inference():
-            return base
-        ref = session.memories.get(t.untyped_storage().data_ptr())
+    tensor an example made on the same memory (``note_made``), if any.  ``t`` a plain
+    tensor, or read under ``_NO_SUBCLASS`` (a written buffer answers as its value)."""
+    base = t._base
+    if base is not None or not session.memories or not t.is_inference():
+        return base
+    ref = session.memories.get(t.untyped_storage().data_ptr())
     base = None if ref is None else ref()
     return None if base is t else base
 

@@ -66,13 +66,17 @@ def _hooked(module: nn.Module) -> bool:
         or _HOOKS._global_backward_pre_hooks
     ):
         return True
-    for m in module.modules():
-        if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return True
-        pre = m._forward_pre_hooks
-        if pre and not all(isinstance(h, _WEIGHT_HOOKS) for h in pre.values()):
-            return True
-    return False
+    if not module._modules:  # (a leaf module: itself alone, without modules()' walk)
+        return _hooks_of(module)
+    return any(_hooks_of(m) for m in module.modules())
+
+
+def _hooks_of(m: nn.Module) -> bool:
+    """Whether module ``m`` itself has hooks ``_hooked`` counts."""
+    if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return True
+    pre = m._forward_pre_hooks
+    return bool(pre) and not all(isinstance(h, _WEIGHT_HOOKS) for h in pre.values())
 
 
 _WEIGHT_HOOKS = (_SpectralNorm, _WeightNorm, _PruningMethod)
