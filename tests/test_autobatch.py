@@ -2782,6 +2782,39 @@ def test_known_masks_added_to_recorded_values_match_eager_across_rounds(finish):
     assert one.row() is values.Known((0.0, 0.0), one.meta, False).row()
 
 
+def test_shape_inference_on_fake_tensors_logs_nothing_of_torchs_where_it_fails():
+    """A module of one's own whose forward fails on fake tensors (an in-place update of a
+    buffer with a batched value, when it is tried under vmap there): torch logs each failed
+    fake kernel as an error with its traceback, which reached the user's log from fold's
+    probing (about 20 lines).  The failure is fold's to handle: nothing is logged by torch,
+    and the call's error is autobatch's FoldError naming the fix."""
+
+    class Ema(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("ema", torch.zeros(3))
+
+        def forward(self, x):
+            y = self.lin(x)
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * y)
+            return y + self.ema
+
+    m = Ema()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # (torch's: no propagation)
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    fake_log.addHandler(handler)
+    try:
+        with pytest.raises(fold.FoldError, match="writes a recorded value"):
+            fold.autobatch(lambda x: torch.tanh(m(x)), [torch.randn(3) for _ in range(3)])
+    finally:
+        fake_log.removeHandler(handler)
+    assert not seen, [r.getMessage()[:80] for r in seen]
+
+
 def test_a_module_of_ones_own_that_reads_is_run_through(caplog, monkeypatch):
     """A module of the user's own whose forward reads a value (vmap cannot run it) is not
     recorded whole: its forward runs as the function's own code, each call inside it

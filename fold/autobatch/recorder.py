@@ -5,6 +5,8 @@ the node recorded into the call's Fold."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -1149,7 +1151,7 @@ class _Recorder:
     def _run_fake(self, op: _Op, slots: list[_Slot]) -> Any:
         if any(s.ragged for s in slots):
             raise NotImplementedError("lists run on zeros")
-        with _seeded_fake_mode()(allow_non_fake_inputs=True) as mode:
+        with _fake_mode() as mode:
             values = self._inputs(
                 op, slots, lambda sh, dt, dev: torch.empty(sh, dtype=dt, device=dev)
             )
@@ -1170,7 +1172,7 @@ class _Recorder:
         self.paused = True
         rng = _rng_states()
         try:
-            with _seeded_fake_mode()(allow_non_fake_inputs=True):
+            with _fake_mode():
                 values = self._inputs(
                     op, slots, lambda sh, dt, dev: torch.empty((2, *sh), dtype=dt, device=dev)
                 )
@@ -1342,6 +1344,27 @@ def _find_random(m: nn.Module, depth: int, out: list[nn.Module]) -> None:
 
 
 _SEEDED_FAKE: list[Any] = []
+
+
+@contextlib.contextmanager
+def _fake_mode() -> Any:
+    """``_seeded_fake_mode`` on (real tensors allowed in), with torch's log of a kernel
+    that fails on fake tensors silenced: torch logs each as an error with its traceback,
+    and fold's shape inference handles the failure (zeros, vmap judged unable, or a
+    FoldError of its own)."""
+    _FAKE_LOG.addFilter(_silent)
+    try:
+        with _seeded_fake_mode()(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        _FAKE_LOG.removeFilter(_silent)
+
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+def _silent(record: logging.LogRecord) -> bool:
+    return False
 
 
 def _seeded_fake_mode() -> Any:
