@@ -2936,6 +2936,21 @@ def test_module_hooks_see_each_examples_values_as_in_eager_code(hook, finish):
             h.remove()
 
 
+def test_a_hooked_module_over_tensor_rows_runs_per_example_too():
+    """The examples as rows of one tensor (recorded once for all of them, ``_traced``): a
+    module with a forward hook still runs one call per example.  Values and gradients
+    equal eager (float64)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    handle = lin.register_forward_hook(_centre)
+    try:
+        assert_same(
+            lambda x: torch.tanh(lin(x)), list(lin.parameters()), torch.randn(5, 3).double()
+        )
+    finally:
+        handle.remove()
+
+
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated:FutureWarning")
 def test_a_module_with_torchs_weight_hooks_runs_batched():
     """torch's own pre-hooks that make a module's weight from its parameters (spectral and
