@@ -2782,6 +2782,29 @@ def test_known_masks_added_to_recorded_values_match_eager_across_rounds(finish):
     assert one.row() is values.Known((0.0, 0.0), one.meta, False).row()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (dynamo's, tracing what it calls)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.compile's imports)
+def test_a_module_made_by_torch_compile_runs_eagerly_on_fake_tensors():
+    """A module made by ``torch.compile``: shape inference ran its compiled kernels on fake
+    tensors, which have no data, and the process crashed (a segmentation fault in the
+    inductor kernel).  Fold's fake-tensor runs take torch.compiler's eager stance; the
+    groups run the compiled module.  Values equal eager."""
+    torch.manual_seed(0)
+    compiled = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+
+    def fn(x):
+        h = compiled(x)
+        return h * 2 if float(h.detach().sum()) > 0 else h  # a read: a round
+
+    xs = [torch.randn(3) for _ in range(4)]
+    try:
+        want = torch.stack([fn(x) for x in xs])
+    except Exception as err:  # (no C++ compiler for inductor's kernels here)
+        pytest.skip(f"torch.compile cannot run here: {type(err).__name__}")
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, want)
+
+
 def test_shape_inference_on_fake_tensors_logs_nothing_of_torchs_where_it_fails():
     """A module of one's own whose forward fails on fake tensors (an in-place update of a
     buffer with a batched value, when it is tried under vmap there): torch logs each failed

@@ -1354,8 +1354,9 @@ def _fake_mode() -> Any:
     FoldError of its own)."""
     _FAKE_LOG.addFilter(_silent)
     try:
-        with _seeded_fake_mode()(allow_non_fake_inputs=True) as mode:
-            yield mode
+        with torch.compiler.set_stance("force_eager"):
+            with _seeded_fake_mode()(allow_non_fake_inputs=True) as mode:
+                yield mode
     finally:
         _FAKE_LOG.removeFilter(_silent)
 
