@@ -3691,6 +3691,21 @@ def test_a_read_inside_the_functions_own_greenlet_names_the_fix():
         fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
 
 
+def test_autograd_grad_of_a_lazy_value_names_the_fix():
+    """``torch.autograd.grad(loss, params)`` inside the function (an inner loop of MAML, a
+    per-example gradient): a FoldError naming the example and the fix (before, shape
+    inference ran it on zeros and reported "element 0 of tensors does not require grad")."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        loss = torch.tanh(lin(x)).pow(2).sum()
+        (g,) = torch.autograd.grad(loss, lin.weight, create_graph=True)
+        return (lin.weight - 0.1 * g).sum()
+
+    with pytest.raises(fold.FoldError, match=r"example 0: torch\.autograd\.grad .*Fix: return"):
+        fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
+
+
 @pytest.mark.parametrize("call", ["register_hook", "retain_grad"])
 def test_gradient_hooks_on_a_lazy_value_name_the_fix(call):
     """``h.register_hook(fn)`` and ``h.retain_grad()`` on a recorded value: a FoldError naming

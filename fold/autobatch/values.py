@@ -91,7 +91,18 @@ def _torch_function(
             "function autobatch runs (kept from an earlier call, or used while its graph "
             "runs). Fix: use the results autobatch returns."
         )
+    if func is _AUTOGRAD_GRAD:
+        raise FoldError(
+            f"autobatch: example {rec.example}: torch.autograd.grad of a lazy value inside the "
+            "function: its graph exists only once the round runs, and then it is every "
+            "example's graph at once. Fix: return the loss and take gradients of the results "
+            "autobatch returns (their sum gives the batch's gradient); for per-example "
+            "gradients, torch.func.vmap(torch.func.grad(f)) over a functional model."
+        )
     return rec.record(func, "torch", args, kwargs or {})
+
+
+_AUTOGRAD_GRAD = torch.autograd.grad
 
 
 def _eager_value(a: Any, session: Any) -> Any:
