@@ -3004,6 +3004,35 @@ def test_a_module_with_torchs_weight_hooks_runs_batched():
     assert_same(fn, [p for m in mods for p in m.parameters()], xs)
 
 
+def test_a_module_of_ones_own_tried_under_vmap_passes_no_torch_warning_on():
+    """A module of one's own holding a GRU cell, tried under vmap on fake tensors when first
+    recorded, then run so: vmap runs the cell example by example, and torch's warning of that
+    reached the user from the try (and, where warnings are errors, failed it: the module was
+    then run through, where users' runs took vmap).  Values and gradients equal eager."""
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.GRUCell(3, 3)
+
+        def forward(self, x, h):
+            return self.cell(x, h) * 2
+
+    torch.manual_seed(0)
+    step = Step().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+
+    def fn(x):
+        return torch.tanh(step(x, torch.tanh(x)))
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = fold.autobatch(fn, xs)
+    assert not [str(w.message)[:60] for w in seen]
+    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
+    assert_same(fn, list(step.parameters()), xs)
+
+
 def test_a_module_vmap_cannot_run_runs_one_call_per_example(caplog):
     """A call of torch's own that vmap cannot run (``torch.gru``, the kernel under
     nn.GRU, which has no batching rule): its group runs one call per example, with eager's

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from fold.autobatch.common import (
     _rng_states,
     _source_line,
 )
-from fold.autobatch.ops import _leaves, _Op, _Slot, _slots, _tensors, _wrapper
+from fold.autobatch.ops import _VMAP_FALLBACK, _leaves, _Op, _Slot, _slots, _tensors, _wrapper
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
     _DIM_OPS,
@@ -1176,7 +1177,9 @@ class _Recorder:
                 values = self._inputs(
                     op, slots, lambda sh, dt, dev: torch.empty((2, *sh), dtype=dt, device=dev)
                 )
-                torch.func.vmap(op.per_example, randomness="different")(*values)
+                with warnings.catch_warnings():  # (as the groups run it: ops._VMAP_FALLBACK)
+                    warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+                    torch.func.vmap(op.per_example, randomness="different")(*values)
             return True
         except Exception:
             return False
