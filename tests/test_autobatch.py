@@ -1836,7 +1836,26 @@ def test_torch_tensor_of_recorded_scalars_matches_eager():
         fold.autobatch(lambda x: torch.tensor([lin(x), lin(x)]), xs)
 
 
-@pytest.mark.parametrize("attr", ["requires_grad", "grad_fn", "grad", "is_leaf"])
+def test_complex_parts_conjugate_transposes_and_sizes_of_a_lazy_value_equal_eager():
+    """``z.real``, ``z.imag`` of a complex value, ``x.H`` and ``x.mH`` (conjugate
+    transposes), ``itemsize``, ``nbytes``, ``is_cpu`` and ``is_nested`` of a lazy value:
+    torch's tensor properties, which a lazy value lacked (a bare AttributeError).  Values
+    and gradients equal eager's (float64)."""
+    lin = nn.Linear(4, 4).double()
+
+    def fn(x):
+        h = torch.tanh(lin(x))
+        z = torch.complex(h, h * 2)
+        m = torch.complex(h.view(2, 2), h.view(2, 2).flip(0))
+        sizes = h.itemsize + h.nbytes + z.itemsize + int(h.is_cpu) + int(h.is_nested)
+        return (z * z.conj()).real + z.imag + (m.H @ m).real.flatten() + m.mH.imag.flatten() + sizes
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(4, dtype=torch.float64) for _ in range(3)])
+
+
+@pytest.mark.parametrize(
+    "attr", ["requires_grad", "grad_fn", "grad", "is_leaf", "retains_grad", "output_nr"]
+)
 def test_autograd_attributes_of_a_lazy_value_are_a_fold_error(attr):
     with pytest.raises(fold.FoldError, match=rf"example 0: \.{attr} of a lazy value.*Fix:"):
         fold.autobatch(lambda x: getattr(lazy_of(x), attr), [torch.randn(3)])

@@ -173,6 +173,36 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
     def mT(self) -> Lazy:  # noqa: N802
         return self.transpose(-2, -1)
 
+    @property
+    def mH(self) -> Lazy:  # noqa: N802  (the conjugate of mT)
+        return torch.adjoint(self)
+
+    @property
+    def H(self) -> Lazy:  # noqa: N802  (of a matrix, as torch's: a conjugate transpose)
+        if self.meta.ndim != 2:
+            raise FoldError(
+                f"autobatch: example {self.rec.example}: .H of a lazy value of "
+                f"{self.meta.ndim} dims; torch takes .H of matrices only. Fix: x.mH "
+                "(the last two dims), or x.conj().permute(...)."
+            )
+        return torch.adjoint(self)
+
+    # The real and imaginary parts of a complex value (torch.real of a real one is itself).
+    real = property(lambda self: torch.real(self))
+    imag = property(lambda self: torch.imag(self))
+
+    @property
+    def itemsize(self) -> int:
+        return self.meta.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.shape.numel() * self.meta.dtype.itemsize
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.meta.device.type == "cpu"
+
     def size(self, dim: int | None = None) -> Any:
         return self.meta.shape if dim is None else self.meta.shape[dim]
 
@@ -202,8 +232,9 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         d = self.meta.device
         return -1 if d.type == "cpu" else (d.index or 0)
 
+    # A lazy value is dense and strided (a row of a batched output).
     layout = torch.strided
-    is_sparse = False
+    is_sparse = is_sparse_csr = is_nested = is_mkldnn = False
     is_quantized = False
     is_meta = False
 
@@ -282,6 +313,8 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
     grad_fn = property(lambda self: self._autograd(".grad_fn"))
     grad = property(lambda self: self._autograd(".grad"))
     is_leaf = property(lambda self: self._autograd(".is_leaf"))
+    retains_grad = property(lambda self: self._autograd(".retains_grad"))
+    output_nr = property(lambda self: self._autograd(".output_nr"))
 
     # -------------------------------------------------------------- reads
     def _read(self, what: str, convert: Callable[[torch.Tensor], Any]) -> Any:
