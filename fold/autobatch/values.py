@@ -92,17 +92,62 @@ def _torch_function(
             "runs). Fix: use the results autobatch returns."
         )
     if func is _AUTOGRAD_GRAD:
-        raise FoldError(
-            f"autobatch: example {rec.example}: torch.autograd.grad of a lazy value inside the "
-            "function: its graph exists only once the round runs, and then it is every "
-            "example's graph at once. Fix: return the loss and take gradients of the results "
-            "autobatch returns (their sum gives the batch's gradient); for per-example "
-            "gradients, torch.func.vmap(torch.func.grad(f)) over a functional model."
-        )
+        return _autograd_grad(rec, args, kwargs or {})
     return rec.record(func, "torch", args, kwargs or {})
 
 
 _AUTOGRAD_GRAD = torch.autograd.grad
+
+
+def _autograd_grad(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.autograd.grad`` of lazy values inside the function (a MAML inner step, a
+    gradient penalty): a read.  The example pauses until the round that computes them has
+    run, then torch's grad runs on their rows, as eager code runs it: one backward per
+    example through the round's batched graph, where only the example's rows get a
+    gradient.  The graph is kept (``retain_graph``): it is every example's.  The gradients
+    are eager tensors; made with ``create_graph``, the calls that take them carry their
+    history back.  Gradients with respect to lazy values are a FoldError."""
+    inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+    if any(type(t) is Lazy for t in _flat(inputs)):
+        raise FoldError(
+            f"autobatch: example {rec.example}: torch.autograd.grad with respect to a lazy "
+            "value: it is a row of a group's output, whose graph holds every example. Fix: "
+            "take gradients with respect to parameters or to tensors made outside the "
+            "function (an input with requires_grad=True), or return the value and take "
+            "gradients of the results autobatch returns."
+        )
+
+    def row(x: Any) -> Any:
+        if type(x) is Known:
+            return x.tensor()
+        if type(x) is not Lazy:
+            return x
+        value = _value_of(x)
+        if value is None and x.rec.session is not None and x.rec.session.pause(x):
+            value = _value_of(x)
+        if value is None:
+            raise FoldError(
+                f"autobatch: example {rec.example}: torch.autograd.grad of a lazy value "
+                "where the example cannot pause for its round (see reads). Fix: return the "
+                "loss and take gradients of the results autobatch returns."
+            )
+        return value
+
+    args = tuple(_mapped(row, a) for a in args)
+    kwargs = {k: _mapped(row, v) for k, v in kwargs.items()}
+    kwargs["retain_graph"] = True
+    return _AUTOGRAD_GRAD(*args, **kwargs)
+
+
+def _flat(a: Any) -> list[Any]:
+    return [x for y in a for x in _flat(y)] if type(a) in (list, tuple) else [a]
+
+
+def _mapped(f: Callable[[Any], Any], a: Any) -> Any:
+    """``f`` of ``a``, or of each item of a list or tuple ``a`` (kept a list or tuple)."""
+    if type(a) in (list, tuple):
+        return type(a)(_mapped(f, x) for x in a)
+    return f(a)
 
 
 def _eager_value(a: Any, session: Any) -> Any:
