@@ -3762,6 +3762,25 @@ def test_autograd_grad_inside_the_function_is_a_read_and_equals_eager(order, fin
     assert_same(fn, params, xs, ys)
 
 
+def test_a_gradient_penalty_with_respect_to_the_input_equals_eager(finish):
+    """A gradient penalty (WGAN-GP's): the example's input made to require a gradient, the
+    critic's output differentiated with respect to it inside the function with
+    ``create_graph``, its norm penalised.  Values and the critic's gradients equal eager's
+    (float64)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    def fn(x):
+        x = x.clone().requires_grad_(True)
+        out = critic(x).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        return (g.norm() - 1) ** 2 + out
+
+    assert_same(
+        fn, list(critic.parameters()), [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    )
+
+
 def test_autograd_grad_with_respect_to_a_lazy_value_names_the_fix():
     """Gradients with respect to a recorded value (a row of a group's output): a FoldError
     naming the example and the fix."""
