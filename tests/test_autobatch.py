@@ -2933,7 +2933,7 @@ def _scaled_grad(module, grad_in, grad_out):
     "hook",
     ["forward", "forward pre", "global forward", "full backward", "on a submodule", "on an RNN"],
 )
-def test_module_hooks_see_each_examples_values_as_in_eager_code(hook, finish):
+def test_module_hooks_see_each_examples_values_as_in_eager_code(hook, finish, caplog):
     """A module hook reads or changes the values of one call: run on a group's batched call,
     ``out - out.mean()`` centred over every example's values at once, silently.  A module
     with hooks (its own or a submodule's, forward or backward, or global module hooks) runs
@@ -2971,11 +2971,13 @@ def test_module_hooks_see_each_examples_values_as_in_eager_code(hook, finish):
     params = [*lin.parameters(), *seq.parameters(), *gru.parameters()]
     try:
         want = [fn(x) for x in xs]
-        got = fold.autobatch(fn, xs, stack=False)
+        with caplog.at_level(logging.WARNING, logger="fold.autobatch.ops"):
+            got = fold.autobatch(fn, xs, stack=False)
         assert_same_lists([(g,) for g in got], [(w,) for w in want], params)
     finally:
         for h in handles:
             h.remove()
+    assert [r for r in caplog.records if "has hooks" in r.getMessage()]  # said (once each)
 
 
 def test_a_hooked_module_over_tensor_rows_runs_per_example_too():

@@ -71,6 +71,21 @@ def _hooked(module: nn.Module) -> bool:
     return any(_hooks_of(m) for m in module.modules())
 
 
+def _say_hooked(module: nn.Module) -> None:
+    """Log, once per module, that its calls run one per example for its hooks."""
+    if module not in _SAID_HOOKED:
+        _SAID_HOOKED.add(module)
+        _LOG.warning(
+            "autobatch: %s has hooks (its own, a submodule's, or global module hooks): its "
+            "calls run one per example, as eager code runs them, since a hook sees one "
+            "call's values",
+            type(module).__name__,
+        )
+
+
+_SAID_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _hooks_of(m: nn.Module) -> bool:
     """Whether module ``m`` itself has hooks ``_hooked`` counts."""
     if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -245,7 +260,10 @@ class _Op:
         return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
-        run = self._loop if self.kind == "module" and _hooked(self.fn) else self._run
+        run = self._run
+        if self.kind == "module" and _hooked(self.fn):
+            run = self._loop
+            _say_hooked(self.fn)
         out = self._recorded(run, values, values)
         if self.single:
             return out
