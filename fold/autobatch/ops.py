@@ -5,6 +5,7 @@ rows merged, or as the calls a ``@batchable`` function makes)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -109,8 +110,16 @@ def _one_value(v: Any) -> bool:
     )
 
 
-# The start of torch's warning where vmap runs an op without a batching rule one example at a
-# time.
+@contextlib.contextmanager
+def vmap_quietly() -> Any:
+    """torch's warning that vmap runs an op without a batching rule example by example kept
+    from the user (for the length of the ``with``): the eager code fold runs raises none."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+        yield
+
+
+# The start of that warning.
 _VMAP_FALLBACK = "There is a performance drop because we have not yet implemented the batching"
 
 
@@ -260,14 +269,19 @@ class _Op:
         return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
-        run = self._run
-        if self.kind == "module" and _hooked(self.fn):
-            run = self._loop
-            _say_hooked(self.fn)
+        run = self._loop if self._hooked() else self._run
         out = self._recorded(run, values, values)
         if self.single:
             return out
         return tuple(pytree.tree_leaves(out))
+
+    def _hooked(self) -> bool:
+        """Whether the op is a call of a module with hooks (``_hooked``): its groups run one
+        call per example, on every path (said once per module)."""
+        if self.kind == "module" and _hooked(self.fn):
+            _say_hooked(self.fn)
+            return True
+        return False
 
     def _recorded(self, run: Callable[[Any], Any], arg: Any, values: Any) -> Any:
         """``run(arg)`` in the grad/autocast mode the calls were recorded in; what it raises
@@ -323,10 +337,7 @@ class _Op:
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         try:
-            with warnings.catch_warnings():
-                # vmap runs an op without a batching rule example by example, and torch
-                # warns of that: the eager code fold runs raises no such warning.
-                warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+            with vmap_quietly():
                 return self._vmapped(*values)
         except Exception as err:
             if self.kind is _PER_EXAMPLE:
@@ -376,8 +387,7 @@ class _Op:
             run = torch.func.vmap(self.per_example, in_dims=dims, randomness="different")
             self._shared_vmaps[dims] = run
         args = [v[0] if d is None else v for v, d in zip(values, dims)]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+        with vmap_quietly():
             return run(*args)
 
     def _loop(self, values: tuple[Any, ...]) -> Any:
@@ -410,7 +420,7 @@ class _Op:
         stacked sequences (n, L, D), all of one length, and states) as ONE call: the
         sequences padded to the longest and packed (as hand-batched code runs an encoder),
         states in the same order; per part its outputs, cut back to its length."""
-        if _hooked(self.fn):  # (one call per example: see _hooked)
+        if self._hooked():  # (one call per example)
             return [self(*values) for values in parts]
         return self._recorded(self._packed, parts, parts[0])
 
@@ -450,7 +460,7 @@ class _Op:
         ``PaddedRows`` of the same lengths (zeros past each), the final states one tensor.
         None where the sequences are no ``PaddedRows`` along their time dim, a state is, or
         a sequence is empty (pack refuses it): the caller then runs the group in parts."""
-        if _hooked(self.fn):
+        if self._hooked():
             return None
         return self._recorded(
             self._packed_rows, values, [v.data if type(v) is PaddedRows else v for v in values]
@@ -502,7 +512,7 @@ class _Op:
         shape (attention scores over memories of one length), as ONE call on the values
         padded to the largest shape (``tables._PADDED`` says with what); per part its
         outputs cut back to its shapes."""
-        if self.kind == "module" and _hooked(self.fn):
+        if self._hooked():
             return [(self(*values),) for values in parts]
         return self._recorded(self._pad_run, parts, parts[0])
 
@@ -578,7 +588,7 @@ class _Op:
         the rows' shapes were not all recorded, their outputs differ in more than one dim,
         or padding would more than double the values: the caller then runs the group in
         parts."""
-        if self.kind == "module" and _hooked(self.fn):
+        if self._hooked():
             return None
         return self._recorded(
             self._ragged_run, values, [v.data if type(v) is PaddedRows else v for v in values]

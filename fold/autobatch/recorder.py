@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,7 @@ from fold.autobatch.common import (
     _rng_states,
     _source_line,
 )
-from fold.autobatch.ops import _VMAP_FALLBACK, _leaves, _Op, _Slot, _slots, _tensors, _wrapper
+from fold.autobatch.ops import _leaves, _Op, _Slot, _slots, _tensors, _wrapper, vmap_quietly
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
     _DIM_OPS,
@@ -1177,8 +1176,7 @@ class _Recorder:
                 values = self._inputs(
                     op, slots, lambda sh, dt, dev: torch.empty((2, *sh), dtype=dt, device=dev)
                 )
-                with warnings.catch_warnings():  # (as the groups run it: ops._VMAP_FALLBACK)
-                    warnings.filterwarnings("ignore", message=_VMAP_FALLBACK)
+                with vmap_quietly():  # (as the groups run it)
                     torch.func.vmap(op.per_example, randomness="different")(*values)
             return True
         except Exception:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fold.errors import FoldError, describe
 from fold.ops import (
@@ -108,7 +109,7 @@ def _autograd_grad(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     are eager tensors; made with ``create_graph``, the calls that take them carry their
     history back.  Gradients with respect to lazy values are a FoldError."""
     inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
-    if any(type(t) is Lazy for t in _flat(inputs)):
+    if any(type(t) is Lazy for t in pytree.tree_leaves(inputs)):
         raise FoldError(
             f"autobatch: example {rec.example}: torch.autograd.grad with respect to a lazy "
             "value: it is a row of a group's output, whose graph holds every example. Fix: "
@@ -133,21 +134,9 @@ def _autograd_grad(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             )
         return value
 
-    args = tuple(_mapped(row, a) for a in args)
-    kwargs = {k: _mapped(row, v) for k, v in kwargs.items()}
+    args, kwargs = pytree.tree_map(row, (args, kwargs))
     kwargs["retain_graph"] = True
     return _AUTOGRAD_GRAD(*args, **kwargs)
-
-
-def _flat(a: Any) -> list[Any]:
-    return [x for y in a for x in _flat(y)] if type(a) in (list, tuple) else [a]
-
-
-def _mapped(f: Callable[[Any], Any], a: Any) -> Any:
-    """``f`` of ``a``, or of each item of a list or tuple ``a`` (kept a list or tuple)."""
-    if type(a) in (list, tuple):
-        return type(a)(_mapped(f, x) for x in a)
-    return f(a)
 
 
 def _eager_value(a: Any, session: Any) -> Any:
