@@ -325,8 +325,6 @@ def transformer_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     runs the decoder's groups with their causal masks given as one value (each example
     makes its own, alike); a group holds the examples whose memories have one length, so
     sources of many lengths make small groups."""
-    import json
-    import subprocess
 
     g = torch.Generator().manual_seed(1)
     one_length = [torch.randint(2, 8, (12,), generator=g) for _ in range(args.sources)]
@@ -336,10 +334,7 @@ def transformer_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     first: dict[str, list[float]] = {"autobatch": [], "eager": []}
     for _ in range(args.first_reps):
         for how in first:
-            cmd = [sys.executable, __file__, "--first-call-worker", "transformer", how]
-            cmd += ["--threads", str(args.threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            first[how].append(json.loads(done.stdout.strip().splitlines()[-1])["first"])
+            first[how].append(_first_call(args, "transformer", how)["first"])
     for how, t in first.items():
         rows.append(
             {
@@ -479,18 +474,13 @@ def first_call_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     process of its own (``--first-call-worker``), the median of ``--first-reps`` processes.
     Autobatch's first call infers the shapes of every op it has not seen (see
     ``fold/autobatch/recorder.py``, ``_stateless``); its second call is timed too."""
-    import json
-    import subprocess
 
     rows = []
     for work in ("decode-long", "parser"):
         times: dict[str, list[float]] = {"autobatch": [], "second call": [], "eager": []}
         for _ in range(args.first_reps):
             for how in ("autobatch", "eager"):
-                cmd = [sys.executable, __file__, "--first-call-worker", work, how]
-                cmd += ["--threads", str(args.threads)]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                got = json.loads(done.stdout.strip().splitlines()[-1])
+                got = _first_call(args, work, how)
                 times[how].append(got["first"])
                 if how == "autobatch":
                     times["second call"].append(got["second"])
@@ -507,6 +497,17 @@ def first_call_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
                 }
             )
     return rows
+
+
+def _first_call(args, work: str, how: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """``work``'s first (and second) call in a fresh process (``_first_call_worker``)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--first-call-worker", work, how]
+    cmd += ["--threads", str(args.threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _first_call_worker(work: str, how: str) -> None:
