@@ -714,6 +714,8 @@ def _explained(err: FoldError) -> FoldError:
     if not isinstance(cause, _OpFailed):
         return err
     op, orig = cause.op, cause.__cause__
+    if isinstance(orig, FoldError):  # (fold's own, which names the op and the fix)
+        return FoldError(str(orig))
     shapes = ", ".join(
         describe(v.shape, v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
         for v in cause.values

@@ -39,9 +39,10 @@ from fold.autobatch.common import (
     _any_autocast,
     _in_mode,
 )
-from fold.autobatch.patches import _call_module
+from fold.autobatch.patches import KEEPS_STATE, _call_module
 from fold.autobatch.values import Lazy, _Meta
-from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, zero_past
+from fold.errors import FoldError
+from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, version_of, zero_past
 
 _LOG = logging.getLogger(__name__)
 
@@ -169,6 +170,177 @@ def _tensors(t: Any) -> list[torch.Tensor]:
     return _leaves(t, torch.Tensor)
 
 
+# Modules whose forward changes no state of theirs (no running statistics): their shapes
+# are inferred on zeros first (see _stateless).
+_STATELESS_MODULES = frozenset(
+    {
+        nn.Linear,
+        nn.Bilinear,
+        nn.GRU,
+        nn.LSTM,
+        nn.RNN,
+        nn.GRUCell,
+        nn.LSTMCell,
+        nn.RNNCell,
+        nn.LayerNorm,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Dropout,
+        nn.ReLU,
+        nn.Tanh,
+        nn.Sigmoid,
+        nn.GELU,
+        nn.Softmax,
+        nn.LogSoftmax,
+        nn.Identity,
+        nn.Flatten,
+    }
+)
+
+
+def _stateless_module(m: nn.Module) -> bool:
+    t = type(m)
+    if t in _STATELESS_MODULES:
+        return True
+    if t is nn.Embedding or t is nn.EmbeddingBag:
+        return m.max_norm is None
+    # Any other module of torch.nn's own (its exact type) but those that change a tensor of
+    # theirs when called (running statistics; a lazy module's parameters, made on its first
+    # call from the random stream), whose submodules are all stateless: nn.Sequential, a
+    # transformer layer (nn.MultiheadAttention, nn.LayerNorm, nn.Dropout), a pooling.
+    if not t.__module__.startswith("torch.nn.modules.") or issubclass(t, KEEPS_STATE):
+        return False
+    return all(_stateless_module(c) for c in m.children())
+
+
+class _Changed(Exception):
+    """A group's call under vmap changed a buffer of its module (undone: see ``_Buffers``)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _Buffers:
+    """The buffers of a module call's module and its submodules, by owner and name (a forward
+    may rebind one), for a module that may change them when called: not one of torch.nn's
+    stateless modules (``_stateless_module``).
+
+    A group's call under vmap runs the module once for all its examples, so a change it
+    makes to a buffer (BatchNorm's running statistics and call count in training mode, a
+    counter of one's own) would happen once, not once per example as in eager code; a call
+    that fails under vmap (BatchNorm in training mode) may have made one before it failed;
+    and shape inference runs the module on zeros where fake tensors cannot.  ``guarded``
+    runs such a call from a copy of the buffers and undoes what it changed; ``kept`` puts
+    them back after a call that must change nothing."""
+
+    __slots__ = ("clean", "slots")
+
+    def __init__(self, slots: list[tuple[nn.Module, str]]) -> None:
+        self.slots = slots
+        # The training flags of the owners under which a batched call changed nothing: its
+        # later calls so are checked (identity and version of each buffer), not copied.
+        self.clean: set[tuple[bool, ...]] = set()
+
+    @staticmethod
+    def of(op: Any) -> _Buffers | None:
+        """The buffers ``op``, a call, may change; None for a call that can change none."""
+        if op.kind != "module" or not isinstance(op.fn, nn.Module) or _stateless_module(op.fn):
+            return None
+        slots: list[tuple[nn.Module, str]] = []
+        _buffer_slots(op.fn, 0, slots)
+        return _Buffers(slots) if slots else None
+
+    def key(self) -> tuple[bool, ...]:
+        return tuple([m.training for m, _ in self.slots])
+
+    def marks(self) -> list[tuple[Any, int | None]]:
+        out = []
+        for m, name in self.slots:
+            b = m._buffers.get(name)
+            out.append((b, None if b is None else version_of(b)))
+        return out
+
+    def copy(self) -> list[tuple[Any, int | None, Any]]:
+        """The buffers now: per slot (the tensor, its version, a copy of its value)."""
+        with torch.no_grad():
+            return [(b, v, None if b is None else b.clone()) for b, v in self.marks()]
+
+    def changed(self, marks: list[tuple[Any, int | None]], copy: Any = None) -> str | None:
+        """The name of a buffer changed since ``marks`` (rebound, or changed in place); one
+        without a version counter (an inference tensor) is compared with ``copy``."""
+        for i, ((m, name), (b, v)) in enumerate(zip(self.slots, marks)):
+            now = m._buffers.get(name)
+            if now is not b:
+                return name
+            if b is None:
+                continue
+            if v is None:
+                if copy is not None and not torch.equal(b, copy[i][2]):
+                    return name
+            elif b._version != v:
+                return name
+        return None
+
+    def restore(self, copy: list[tuple[Any, int | None, Any]]) -> None:
+        """The buffers put back as ``copy`` holds them (their own tensors, their values)."""
+        for (m, name), (b, v, value) in zip(self.slots, copy):
+            if m._buffers.get(name) is not b:
+                m._buffers[name] = b
+            if b is None or (v is not None and b._version == v):
+                continue
+            with torch.inference_mode() if b.is_inference() else torch.no_grad():
+                b.copy_(value)
+
+    @contextlib.contextmanager
+    def kept(self) -> Any:
+        """The body's changes to the buffers undone (shape inference, vmap's trial)."""
+        copy = self.copy()
+        try:
+            yield
+        finally:
+            self.restore(copy)
+
+    def guarded(self, op: Any, run: Callable[..., Any], *args: Any) -> Any:
+        """``run(*args)``, a group's one call of ``op``: where it changes a buffer, the
+        change undone and ``_Changed`` raised; where it raises, what it changed undone.  A
+        copy is taken while the call is not known to change nothing under the owners'
+        training flags; after that, a change is a FoldError (it cannot be undone)."""
+        key = self.key()
+        copy = None if key in self.clean else self.copy()
+        marks = self.marks()
+        try:
+            out = run(*args)
+        except BaseException:
+            if copy is not None:
+                self.restore(copy)
+            raise
+        name = self.changed(marks, copy)
+        if name is None:
+            self.clean.add(key)
+            return out
+        if copy is None:
+            raise FoldError(
+                f"autobatch: {op.name} at {op.where or '?'} changed its buffer {name!r} in a "
+                "batched call, where its earlier calls in this training mode changed none; a "
+                "batched call changes it once for all examples, not once per example as eager "
+                "code does. Fix: change buffers in every call or in none (a flag of the "
+                "module's own decides here), or change them outside the module's forward."
+            )
+        self.restore(copy)
+        raise _Changed(name)
+
+
+def _buffer_slots(m: nn.Module, depth: int, out: list[tuple[nn.Module, str]]) -> None:
+    # (Walked by hand, as recorder._find_random: a module's own __hash__ may do anything.)
+    for name in m._buffers:
+        out.append((m, name))
+    if depth < 32:
+        for c in m._modules.values():
+            if c is not None:
+                _buffer_slots(c, depth + 1, out)
+
+
 _LOSSES = {F.cross_entropy, F.nll_loss}
 
 
@@ -213,6 +385,9 @@ class _Op:
         # Set once a group of it could not run under vmap: its groups run one call per
         # example (see _run).
         self.looped = False
+        # The buffers a group's call may change (``_Buffers``; None: none), found on its
+        # first batched call.
+        self._state: Any = _MISS
         # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
         # usual one; a group runs in it (a target network under torch.no_grad(), a region
         # under torch.autocast).
@@ -257,6 +432,7 @@ class _Op:
             v.padded_call = v.ragged_call = v.padding = None
             v.part_outs, v.ragged_outs = {}, {}
             v._vmapped, v._shared_vmaps = None, {}
+            v._state = _MISS
             self._variant = v
         return self._variant
 
@@ -331,14 +507,25 @@ class _Op:
         if self.kind == "module" and self.fn in _LOOPED_MODULES:
             self.looped = True  # (another call of the module, other shapes: see below)
             return self._loop(values)
+        if self._state is _MISS:
+            self._state = _Buffers.of(self)
         if self.shared:
-            out = self._vmap_shared(values, self.shared)
+            try:
+                out = self._vmap_shared(values, self.shared)
+            except _Changed as changed:
+                return self._changes(values, changed)
             return self._loop(values) if out is _MISS else out
         if self._vmapped is None:
             self._vmapped = torch.func.vmap(self.per_example, randomness="different")
         try:
             with vmap_quietly():
-                return self._vmapped(*values)
+                if self._state is None:
+                    return self._vmapped(*values)
+                return self._state.guarded(self, self._vmapped, *values)
+        except _Changed as changed:
+            return self._changes(values, changed)
+        except FoldError:
+            raise
         except Exception as err:
             if self.kind is _PER_EXAMPLE:
                 raise  # a @batchable body runs batched: a read in it stays an error
@@ -375,6 +562,20 @@ class _Op:
             )
             return out
 
+    def _changes(self, values: tuple[Any, ...], changed: _Changed) -> Any:
+        """The group of a module that changed a buffer when called (running statistics; the
+        change undone): one call per example, each on what the one before left, as eager
+        code runs them; so every later call of the module."""
+        self.looped = True
+        _LOOPED_MODULES.add(self.fn)
+        _LOG.warning(
+            "autobatch: %s changes its buffer %r when called; its groups run one call per "
+            "example, as eager code runs them",
+            self,
+            changed.name,
+        )
+        return self._loop(values)
+
     def _vmap_shared(self, values: tuple[Any, ...], shared: tuple[int, ...]) -> Any:
         """The group under vmap with the arguments at ``shared`` given unbatched, as their
         first row, where each holds one value in every row (``_one_value``); ``_MISS``
@@ -388,7 +589,7 @@ class _Op:
             self._shared_vmaps[dims] = run
         args = [v[0] if d is None else v for v, d in zip(values, dims)]
         with vmap_quietly():
-            return run(*args)
+            return run(*args) if self._state is None else self._state.guarded(self, run, *args)
 
     def _loop(self, values: tuple[Any, ...]) -> Any:
         """The group's calls one by one, each on its example's values, outputs stacked."""

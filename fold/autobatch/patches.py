@@ -671,3 +671,44 @@ def _tensor_of_lazy(
     want = dtype or functools.reduce(torch.promote_types, dtypes(converted))
     out = stack(converted, want).detach()
     return out if device is None else out.to(device)
+
+
+# torch.nn's modules that change a tensor of their own when called: batch and instance norms
+# (running statistics and a call count, in training mode), lazy modules (their parameters,
+# made on the first call).
+KEEPS_STATE = (torch.nn.modules.batchnorm._NormBase, torch.nn.modules.lazy.LazyModuleMixin)
+
+
+def _stateful_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module.__call__`` of a module of ``KEEPS_STATE`` while a function is recorded once
+    without autobatch's module wrapper (``traced._record_once``): a call on lazy values is
+    recorded as one call of the module, as the wrapper records it, so that its forward does
+    not run once in eager code (a BatchNorm's call count, once for the whole batch)."""
+    rec = _LOCAL.rec
+    if rec is not None and not rec.paused and _changes_state(self):
+        for a in (*args, *kwargs.values()):
+            if type(a) is Lazy:
+                return rec.record(self, "module", args, kwargs)
+    return _module_inner()(self, *args, **kwargs)
+
+
+def _changes_state(m: nn.Module) -> bool:
+    """Whether a call of ``m``, a module of ``KEEPS_STATE``, changes a tensor of its own: a
+    norm's running statistics in training mode, a lazy module's uninitialised parameters."""
+    if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+        return m.training and m.track_running_stats
+    return m.has_uninitialized_params()  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def stateful_installed() -> Any:
+    """``_stateful_call`` installed on the classes of ``KEEPS_STATE`` for the length of the
+    ``with`` (set there and deleted again, leaving the classes as they were; about 3 us)."""
+    with _PATCH_LOCK:
+        found = [_install(c, "__call__", _stateful_call) for c in KEEPS_STATE]
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            for c, f in zip(KEEPS_STATE, found):
+                _put_back(c, "__call__", _stateful_call, f)

@@ -36,7 +36,17 @@ from fold.autobatch.common import (
     _rng_states,
     _source_line,
 )
-from fold.autobatch.ops import _leaves, _Op, _Slot, _slots, _tensors, _wrapper, vmap_quietly
+from fold.autobatch.ops import (
+    _Buffers,
+    _leaves,
+    _Op,
+    _Slot,
+    _slots,
+    _stateless_module,
+    _tensors,
+    _wrapper,
+    vmap_quietly,
+)
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
     _DIM_OPS,
@@ -1054,6 +1064,15 @@ class _Recorder:
     def _infer(self, op: _Op) -> None:
         """The op's per-example outputs, on fake tensors (a batch of one on zeros where
         fake tensors cannot run it); a FoldError naming the line where the call fails."""
+        lazy = _uninitialised(op.fn, 0) if op.kind == "module" else None
+        if lazy is not None:  # (its first call, on fake tensors, would break the module)
+            raise FoldError(
+                f"autobatch: example {self.example}: {op.name} at {op.where or '?'}: "
+                f"{type(lazy).__name__} is a lazy module whose parameters are not made yet "
+                "(torch makes them on its first call, and autobatch runs no call of it while "
+                "recording). Fix: call the model once on one example before autobatch "
+                "(model(xs[0])), or give its sizes (nn.Linear(in, out))."
+            )
         slots = _slots((op.args, op.kwargs))
         # One-number integer arguments of a torch function: data (an index, a target) or a
         # size (x.repeat(n)); they are told apart by the shapes they give (_run_ones).
@@ -1065,6 +1084,10 @@ class _Recorder:
         _LOCAL.running += running
         rng = _rng_states()  # inference draws nothing from the user's random stream
         self._drew = False
+        # nor changes a buffer of the module (BatchNorm's running statistics, on zeros)
+        state = _Buffers.of(op)
+        kept = state.kept() if state is not None else contextlib.nullcontext()
+        kept.__enter__()
         try:
             if _stateless(op):
                 try:
@@ -1100,6 +1123,7 @@ class _Recorder:
             self.paused = False
             _LOCAL.running -= running
             _rng_restore(rng)
+            kept.__exit__(None, None, None)
         leaves, treedef = pytree.tree_flatten(out)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             if op.kind == "module" and _inlinable(op.fn):
@@ -1171,8 +1195,9 @@ class _Recorder:
             return True
         self.paused = True
         rng = _rng_states()
+        state = _Buffers.of(op)
         try:
-            with _fake_mode():
+            with state.kept() if state is not None else contextlib.nullcontext(), _fake_mode():
                 values = self._inputs(
                     op, slots, lambda sh, dt, dev: torch.empty((2, *sh), dtype=dt, device=dev)
                 )
@@ -1228,34 +1253,6 @@ def _aliasing(out: Any, values: list[Any]) -> bool:
         return True
 
 
-# Modules whose forward changes no state of theirs (no running statistics): their shapes
-# are inferred on zeros first (see _stateless).
-_STATELESS_MODULES = frozenset(
-    {
-        nn.Linear,
-        nn.Bilinear,
-        nn.GRU,
-        nn.LSTM,
-        nn.RNN,
-        nn.GRUCell,
-        nn.LSTMCell,
-        nn.RNNCell,
-        nn.LayerNorm,
-        nn.Conv1d,
-        nn.Conv2d,
-        nn.Dropout,
-        nn.ReLU,
-        nn.Tanh,
-        nn.Sigmoid,
-        nn.GELU,
-        nn.Softmax,
-        nn.LogSoftmax,
-        nn.Identity,
-        nn.Flatten,
-    }
-)
-
-
 def _stateless(op: _Op) -> bool:
     """Whether ``op``'s shapes are inferred on zeros before fake tensors: where the call can
     change no tensor but its own outputs.
@@ -1289,25 +1286,6 @@ def _stateless(op: _Op) -> bool:
     return type(name) is str and "norm" not in name and "embedding" not in name
 
 
-def _stateless_module(m: nn.Module) -> bool:
-    t = type(m)
-    if t in _STATELESS_MODULES:
-        return True
-    if t is nn.Embedding or t is nn.EmbeddingBag:
-        return m.max_norm is None
-    # Any other module of torch.nn's own (its exact type) but those that change a tensor of
-    # theirs when called (running statistics; a lazy module's parameters, made on its first
-    # call from the random stream), whose submodules are all stateless: nn.Sequential, a
-    # transformer layer (nn.MultiheadAttention, nn.LayerNorm, nn.Dropout), a pooling.
-    if not t.__module__.startswith("torch.nn.modules.") or issubclass(t, _KEEPS_STATE):
-        return False
-    return all(_stateless_module(c) for c in m.children())
-
-
-# torch.nn's modules that change a tensor of theirs when called (see _stateless_module).
-_KEEPS_STATE = (torch.nn.modules.batchnorm._NormBase, torch.nn.modules.lazy.LazyModuleMixin)
-
-
 # Modules that draw random numbers in training mode: a module call holding one draws while
 # one of them is training (looked at on every call: an op first recorded in eval mode may
 # run in training mode later; see _random_modules).
@@ -1320,6 +1298,18 @@ _RANDOM_MODULES = (
     nn.FeatureAlphaDropout,
     nn.RReLU,
 )
+
+
+def _uninitialised(m: nn.Module, depth: int) -> nn.Module | None:
+    """A lazy module in ``m`` (or ``m``) whose parameters are not made yet, else None."""
+    if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+        return m
+    if depth < 32:
+        for c in m._modules.values():
+            found = None if c is None else _uninitialised(c, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _random_modules(op: _Op) -> tuple[nn.Module, ...]:

@@ -23,7 +23,7 @@ from fold.autobatch.common import (
     _rng_states,
 )
 from fold.autobatch.ops import _Op, _op_device, _slots
-from fold.autobatch.patches import _apply_installed, _installed
+from fold.autobatch.patches import _apply_installed, _installed, stateful_installed
 from fold.autobatch.recorder import _Recorder
 from fold.autobatch.values import Known, Lazy, _Meta, _meta
 from fold.errors import describe
@@ -202,8 +202,13 @@ def _record_once(
     _LOCAL.rec = rec
     rng = _rng_states()
     try:
-        with collector_paused(), _installed() if modules else _apply_installed:
-            out = fn(*lazies)
+        if modules:
+            with collector_paused(), _installed():
+                out = fn(*lazies)
+        else:  # (a batch or instance norm's forward would change its state once: see
+            # patches.stateful_installed)
+            with collector_paused(), _apply_installed, stateful_installed():
+                out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
     except Exception:

@@ -1,0 +1,225 @@
+"""Modules that change a tensor of their own when called, under fold.autobatch: a batch norm
+in training mode (running statistics and a call count), a module of one's own that counts
+its calls in a buffer, a lazy module.  Eager code changes the state once per example's
+call; so must autobatch, whatever path its calls take (rows recorded once, per example, in
+rounds), and shape inference and vmap's trial must leave the state as they found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fold
+from fold.errors import FoldError
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def _twins(make):
+    """Two copies of one module (one for eager code, one for autobatch)."""
+    torch.manual_seed(0)
+    a = make()
+    torch.manual_seed(0)
+    b = make()
+    return a, b
+
+
+def _assert_state_equal(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+        torch.testing.assert_close(y, x, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+def _assert_grads_equal(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def _net(momentum):
+    return lambda: nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=momentum), nn.ReLU(), nn.Linear(6, 2)
+    )
+
+
+def _reads(m):
+    """A function that reads a value between two calls of ``m`` (a round each)."""
+
+    def fn(x):
+        h = m(x)
+        if float(h.detach()[0, 0]) > float(h.detach()[1, 0]):
+            h = h + m(x * 2)
+        return h.sum()
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "path, momentum",
+    [("rows", 0.1), ("rows", None), ("lists", None), ("rounds", None)],
+)
+def test_batch_norm_in_training_updates_its_state_once_per_example(momentum, path):
+    """Each example's call normalises by its own statistics and updates the running ones,
+    as eager code does: the statistics and the call count equal eager's (with momentum
+    None, the count weighs the average).  Shape inference ran the norm on zeros, and the
+    round's vmap trial counted a call before it failed: each moved the state.  (Calls of
+    several shapes, or in several rounds, update in fold's order, group by group: with a
+    momentum, an exponential average, the statistics weigh them in that order; see the
+    README.)"""
+    a, b = _twins(_net(momentum))
+    if path == "rows":  # one shape: the function recorded once on lazy rows
+        xs = [torch.randn(3, 4) for _ in range(5)]
+        fn = lambda m: lambda x: m(x).sum()  # noqa: E731
+    elif path == "lists":  # several shapes: per example
+        xs = [torch.randn(k, 4) for k in (2, 3, 3, 4, 2)]
+        fn = lambda m: lambda x: m(x).sum()  # noqa: E731
+    else:
+        xs = [torch.randn(3, 4) for _ in range(5)]
+        fn = _reads
+    want = torch.stack([fn(a)(x) for x in xs])
+    got = fold.autobatch(fn(b), xs)
+    torch.testing.assert_close(got, want)
+    _assert_state_equal(a, b)
+    assert int(b[1].num_batches_tracked) == int(a[1].num_batches_tracked)
+    want.sum().backward()
+    got.sum().backward()
+    _assert_grads_equal(a, b)
+
+
+def test_batch_norm_per_image_training_step_matches_eager():
+    """A per-sample training step of a small CNN with BatchNorm2d (one image a call, its
+    own statistics): losses, gradients and running statistics equal eager's, over two
+    steps (the second call reuses what the first recorded)."""
+
+    def make():
+        return nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)
+        )
+
+    a, b = _twins(make)
+    for _step in range(2):
+        images = [torch.randn(1, 1, 8, 8) for _ in range(6)]
+        labels = [torch.randint(0, 3, (1,)) for _ in range(6)]
+        want = torch.stack([F.cross_entropy(a(x), y) for x, y in zip(images, labels)])
+        got = fold.autobatch(lambda x, y: F.cross_entropy(b(x), y), images, labels)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+        _assert_grads_equal(a, b)
+        _assert_state_equal(a, b)
+
+
+def test_batch_norm_in_eval_mode_runs_batched_and_keeps_its_state(caplog):
+    """In eval mode a norm changes nothing: its groups stay one batched call (not one call
+    per example), and the buffers are not touched (not even rewritten)."""
+    a, b = _twins(_net(0.1))
+    a.eval()
+    b.eval()
+    versions = [t._version for t in b.buffers()]
+    xs = [torch.randn(k, 4) for k in (2, 3, 3, 4)]
+    want = [a(x) for x in xs]
+    got = fold.autobatch(lambda x: b(x), xs, stack=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    _assert_state_equal(a, b)
+    assert [t._version for t in b.buffers()] == versions
+    # one call a group, not one per example (which is said once per module)
+    assert not [r for r in caplog.records if "one call per example" in r.getMessage()]
+
+
+def test_batch_norm_switched_to_training_between_calls_matches_eager():
+    """The same model in eval mode, then in training mode, in two autobatch calls of one
+    function: the second call's updates equal eager's."""
+    a, b = _twins(_net(None))
+    xs = [torch.randn(k, 4) for k in (2, 3, 3)]
+    for training in (False, True):
+        a.train(training)
+        b.train(training)
+        want = [a(x) for x in xs]
+        got = fold.autobatch(lambda x: b(x), xs, stack=False)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        _assert_state_equal(a, b)
+
+
+class _Counting(nn.Module):
+    """A module of one's own that counts its calls in a buffer and keeps an average of its
+    inputs (each call changes what the one before left)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("mean", torch.zeros(3))
+
+    def forward(self, x):
+        self.calls += 1
+        self.mean.mul_(0.5).add_(0.5 * x.detach().mean(0))
+        return self.lin(x)
+
+
+def test_a_module_that_counts_its_calls_in_a_buffer_counts_each_example():
+    """Under vmap the module's one call for the group would count once and average the
+    batch (silently); its groups now run one call per example, as eager code runs them
+    (examples of several shapes: recorded per example)."""
+    a, b = _twins(_Counting)
+    xs = [torch.randn(k, 3) for k in (1, 2, 2, 3, 2)]
+    want = [a(x) for x in xs]
+    got = fold.autobatch(lambda x: b(x), xs, stack=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert float(b.calls) == len(xs)
+    _assert_state_equal(a, b)
+    sum((g * g).sum() for g in got).backward()
+    sum((w * w).sum() for w in want).backward()
+    _assert_grads_equal(a, b)
+
+
+class _Flagged(nn.Module):
+    """Counts its calls only while a flag of its own is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.counting = False
+
+    def forward(self, x):
+        if self.counting:
+            self.calls += 1
+        return self.lin(x)
+
+
+def test_a_buffer_changed_after_calls_that_changed_none_is_a_fold_error():
+    """A module whose batched calls changed no buffer in this training mode is checked, not
+    copied, on its later calls; one that then changes a buffer (a flag of its own) cannot
+    be undone: a FoldError names the module, the buffer and the fix."""
+    m = _Flagged()
+    xs = [torch.randn(k, 3) for k in (1, 2, 2, 3)]
+    fn = lambda x: m(x)  # noqa: E731
+    fold.autobatch(fn, xs, stack=False)
+    m.counting = True
+    with pytest.raises(FoldError, match=r"changed its buffer 'calls'.*Fix: change buffers"):
+        fold.autobatch(fn, xs, stack=False)
+
+
+@pytest.mark.parametrize("shapes", [(3, 3, 3), (1, 2, 3)])
+def test_a_lazy_module_is_a_fold_error_and_stays_lazy(shapes):
+    """A lazy module makes its parameters on its first call; shape inference would make
+    them from fake tensors (a broken module). A FoldError names it and the fix; the module
+    is left as it was, and works once called eagerly."""
+    m = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    xs = [torch.randn(k, 3) for k in shapes]
+    with pytest.raises(FoldError, match=r"LazyLinear is a lazy module.*Fix: call the model once"):
+        fold.autobatch(lambda x: m(x), xs, stack=False)
+    assert isinstance(m[0], nn.LazyLinear) and m[0].has_uninitialized_params()
+    m(xs[0])  # made now, from a real call
+    got = fold.autobatch(lambda x: m(x), xs, stack=False)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, m(x))
