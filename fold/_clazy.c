@@ -237,8 +237,10 @@ number_tensor(PyObject *t)
     return needs < 0 ? -1 : !needs;
 }
 
-/* 1 where tensor ``t`` is a leaf that requires grad (a parameter: the slow path shares it,
-   part of the op), 0 where not, -1 on error. */
+/* 1 where tensor ``t`` is a leaf that requires grad and no view (a parameter: the slow
+   path shares it, part of the op), 0 where not, -1 on error.  (A view of a parameter taken
+   under torch.no_grad() is a leaf that requires grad too, a new one at every call, such as
+   ``self.pos[:n]``: data, as the slow path's _part takes it.) */
 static int
 leaf_with_grad(PyObject *t)
 {
@@ -253,7 +255,13 @@ leaf_with_grad(PyObject *t)
         return -1;
     int leaf = PyObject_IsTrue(v);
     Py_DECREF(v);
-    return leaf;
+    if (leaf <= 0)
+        return leaf;
+    if ((v = PyObject_GetAttr(t, s_base)) == NULL)
+        return -1;
+    int view = v != Py_None;
+    Py_DECREF(v);
+    return !view;
 }
 
 /* 1 where ``m`` (a module) hashes and compares by identity, as nn.Module does: the slow

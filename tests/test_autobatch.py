@@ -3103,11 +3103,11 @@ class _TinyTransformer(nn.Module):
 
 def test_a_transformer_decoder_whose_masks_differ_loops_and_says_so_once(caplog, finish):
     """Greedy decoding with torch.nn's transformer, each example's mask its own: the
-    decoder (which compares its mask by value: vmap cannot run it batched) is called on a
-    longer prefix each round, a new op each time.  Its groups run one call per example,
-    said once for the module (it was said, and vmap tried, every round); the encoder
-    layer's fast path, which vmap runs with torch's warning of an op run example by
-    example, warns nothing (eager code does not).  Tokens equal eager (float64)."""
+    decoder (whose group runs as one call on the examples' merged batch only where they
+    gave one mask) is called on a longer prefix each round, a new op each time.  Its
+    groups run one call per example, said once for the module; the encoder layer (sources
+    of several lengths, one call with a key padding mask) warns nothing (eager code does
+    not).  Tokens equal eager (float64)."""
     torch.manual_seed(0)
     model = _TinyTransformer().double().eval()
     g = torch.Generator().manual_seed(1)
@@ -3120,16 +3120,19 @@ def test_a_transformer_decoder_whose_masks_differ_loops_and_says_so_once(caplog,
     assert [x.tolist() for x in got] == [x.tolist() for x in want]
     assert max(len(w) for w in want) > 3  # several rounds, each a new prefix length
     assert not [str(w.message) for w in seen]
-    said = [r for r in caplog.records if "does not run under torch.func.vmap" in r.message]
-    assert len(said) == 1 and "TransformerDecoder" in said[0].message, said
+    said = [r for r in caplog.records if "one call per example" in r.message]
+    assert (
+        len(said) == 1 and "TransformerDecoder: its examples' attention masks" in said[0].message
+    ), said
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_a_transformer_decoder_given_masks_made_alike_runs_under_vmap(monkeypatch, grad):
     """The same decoding with the usual causal mask, which every example makes alike: a
-    group's masks are one value, given to vmap unbatched, and the decoder's groups run
-    under vmap (they ran one call per example: see ``benchmarks/control_flow.py --only
-    transformer``).  Tokens, logits and gradients equal eager (float64)."""
+    group's masks are one value, and the decoder's groups run as one call on the
+    examples' merged batch (they ran one call per example, then under vmap: see
+    ``benchmarks/control_flow.py --only transformer``).  Tokens, logits and gradients
+    equal eager (float64)."""
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)
     torch.manual_seed(0)
     model = _TinyTransformer().double().eval()

@@ -405,6 +405,8 @@ class _Op:
         self.padding: tuple[str, int | None] | None = None
         # and, set with it, the call of a whole group whose rows are PaddedRows (_ragged)
         self.ragged_call: Callable[[list[Any]], tuple[Any, ...] | None] | None = None
+        # A torch.nn transformer module's call as one merged call (tables._Transformer).
+        self.transformer: Any = None
         self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
         self.ragged_outs: dict[Any, Any] = {}  # see _ragged_outs
         # Whether a call draws random numbers (set by shape inference): each call is then a

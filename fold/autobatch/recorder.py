@@ -6,6 +6,7 @@ the node recorded into the call's Fold."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -57,9 +58,12 @@ from fold.autobatch.tables import (
     _VALUE_ARGS,
     _direct_template,
     _merged_batch_call,
+    _merged_transformer,
     _module_mode,
     _padded_module,
     _reads,
+    _transformer_layout,
+    _transformer_parts,
 )
 from fold.autobatch.values import (
     _FOREIGN,
@@ -711,7 +715,11 @@ class _Recorder:
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
-            elif (kind == "torch" and fn in _PADDED) or (kind == "module" and _padded_module(fn)):
+            elif (
+                (kind == "torch" and fn in _PADDED)
+                or (kind == "module" and _padded_module(fn))
+                or op.transformer is not None
+            ):
                 _group_padded(op, key, mode)
         if op.random:  # (no fast table entry: every call comes here)
             return self._logged(op, self._record_fresh(op, fargs), args)
@@ -907,7 +915,10 @@ class _Recorder:
                 fargs.append(row[2])
                 return row[3]
             grad = a.requires_grad
-            if grad and a.is_leaf:
+            # A parameter: shared, part of the op.  (A view of one taken under
+            # torch.no_grad(), ``self.pos[:n]``, is a leaf that requires grad too, a new
+            # tensor at every call: data, as any other tensor.)
+            if grad and a.is_leaf and a._base is None:
                 shared.append(a)
                 return (_PARAM, id(a))
             dtype, device = a.dtype, a.device
@@ -1019,7 +1030,11 @@ class _Recorder:
                     op.mode, op.call = _DIRECT, _PACKED_RNNS[fn]
         elif kind == "module":
             merged = _merged_batch_call(fn, args, kwargs)
-            if merged is not None:
+            layout = _transformer_layout(fn, args, kwargs) if merged is None else None
+            if layout is not None:
+                op.mode, op.call = _DIRECT, functools.partial(_merged_transformer, layout)
+                op.transformer = layout
+            elif merged is not None:
                 op.mode, op.call = _DIRECT, merged
             else:
                 op.mode = _module_mode(fn, args, kwargs)
@@ -1419,13 +1434,13 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
         return
-    how = _PADDED[op.fn] if op.kind == "torch" else "zeros"
+    how = _PADDED[op.fn] if op.kind == "torch" else "keys" if op.transformer else "zeros"
     dim = None
     if how in ("cat", "index"):
         if not (_cat_pads_last(op) if how == "cat" else _index_from_start(op)):
             return  # (padding would land inside a value, or be read)
         how = "zeros"
-    elif how != "zeros":
+    elif how not in ("zeros", "keys"):
         pos, name, _ = _DIM_OPS[op.fn]
         dim = op.kwargs.get(name, op.args[pos] if len(op.args) > pos else None)
         rest = [a for i, a in enumerate(op.args) if i != pos and type(a) is not _Slot]
@@ -1460,8 +1475,11 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     if first is None:
         first = _PADDED_OPS[group] = op
         op.padding = (how, dim)
-        op.padded_call = op._padded_parts
-        op.ragged_call = op._ragged
+        if how == "keys":  # (no ragged call: rows of several lengths run in parts)
+            op.padded_call = functools.partial(_transformer_parts, op, op.transformer)
+        else:
+            op.padded_call = op._padded_parts
+            op.ragged_call = op._ragged
     first.part_outs[tuple(s.meta.shape for s in slots)] = tuple(m.shape for m in op.outs)
     op.fold_op = first
 

@@ -5,6 +5,8 @@ calls change a tensor in place."""
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from typing import Any
 
 import torch
@@ -13,11 +15,12 @@ from torch.nn import functional as F
 
 from fold.autobatch import buffers
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
-from fold.autobatch.ops import _LOSSES, _Slot, _slots, _tensors
+from fold.autobatch.ops import _LOSSES, _fill, _Slot, _slots, _tensors
 from fold.autobatch.patches import _READ_FUNCTIONS, _call_module
 from fold.autobatch.values import _Meta
 from fold.errors import FoldError
 from fold.executor import ModelBatched
+from fold.ops import PaddedOutputs
 
 
 def _functions(names: str, *spaces: Any) -> set[Any]:
@@ -694,3 +697,209 @@ def _polymorphic_module(module: nn.Module) -> bool:
     if isinstance(module, nn.Sequential):
         return all(_polymorphic_module(m) for m in module)
     return isinstance(module, _POLYMORPHIC_MODULES)
+
+
+# torch.nn's transformer modules (these classes exactly: a subclass may compute otherwise),
+# called per example on a batch of one (``enc(src[None])``, ``dec(tgt, mem, tgt_mask=m)``,
+# batch first or not): per class, the argument whose length a key padding mask covers and
+# the mask's name, and the attention masks that must be one value for the whole group.
+_TRANSFORMERS: dict[type, tuple[str, str, tuple[str, ...]]] = {
+    nn.TransformerEncoderLayer: ("src", "src_key_padding_mask", ("src_mask",)),
+    nn.TransformerEncoder: ("src", "src_key_padding_mask", ("mask",)),
+    nn.TransformerDecoderLayer: ("memory", "memory_key_padding_mask", ("tgt_mask",)),
+    nn.TransformerDecoder: ("memory", "memory_key_padding_mask", ("tgt_mask",)),
+}
+_FORWARD_NAMES: dict[type, tuple[str, ...]] = {}
+# The modules whose calls ran one per example for their masks (said once each).
+_SAID_MASKS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_LOG = logging.getLogger("fold.autobatch.ops")
+
+
+class _Transformer:
+    """How a group of calls of a torch.nn transformer module runs as ONE call (see
+    ``_transformer_layout``): the module, its forward's argument names, its sequences
+    (``src``, or ``tgt`` and ``memory``), the one whose lengths may differ (``keyed``, with
+    its key padding mask's name), the attention masks, and the batch dim (0: batch first)."""
+
+    __slots__ = ("batch_dim", "key_mask", "keyed", "masks", "module", "names", "seqs")
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...], batch_dim: int) -> None:
+        self.module, self.names, self.batch_dim = module, names, batch_dim
+        self.keyed, self.key_mask, self.masks = _TRANSFORMERS[type(module)]
+        self.seqs = ("src",) if "src" in names else ("tgt", "memory")
+
+    def bind(self, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = dict(zip(self.names, args))
+        bound.update(kwargs)
+        return bound
+
+    def merge(self, t: torch.Tensor) -> torch.Tensor:
+        """A group's stacked sequences, each a batch of one (n, 1, L, D) or (n, L, 1, D), as
+        one batch: (n, L, D) batch first, else (L, n, D)."""
+        return t.flatten(0, 1) if self.batch_dim == 0 else t.squeeze(2).transpose(0, 1)
+
+    def split(self, out: torch.Tensor) -> torch.Tensor:
+        """``merge`` undone on the module's output: n first, each a batch of one."""
+        return out.unsqueeze(1) if self.batch_dim == 0 else out.transpose(0, 1).unsqueeze(2)
+
+    def call(self, bound: dict[str, Any], n: int) -> torch.Tensor | None:
+        """The module's one call on the group's ``bound`` values (sequences merged; each
+        attention mask the one value all examples gave), split back; None where the
+        examples' masks differ."""
+        kwargs = {}
+        for name, v in bound.items():
+            if name in self.seqs:
+                v = self.merge(v)
+            elif name in self.masks and isinstance(v, torch.Tensor) and v.dim() == 3:
+                if not bool((v == v[:1]).all()):
+                    return None
+                v = v[0]
+            kwargs[name] = v
+        return self.split(_call_module(self.module, **kwargs))
+
+    def per_example(self, bound: dict[str, Any], n: int) -> torch.Tensor:
+        """The group's calls one by one (masks that differ between examples), said once
+        per module."""
+        if self.module not in _SAID_MASKS:
+            _SAID_MASKS.add(self.module)
+            _LOG.warning(
+                "autobatch: %s: its examples' attention masks differ; its groups run one "
+                "call per example (a mask that every example makes alike runs them as one "
+                "call)",
+                type(self.module).__name__,
+            )
+        outs = []
+        for i in range(n):
+            kwargs = {}
+            for name, v in bound.items():
+                if isinstance(v, torch.Tensor) and (name in self.seqs or v.dim() == 3):
+                    v = v[i]
+                kwargs[name] = v
+            outs.append(_call_module(self.module, **kwargs))
+        return torch.stack(outs)
+
+
+def _transformer_layout(
+    module: nn.Module, args: list[Any], kwargs: dict[str, Any]
+) -> _Transformer | None:
+    """A ``_Transformer`` for a call of one of ``_TRANSFORMERS`` whose sequences are each a
+    per-example value that is a batch of one (3-D, 1 in the module's batch dim), whose
+    attention masks are none, a shared tensor or a per-example matrix, whose other masks
+    (key padding, memory) are not given, and whose causal hints are bools; None for any
+    other call (it runs under vmap)."""
+    t = type(module)
+    if t not in _TRANSFORMERS:
+        return None
+    names = _FORWARD_NAMES.get(t)
+    if names is None:
+        import inspect
+
+        names = _FORWARD_NAMES[t] = tuple(inspect.signature(t.forward).parameters)[1:]
+    if len(args) > len(names) or any(k not in names or k in names[: len(args)] for k in kwargs):
+        return None
+    first = module
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        first = module.layers[0]
+    layout = _Transformer(module, names, 0 if first.self_attn.batch_first else 1)
+    bound = layout.bind(args, kwargs)
+    for name in layout.seqs:
+        s = bound.get(name)
+        if (
+            type(s) is not _Slot
+            or s.ragged
+            or s.meta.ndim != 3
+            or s.meta.shape[layout.batch_dim] != 1
+        ):
+            return None
+    for name, v in bound.items():
+        if name in layout.seqs:
+            continue
+        if name in layout.masks:
+            if v is None or (isinstance(v, torch.Tensor) and v.dim() == 2):
+                continue
+            if type(v) is _Slot and not v.ragged and v.meta.ndim == 2:
+                continue
+            return None
+        if name.endswith("is_causal"):
+            if v is None or type(v) is bool:
+                continue
+            return None
+        if v is not None:  # (key padding masks and memory masks of the user's own)
+            return None
+    return layout
+
+
+def _merged_transformer(layout: _Transformer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A group of calls of a torch.nn transformer module, each on a batch of one, as ONE
+    call: the examples' sequences merged into one batch (every row's output is computed from
+    its own sequences alone), their attention mask the one they all gave (else one call per
+    example)."""
+    bound = layout.bind(args, kwargs)
+    n = bound[layout.seqs[0]].shape[0]
+    out = layout.call(bound, n)
+    return layout.per_example(bound, n) if out is None else out
+
+
+def _transformer_parts(op: Any, layout: _Transformer, parts: list[tuple[Any, ...]]) -> Any:
+    """``padded_call`` of a transformer module's group whose parts differ in the length of
+    the sequence a key padding mask covers (a decoder's memories, an encoder's sources):
+    that sequence padded with zeros to the longest, the mask True past each example's
+    length, ONE call; the outputs cut back to each part's length (an encoder's) or one
+    tensor of all the parts' rows (a decoder's, whose outputs are its targets' shape).  Per
+    part its own call where anything else differs between the parts, or padding would more
+    than double the sequences."""
+    binds = [layout.bind(*_fill(op.run_args, values)) for values in parts]
+    keyed, dim = layout.keyed, 2 if layout.batch_dim == 0 else 1  # (L in the stacked values)
+    first = binds[0]
+    same = True
+    for name, v in first.items():
+        if name == keyed:
+            continue
+        others = [b[name] for b in binds[1:]]
+        if isinstance(v, torch.Tensor):
+            if name in layout.seqs:
+                same = all(o.shape[1:] == v.shape[1:] for o in others)
+            else:  # an attention mask: one value in every part
+                row = v[0] if v.dim() == 3 else v
+                same = all(o.shape[-2:] == row.shape and bool((o == row).all()) for o in others)
+        else:
+            same = all(o == v for o in others)
+        if not same:
+            break
+    lengths = [b[keyed].shape[dim] for b in binds]
+    counts = [b[keyed].shape[0] for b in binds]
+    big = max(lengths)
+    if not same or big * sum(counts) > 2 * sum(k * n for k, n in zip(counts, lengths)) + 64:
+        return [(op._run(values),) for values in parts]
+    padded = []
+    for b, n in zip(binds, lengths):
+        s = b[keyed]
+        if n < big:
+            shape = list(s.shape)
+            shape[dim] = big - n
+            s = torch.cat([s, s.new_zeros(shape)], dim)
+        padded.append(s)
+    bound = dict(first)
+    for name in layout.seqs:
+        bound[name] = torch.cat(padded if name == keyed else [b[name] for b in binds])
+    rows = torch.tensor([n for n, k in zip(lengths, counts) for _ in range(k)])
+    past = torch.arange(big)[None, :] >= rows[:, None]
+    past = past.to(bound[keyed].device)
+    masks = [bound.get(m) for m in layout.masks if keyed == "src"]
+    if any(isinstance(m, torch.Tensor) and m.is_floating_point() for m in masks):
+        # (an attention mask of floats beside it: torch wants both of one kind)
+        past = torch.zeros(past.shape, dtype=masks[0].dtype, device=past.device).masked_fill(
+            past, float("-inf")
+        )
+    bound[layout.key_mask] = past
+    total = sum(counts)
+    out = layout.call(bound, total)
+    if out is None:  # (masks that differ between the examples of one part)
+        return [(op._run(values),) for values in parts]
+    if keyed == "memory":  # the targets' shape: one output of all the parts' rows
+        return PaddedOutputs([out])
+    results, start = [], 0
+    for n, k in zip(lengths, counts):
+        results.append(out[start : start + k].narrow(dim, 0, n))
+        start += k
+    return PaddedOutputs([results])

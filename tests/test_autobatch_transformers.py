@@ -1,0 +1,189 @@
+"""torch.nn's transformer modules under fold.autobatch, called per example on a batch of one
+(``enc(src[None])``, ``dec(tgt, mem, tgt_mask=mask)``): a group of calls runs as ONE call
+on the examples' merged batch, sources and memories of several lengths padded with a key
+padding mask.  Everything against eager per example (float64): tokens, logits, losses and
+gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fold
+from fold.autobatch import driver, recorder
+
+BOS, EOS = 1, 0
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+class _Seq2Seq(nn.Module):
+    """An encoder and a decoder of torch.nn's own, written for ONE source: a batch of one,
+    batch first or not, the decoder given the whole prefix and the causal mask."""
+
+    def __init__(self, batch_first: bool, layers: bool = False) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(9, 8)
+        self.pos = nn.Parameter(torch.randn(40, 8) * 0.1)
+        enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        dec = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        if layers:  # the layers called directly
+            self.enc, self.dec = enc, dec
+        else:
+            self.enc = nn.TransformerEncoder(enc, 2, enable_nested_tensor=False)
+            self.dec = nn.TransformerDecoder(dec, 2)
+        self.out = nn.Linear(8, 9)
+
+    def one(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, D) -> a batch of one: (1, L, D) batch first, else (L, 1, D)."""
+        return x[None] if self.batch_first else x[:, None]
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.one(self.emb(src) + self.pos[: len(src)]))
+
+    def decode(self, toks: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(len(toks))
+        h = self.dec(self.one(self.emb(toks) + self.pos[: len(toks)]), mem, tgt_mask=mask)
+        return self.out(h[0] if self.batch_first else h[:, 0])  # (T, vocab)
+
+    def greedy(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Until EOS, or as many steps as the source has tokens."""
+        mem = self.encode(src)
+        toks, logits = [BOS], []
+        for _ in range(len(src)):
+            last = self.decode(torch.tensor(toks), mem)[-1]
+            logits.append(last)
+            toks.append(int(last.argmax()))  # a read: the example pauses
+            if toks[-1] == EOS:
+                break
+        return torch.tensor(toks), torch.stack(logits)
+
+    def loss(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: the target shifted right after BOS."""
+        inp = torch.cat([torch.tensor([BOS]), tgt[:-1]])
+        return F.cross_entropy(self.decode(inp, self.encode(src)), tgt)
+
+
+def _sources(n: int, seed: int, lengths=(3, 9)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=g)
+    return [torch.randint(2, 9, (int(k),), generator=g) for k in sizes]
+
+
+def _model(batch_first: bool, layers: bool = False) -> _Seq2Seq:
+    torch.manual_seed(0)
+    m = _Seq2Seq(batch_first, layers).eval()
+    with torch.no_grad():  # decodes of varied lengths
+        m.out.bias[EOS] += 0.3
+    return m
+
+
+@pytest.mark.parametrize("layers", [False, True], ids=["stacks", "layers"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-major"])
+def test_greedy_decoding_over_sources_of_several_lengths_runs_one_decoder_call_a_round(
+    monkeypatch, batch_first, layers
+):
+    """Sources of 3-9 tokens: the decoder's calls of a round, over memories of several
+    lengths, run as ONE call (the memories padded, a key padding mask past each one's
+    length), not one call per length.  Tokens and logits equal eager's."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    m = _model(batch_first, layers)
+    srcs = _sources(12, 1)
+    assert len({len(s) for s in srcs}) > 3
+    with torch.no_grad():
+        want = [m.greedy(s) for s in srcs]
+        fold.autobatch(m.greedy, srcs, stack=False)  # its ops recorded: no shape inference
+        calls = []
+        real = type(m.dec).forward
+
+        def counted(self, *args, **kwargs):
+            calls.append(len(args) + len(kwargs))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(m.dec), "forward", counted)
+        got = fold.autobatch(m.greedy, srcs, stack=False)
+    rounds = max(len(w[0]) for w in want) - 1
+    assert len(calls) <= rounds, calls  # one call a round (per length: dozens)
+    assert layers or len({len(w[0]) for w in want}) > 2  # decodes of several lengths
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt.tolist() == wt.tolist()
+        torch.testing.assert_close(gl, wl)
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-major"])
+def test_teacher_forced_losses_over_sources_and_targets_of_several_lengths_match_eager(
+    batch_first,
+):
+    """Training: the encoder over sources of several lengths (one call, a key padding
+    mask), the decoder over targets of several lengths too (one call per target length,
+    each over padded memories).  Losses and every parameter's gradient equal eager's."""
+    m = _model(batch_first)
+    m.train()  # (no dropout: p = 0)
+    srcs = _sources(10, 2)
+    tgts = _sources(10, 3, (2, 5))
+    want = torch.stack([m.loss(s, t) for s, t in zip(srcs, tgts)])
+    got = fold.autobatch(m.loss, srcs, tgts)
+    torch.testing.assert_close(got, want)
+    params = list(m.parameters())
+    weights = torch.rand(len(srcs))
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), params),
+        torch.autograd.grad((want * weights).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_encoder_calls_with_masks_of_their_own_match_eager():
+    """An encoder given a float attention mask that every example makes alike (one
+    length: one merged call, the mask as one value), and one given a key padding mask of
+    the user's own (not merged: it runs under vmap): values and gradients equal eager's."""
+    m = _model(True)
+    srcs = [torch.randint(2, 9, (5,)) for _ in range(6)]
+    pads = [torch.tensor([False] * (5 - k) + [True] * k) for k in (0, 1, 2, 0, 1, 3)]
+
+    def masked(src):
+        mask = torch.triu(torch.full((5, 5), -1.0), 1)  # a soft causal bias
+        return m.enc(m.one(m.emb(src)), mask=mask).sum(1)
+
+    def padded(src, pad):
+        return m.enc(m.one(m.emb(src)), src_key_padding_mask=pad[None]).sum(1)
+
+    for fn, its in ((masked, (srcs,)), (padded, (srcs, pads))):
+        want = torch.stack([fn(*x) for x in zip(*its)])
+        got = fold.autobatch(fn, *its)
+        torch.testing.assert_close(got, want)
+        params = list(m.enc.parameters())
+        for a, b in zip(
+            torch.autograd.grad(got.pow(2).sum(), params),
+            torch.autograd.grad(want.pow(2).sum(), params),
+        ):
+            torch.testing.assert_close(a, b)
+
+
+def test_views_of_a_parameter_taken_under_no_grad_do_not_make_new_ops_every_call():
+    """``self.pos[:n]`` under torch.no_grad() is a new leaf tensor that requires grad at
+    every call: it was keyed as a parameter, by identity, so every call of the function
+    made new ops (shape inference each time, and tables that grew without end).  It is
+    data now: a second call records no new op, and values equal eager's."""
+    m = _model(True)
+    srcs = _sources(8, 4)
+
+    def ops() -> int:
+        return len(recorder._OPS) + sum(len(t) for t in recorder._MODE_OPS.values())
+
+    with torch.no_grad():
+        want = [m.greedy(s)[0] for s in srcs]
+        fold.autobatch(lambda s: m.greedy(s)[0], srcs, stack=False)
+        before = ops()
+        got = fold.autobatch(lambda s: m.greedy(s)[0], srcs, stack=False)
+        assert ops() == before
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
