@@ -1014,6 +1014,8 @@ class _Recorder:
             and not self._vmaps(op)
         ):
             raise _Inline  # (before its shapes are inferred: its forward runs as code)
+        if kind == "module":
+            op.transformer = _transformer_layout(fn, args, kwargs)
         self._infer(op)
         if kind == "torch":
             direct = _direct_template(fn, args, kwargs, op.outs)
@@ -1030,10 +1032,9 @@ class _Recorder:
                     op.mode, op.call = _DIRECT, _PACKED_RNNS[fn]
         elif kind == "module":
             merged = _merged_batch_call(fn, args, kwargs)
-            layout = _transformer_layout(fn, args, kwargs) if merged is None else None
-            if layout is not None:
-                op.mode, op.call = _DIRECT, functools.partial(_merged_transformer, layout)
-                op.transformer = layout
+            if op.transformer is not None:
+                op.mode = _DIRECT
+                op.call = functools.partial(_merged_transformer, op.transformer)
             elif merged is not None:
                 op.mode, op.call = _DIRECT, merged
             else:
@@ -1104,7 +1105,12 @@ class _Recorder:
         kept = state.kept() if state is not None else contextlib.nullcontext()
         kept.__enter__()
         try:
-            if _stateless(op):
+            if op.transformer is not None:
+                # torch.nn's transformer modules give their sequence's shape (the targets'
+                # of a decoder, the sources' of an encoder): no call needed, where a call on
+                # zeros cost about 1 ms, once per target and memory length.
+                out = op.transformer.output_like(op.args, op.kwargs)
+            elif _stateless(op):
                 try:
                     out = self._run_zeros(op, slots)
                 except Exception:

@@ -733,6 +733,12 @@ class _Transformer:
         bound.update(kwargs)
         return bound
 
+    def output_like(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+        """An empty tensor of the shape a call of the module on one example's values (the
+        op's template: slots in place of its sequences) returns: its first sequence's."""
+        meta = self.bind(args, kwargs)[self.seqs[0]].meta
+        return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
+
     def merge(self, t: torch.Tensor) -> torch.Tensor:
         """A group's stacked sequences, each a batch of one (n, 1, L, D) or (n, L, 1, D), as
         one batch: (n, L, D) batch first, else (L, n, D)."""
@@ -799,6 +805,8 @@ def _transformer_layout(
         return None
     first = module
     if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        if not len(module.layers):  # (it returns its input itself, or its norm of it)
+            return None
         first = module.layers[0]
     layout = _Transformer(module, names, 0 if first.self_attn.batch_first else 1)
     bound = layout.bind(args, kwargs)
