@@ -2070,7 +2070,8 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     """Shape inference runs torch functions and modules of stateless types on one example's
     zeros (fake tensors cost milliseconds a call, a GRU over 30 steps 100 ms, and their
     first use 1 s of imports): torch.nn's own modules but those that keep state (running
-    statistics, a lazy module's parameters), made of such modules (a transformer layer).  A call that could change a shared tensor in place (a name
+    statistics, a lazy module's parameters), made of such modules (a transformer layer, whose
+    output shape is known without a call).  A call that could change a shared tensor in place (a name
     with "norm", an embedding with ``max_norm``) and a module of any other type run on fake
     tensors, and so does a call that fails on zeros (a Cholesky factor).  Values and
     gradients equal eager's, float64; no parameter changes."""
@@ -2117,7 +2118,8 @@ def test_shapes_are_inferred_on_zeros_where_nothing_can_change_and_on_fake_tenso
     zeros = {name for how, name in ran if how == "zeros"}
     fake = {name for how, name in ran if how == "fake"}
     assert {"GRU call", "Sequential call", "Tensor.__matmul__", "torch.mul"} <= zeros - fake
-    assert "TransformerEncoderLayer call" in zeros - fake
+    # (its output has its input's shape: inferred without a call, see tables._Transformer)
+    assert "TransformerEncoderLayer call" not in zeros | fake
     assert {"Scaled call", "F.layer_norm", "Embedding call"} <= fake - zeros
     assert "linalg_cholesky" in zeros & fake  # zeros failed, then fake tensors ran
 
