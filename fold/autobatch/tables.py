@@ -701,13 +701,14 @@ def _polymorphic_module(module: nn.Module) -> bool:
 
 # torch.nn's transformer modules (these classes exactly: a subclass may compute otherwise),
 # called per example on a batch of one (``enc(src[None])``, ``dec(tgt, mem, tgt_mask=m)``,
-# batch first or not): per class, the argument whose length a key padding mask covers and
-# the mask's name, and the attention masks that must be one value for the whole group.
+# batch first or not): per class, the sequence whose length may differ between examples
+# (padded), the attention mask that then masks the padding (its keys), and the attention
+# masks that must be one value for the whole group.
 _TRANSFORMERS: dict[type, tuple[str, str, tuple[str, ...]]] = {
-    nn.TransformerEncoderLayer: ("src", "src_key_padding_mask", ("src_mask",)),
-    nn.TransformerEncoder: ("src", "src_key_padding_mask", ("mask",)),
-    nn.TransformerDecoderLayer: ("memory", "memory_key_padding_mask", ("tgt_mask",)),
-    nn.TransformerDecoder: ("memory", "memory_key_padding_mask", ("tgt_mask",)),
+    nn.TransformerEncoderLayer: ("src", "src_mask", ("src_mask",)),
+    nn.TransformerEncoder: ("src", "mask", ("mask",)),
+    nn.TransformerDecoderLayer: ("memory", "memory_mask", ("tgt_mask",)),
+    nn.TransformerDecoder: ("memory", "memory_mask", ("tgt_mask",)),
 }
 _FORWARD_NAMES: dict[type, tuple[str, ...]] = {}
 # The modules whose calls ran one per example for their masks (said once each).
@@ -719,13 +720,16 @@ class _Transformer:
     """How a group of calls of a torch.nn transformer module runs as ONE call (see
     ``_transformer_layout``): the module, its forward's argument names, its sequences
     (``src``, or ``tgt`` and ``memory``), the one whose lengths may differ (``keyed``, with
-    its key padding mask's name), the attention masks, and the batch dim (0: batch first)."""
+    the attention mask that masks its padding), the attention masks, the batch dim (0:
+    batch first) and the number of heads."""
 
-    __slots__ = ("batch_dim", "key_mask", "keyed", "masks", "module", "names", "seqs")
+    __slots__ = ("batch_dim", "heads", "keyed", "masks", "module", "names", "pad_mask", "seqs")
 
-    def __init__(self, module: nn.Module, names: tuple[str, ...], batch_dim: int) -> None:
-        self.module, self.names, self.batch_dim = module, names, batch_dim
-        self.keyed, self.key_mask, self.masks = _TRANSFORMERS[type(module)]
+    def __init__(
+        self, module: nn.Module, names: tuple[str, ...], batch_dim: int, heads: int
+    ) -> None:
+        self.module, self.names, self.batch_dim, self.heads = module, names, batch_dim, heads
+        self.keyed, self.pad_mask, self.masks = _TRANSFORMERS[type(module)]
         self.seqs = ("src",) if "src" in names else ("tgt", "memory")
 
     def bind(self, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -808,7 +812,8 @@ def _transformer_layout(
         if not len(module.layers):  # (it returns its input itself, or its norm of it)
             return None
         first = module.layers[0]
-    layout = _Transformer(module, names, 0 if first.self_attn.batch_first else 1)
+    attn = first.self_attn
+    layout = _Transformer(module, names, 0 if attn.batch_first else 1, attn.num_heads)
     bound = layout.bind(args, kwargs)
     for name in layout.seqs:
         s = bound.get(name)
@@ -890,17 +895,20 @@ def _transformer_parts(op: Any, layout: _Transformer, parts: list[tuple[Any, ...
     bound = dict(first)
     for name in layout.seqs:
         bound[name] = torch.cat(padded if name == keyed else [b[name] for b in binds])
-    rows = torch.tensor([n for n, k in zip(lengths, counts) for _ in range(k)])
-    past = torch.arange(big)[None, :] >= rows[:, None]
-    past = past.to(bound[keyed].device)
-    masks = [bound.get(m) for m in layout.masks if keyed == "src"]
-    if any(isinstance(m, torch.Tensor) and m.is_floating_point() for m in masks):
-        # (an attention mask of floats beside it: torch wants both of one kind)
-        past = torch.zeros(past.shape, dtype=masks[0].dtype, device=past.device).masked_fill(
-            past, float("-inf")
-        )
-    bound[layout.key_mask] = past
+    # The padding masked where attention reads the keyed sequence: an attention mask per
+    # example and head (True: not read), not a key padding mask (torch checks one through
+    # its symbolic shapes, which import sympy on their first use: a quarter second).
+    causal = "memory_is_causal" if keyed == "memory" else "is_causal"
+    if bound.get(layout.pad_mask) is not None or bound.get(causal):
+        return [(op._run(values),) for values in parts]
     total = sum(counts)
+    rows = torch.tensor([n for n, k in zip(lengths, counts) for _ in range(k)])
+    past = (torch.arange(big)[None, :] >= rows[:, None]).to(bound[keyed].device)
+    queries = bound["tgt"].shape[dim] if keyed == "memory" else big
+    heads = layout.heads
+    bound[layout.pad_mask] = (
+        past[:, None, None, :].expand(total, heads, queries, big).reshape(-1, queries, big)
+    )
     out = layout.call(bound, total)
     if out is None:  # (masks that differ between the examples of one part)
         return [(op._run(values),) for values in parts]
