@@ -92,9 +92,10 @@ def _model(batch_first: bool, layers: bool = False) -> _Seq2Seq:
 def test_greedy_decoding_over_sources_of_several_lengths_runs_one_decoder_call_a_round(
     monkeypatch, batch_first, layers
 ):
-    """Sources of 3-9 tokens: the decoder's calls of a round, over memories of several
-    lengths, run as ONE call (the memories padded, a key padding mask past each one's
-    length), not one call per length.  Tokens and logits equal eager's."""
+    """Sources of 3-9 tokens: the encoder's calls run as ONE call (the sources padded, an
+    attention mask past each one's length), and so do the decoder's calls of a round, over
+    memories of several lengths, not one call per length.  Tokens and logits equal
+    eager's."""
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
     m = _model(batch_first, layers)
     srcs = _sources(12, 1)
@@ -102,17 +103,19 @@ def test_greedy_decoding_over_sources_of_several_lengths_runs_one_decoder_call_a
     with torch.no_grad():
         want = [m.greedy(s) for s in srcs]
         fold.autobatch(m.greedy, srcs, stack=False)  # its ops recorded: no shape inference
-        calls = []
-        real = type(m.dec).forward
+        calls = {"enc": 0, "dec": 0}
+        for name in calls:
+            real = type(getattr(m, name)).forward
 
-        def counted(self, *args, **kwargs):
-            calls.append(len(args) + len(kwargs))
-            return real(self, *args, **kwargs)
+            def counted(self, *args, name=name, real=real, **kwargs):
+                calls[name] += 1
+                return real(self, *args, **kwargs)
 
-        monkeypatch.setattr(type(m.dec), "forward", counted)
+            monkeypatch.setattr(type(getattr(m, name)), "forward", counted)
         got = fold.autobatch(m.greedy, srcs, stack=False)
     rounds = max(len(w[0]) for w in want) - 1
-    assert len(calls) <= rounds, calls  # one call a round (per length: dozens)
+    # one call a round (one per length: dozens); the encoder's one round, one call
+    assert calls["dec"] <= rounds and calls["enc"] == 1, calls
     assert layers or len({len(w[0]) for w in want}) > 2  # decodes of several lengths
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt.tolist() == wt.tolist()

@@ -752,14 +752,19 @@ class _Transformer:
         """``merge`` undone on the module's output: n first, each a batch of one."""
         return out.unsqueeze(1) if self.batch_dim == 0 else out.transpose(0, 1).unsqueeze(2)
 
-    def call(self, bound: dict[str, Any], n: int) -> torch.Tensor | None:
+    def call(
+        self, bound: dict[str, Any], n: int, padding: str | None = None
+    ) -> torch.Tensor | None:
         """The module's one call on the group's ``bound`` values (sequences merged; each
-        attention mask the one value all examples gave), split back; None where the
-        examples' masks differ."""
+        attention mask the one value all examples gave, but ``padding``, the mask of the
+        padding made for the merged batch), split back; None where the examples' masks
+        differ."""
         kwargs = {}
         for name, v in bound.items():
             if name in self.seqs:
                 v = self.merge(v)
+            elif name == padding:
+                pass
             elif name in self.masks and isinstance(v, torch.Tensor) and v.dim() == 3:
                 if not bool((v == v[:1]).all()):
                     return None
@@ -909,7 +914,7 @@ def _transformer_parts(op: Any, layout: _Transformer, parts: list[tuple[Any, ...
     bound[layout.pad_mask] = (
         past[:, None, None, :].expand(total, heads, queries, big).reshape(-1, queries, big)
     )
-    out = layout.call(bound, total)
+    out = layout.call(bound, total, layout.pad_mask)
     if out is None:  # (masks that differ between the examples of one part)
         return [(op._run(values),) for values in parts]
     if keyed == "memory":  # the targets' shape: one output of all the parts' rows
