@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fold
-from fold.autobatch import Lazy, buffers, common, driver, recorder, traced, values
+from fold.autobatch import Lazy, buffers, common, driver, recorder, tables, traced, values
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.ops import PaddedRows
@@ -627,6 +627,61 @@ def test_flatten_runs_directly_with_its_dims_moved(flatten):
     assert_same(lambda r: flatten(lin(r)), list(lin.parameters()), x)
     modes = {op.mode for op in _OPS.values() if op.fn in (torch.flatten, torch.Tensor.flatten)}
     assert modes == {"direct"}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda h, b: h + b,  # (T, D) + (D,)
+        lambda h, b: b * h,  # (D,) * (T, D)
+        lambda h, b: (h * b)[None] + h,  # (1, T, D) + (T, D): a batch of one, a position table
+        lambda h, b: torch.where(h > 0, b, h),  # (T, D) mask, (D,), (T, D)
+        lambda h, b: torch.maximum(b, h.sum(0, keepdim=True)),  # (D,) and (1, D)
+    ],
+    ids=["add", "rmul", "batch-of-one", "where", "maximum"],
+)
+def test_elementwise_calls_on_per_example_values_of_several_ranks_run_directly(fn):
+    """Per-example arguments of several ranks (each example's values broadcast as
+    broadcasting aligns them): the group runs as one call, each stacked argument given
+    1-dims after its batch dim (``tables._aligned_elementwise``), not under vmap.  Values
+    and gradients equal eager's; examples of several lengths, in rounds."""
+    lin, proj = nn.Linear(3, 4), nn.Linear(3, 4)
+
+    def per_example(x):
+        h = lin(x)
+        b = torch.tanh(proj(x[0]))
+        out = fn(h, b)
+        if float(out.detach().sum()) > 0:  # a read: a second round
+            out = out * 2
+        return out
+
+    xs = [torch.randn(n, 3) for n in (2, 4, 3, 4)]
+    want = [per_example(x) for x in xs]
+    got = fold.autobatch(per_example, xs, stack=False)
+    assert_same_lists(got, want, [*lin.parameters(), *proj.parameters()])
+    ops = [
+        op
+        for op in _OPS.values()
+        if op.mode is common._DIRECT and getattr(op.call, "func", None) is tables._aligned_call
+    ]
+    assert ops, "no call ran aligned"
+
+
+def test_an_elementwise_call_with_a_0d_per_example_value_keeps_eager_dtypes():
+    """A 0-dim tensor takes no part in type promotion in eager code (float32 times a
+    float64 0-dim tensor is float32); stacked with 1-dims it would (float64): such a call is
+    not run aligned (vmap promotes as eager code does), and the dtype is eager's."""
+    lin = nn.Linear(3, 4).float()
+
+    def per_example(x):
+        s = x.sum().double()  # 0-dim, float64, per example
+        return lin(x) * s
+
+    xs = [torch.randn(n, 3, dtype=torch.float32) for n in (2, 4, 3)]
+    got = fold.autobatch(per_example, xs, stack=False)
+    for g, x in zip(got, xs):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, per_example(x))
 
 
 def test_tensor_rows_literals_lists_and_constant_results():

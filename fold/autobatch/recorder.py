@@ -51,11 +51,13 @@ from fold.autobatch.ops import (
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
     _DIM_OPS,
+    _ELEMENTWISE,
     _GROUP_CALLS,
     _PACKED_RNNS,
     _PADDED,
     _REWRITES,
     _VALUE_ARGS,
+    _aligned_elementwise,
     _direct_template,
     _merged_batch_call,
     _merged_transformer,
@@ -1025,6 +1027,10 @@ class _Recorder:
                 fits, call = _GROUP_CALLS[fn]
                 if fits(args, kwargs):
                     op.mode, op.call = _DIRECT, call
+            elif fn in _ELEMENTWISE:
+                aligned = _aligned_elementwise(fn, args, kwargs, op.outs)
+                if aligned is not None:
+                    op.mode, op.call = _DIRECT, aligned
             elif fn in _PACKED_RNNS and len(args) > 2 and isinstance(args[1], torch.Tensor):
                 states = args[2] if type(args[2]) in (tuple, list) else (args[2],)
                 # Batch sizes shared by value; data and states per example.

@@ -165,6 +165,41 @@ def _shift_dim(d: Any) -> Any:
 _MISSING = object()
 
 
+def _aligned_elementwise(
+    fn: Any, args: list[Any], kwargs: dict[str, Any], outs: list[_Meta]
+) -> Any:
+    """For an elementwise torch function whose per-example arguments differ in rank (``x +
+    b``, x (T, D) and b (D,) both per example; ``emb[None] + pos``): the group's call, each
+    stacked argument given 1-dims after its batch dim up to the output's rank, so that they
+    line up as broadcasting lines them up in each example (``_direct_template`` takes the
+    calls whose per-example arguments all have the output's rank).  None where an argument
+    is batched inside a container or keyword, or has no dims (a 0-dim tensor takes no part
+    in type promotion in eager code, but would stacked), or the output is not one tensor."""
+    if len(outs) != 1 or _slots(kwargs):
+        return None
+    rank = outs[0].ndim
+    pads = []
+    for a in args:
+        if type(a) is _Slot:
+            if a.ragged or a.meta.ndim == 0 or a.meta.ndim > rank:
+                return None
+            pads.append(rank - a.meta.ndim)
+        elif type(a) in (list, tuple, dict) and _slots(a):
+            return None
+        else:
+            pads.append(0)
+    if not any(pads):
+        return None
+    return functools.partial(_aligned_call, fn, tuple(pads))
+
+
+def _aligned_call(fn: Any, pads: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+    return fn(
+        *[a.view(a.shape[0], *[1] * p, *a.shape[1:]) if p else a for a, p in zip(args, pads)],
+        **kwargs,
+    )
+
+
 def _direct_template(
     fn: Any, args: list[Any], kwargs: dict[str, Any], outs: list[_Meta]
 ) -> tuple[list[Any], dict[str, Any]] | None:
