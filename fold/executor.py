@@ -210,6 +210,8 @@ class Executor:
         # rounds: fold.run.run_groups; see padded_rows_of's ``kept``).
         self.kept_columns: dict[Any, Any] | None = None
         self.report: list[tuple[int, str, int, tuple[tuple[Any, torch.dtype], ...]]] = []
+        # The node ids of the group running now (an array, or a whole plan's SignatureNodes)
+        self.running: Any = None
         self._fns: dict[Any, Callable[..., Any]] = {}
         self._values: Values | None = None  # made when a group or an output reads rows
         # Signatures whose groups run in recording order, reading no pieces: those whose first
@@ -294,6 +296,7 @@ class Executor:
             self._run_mixed(step, got)
             return
         op, sid, values, plans, members, alone = got
+        self.running = members  # (in its values' order: for an error's caller, run_groups)
         n = len(members)
         outs = self._call(step, op, values, plans, n, alone)
         self._store(sid, outs, members, alone)
@@ -530,6 +533,7 @@ class Executor:
         a = self.arrays
         op, kinds = a.signatures[sid]
         n = len(members)
+        self.running = members  # (for an error's caller: see run.run_groups)
         rows = None  # the recorded arguments, read where a literal column needs them
         values: list[Any] = []
         plans: list[Any] = []
@@ -812,6 +816,7 @@ class Executor:
                     return
                 gathered.append((got[2], got[4]))
         n = sum(len(members) for _, members in gathered)
+        self.running = gathered[0][1]  # (the first part's: its values go with an error)
         try:
             outs = padded([values for values, _ in gathered])
         except Exception as err:

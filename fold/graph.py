@@ -675,13 +675,18 @@ class Fold:
             cached = self._snapshot = (key, arrays)
         return cached[1]
 
+    def issued(self) -> int:
+        """How many node ids this Fold handed out since it was made or emptied: the next
+        node's id."""
+        ids = self._ids  # (itertools.count's repr, "count(n)", names n, the next id it gives)
+        return ids.issued if type(ids) is _Counter else int(repr(ids)[6:-1])
+
     def _check_intact(self, n: int) -> None:
         """Every node id handed out is a recorded node, and the per-signature lists are in
         step.  Recording from several threads at once breaks that (two threads that both miss
         the memo each take an id; one is lost), and so may an exception raised between a
         recorder's steps (a KeyboardInterrupt); the Fold cannot be applied then."""
-        ids = self._ids  # (itertools.count's repr, "count(n)", names n, the next id it gives)
-        issued = ids.issued if type(ids) is _Counter else int(repr(ids)[6:-1])
+        issued = self.issued()
         lists = {len(self.signatures), len(self._memos), len(self._targs), len(self._sig_ids)}
         if issued != n or len(lists) != 1:
             raise FoldError(

@@ -32,7 +32,7 @@ from fold.ops import (
 )
 from fold.scheduler import Plan, make_plan
 from fold.scheduler.auto import facts_of
-from fold.scheduler.chain import one_shape, whole_output
+from fold.scheduler.chain import SignatureNodes, one_shape, whole_output
 from fold.scheduler.plan import Input
 
 __all__ = ["apply", "check_limits", "classify_lists", "plan_of"]
@@ -153,6 +153,12 @@ def run_groups(
         ex.kept_columns = kept
         try:
             ex.run(plan)
+        except FoldError as err:
+            # The node ids of the group that failed, in the order of its values, for the
+            # caller's message (autobatch names the example whose call fails).
+            members = ex.running
+            err.members = members.ids(arrays) if type(members) is SignatureNodes else members
+            raise
         finally:
             fold.last_run = ex.report
         return ex.groups

@@ -3763,6 +3763,29 @@ def test_a_read_in_a_batchable_body_stays_an_error_and_an_exception_ends_the_cal
     assert out.shape == (2, 3)
 
 
+@pytest.mark.parametrize("rounds", [1, 2], ids=["first-round", "later-round"])
+def test_a_batched_call_that_fails_for_one_examples_values_names_that_example(monkeypatch, rounds):
+    """One example looks up a row past an embedding's end: its round's batched call fails
+    for every example at once (torch names no row).  The FoldError names the example whose
+    call fails alone on its values, and its error; the call is no bare IndexError from
+    torch.  Other examples' calls come first and after it in the group."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    emb, lin = nn.Embedding(5, 3), nn.Linear(3, 3)
+
+    def fn(i):
+        h = lin(emb(i if rounds == 1 else i % 5))
+        if rounds == 2 and float(h.sum()) > -1e9:  # a read: the lookup below is round 2's
+            h = h + emb(i)
+        return h
+
+    ids = [torch.tensor(k) for k in (1, 3, 2, 7, 0)]  # example 3's 7 is past the end
+    with pytest.raises(fold.FoldError) as info:
+        fold.autobatch(fn, ids, stack=False)
+    said = str(info.value)
+    assert said.startswith("autobatch: example 3: its call of Embedding call"), said
+    assert "IndexError: index out of range" in said and "Fix:" in said
+
+
 def test_an_exception_propagates_though_others_are_paused_inside_torch(finish):
     """One example raises while others are paused inside torch's C code (``t.view(n, -1)``
     of a recorded count: torch's argument parser reads ``n``).  Ending those examples,

@@ -26,11 +26,15 @@ from fold.autobatch.common import (
     _MODELS,
     _PER_EXAMPLE,
     _RNN,
+    _USUAL_MODE,
     _VMAP,
     _any_autocast,
     _current_mode,
+    _in_mode,
+    _rng_restore,
+    _rng_states,
 )
-from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
+from fold.autobatch.ops import _Buffers, _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import (
     _INLINE,
@@ -358,7 +362,9 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     except FoldError as err:
         cause = err.__cause__
         if isinstance(cause, _OpFailed):
-            raise _explained(err) from cause.__cause__
+            raise _explained(
+                err, _failing_example(cause, getattr(err, "members", None), rec)
+            ) from (cause.__cause__)
         raise
     arrays = f.snapshot()
     handle = None  # node id -> its whole handle, where a group names its rows by node id
@@ -709,7 +715,36 @@ def _grad_for(f: Fold) -> Any:
     return contextlib.nullcontext()
 
 
-def _explained(err: FoldError) -> FoldError:
+def _failing_example(cause: _OpFailed, members: Any, rec: _Recorder) -> tuple[int, Any] | None:
+    """Where a round's batched call failed: the example whose own call fails, run alone on
+    its values (row by row through the group's values, ``members`` their node ids), and
+    what it raises; None where no row fails alone (the batched call itself failed), or it
+    cannot be told.  Each row runs in the mode the call was recorded in, with the random
+    stream and the module's buffers put back after it (an error's path: speed is no
+    matter)."""
+    op, values = cause.op, cause.values
+    if members is None or not values or op.kind is _BATCHED:
+        return None
+    n = len(members)
+    if any(not isinstance(v, torch.Tensor) or v.dim() == 0 or len(v) != n for v in values):
+        return None
+    state = _Buffers.of(op)
+    rng = _rng_states()
+    try:
+        with _in_mode(op.recorded_in or _USUAL_MODE), torch.no_grad():
+            with state.kept() if state is not None else contextlib.nullcontext():
+                for i in range(n):
+                    try:
+                        op.per_example(*[v[i] for v in values])
+                    except Exception as err:
+                        example = rec.example_of(int(members[i]))
+                        return None if example is None else (example, err)
+    finally:
+        _rng_restore(rng)
+    return None
+
+
+def _explained(err: FoldError, failing: tuple[int, Any] | None = None) -> FoldError:
     cause = err.__cause__
     if not isinstance(cause, _OpFailed):
         return err
@@ -745,11 +780,26 @@ def _explained(err: FoldError) -> FoldError:
             "give autobatch fewer examples per call (the calls of a group run as one batch), "
             "or use an explicit fold.Fold, whose apply takes max_rows= and offload='cpu'."
         )
-    said = (
-        f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of "
-        f"{cause.values[0].shape[0] if cause.values and isinstance(cause.values[0], torch.Tensor) else '?'} "
-        f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. Fix: "
-        f"{fix}"
+    n = (
+        cause.values[0].shape[0]
+        if cause.values and isinstance(cause.values[0], torch.Tensor)
+        else "?"
     )
+    if failing is not None:
+        example, alone = failing
+        said = (
+            f"autobatch: example {example}: its call of {op.name} (the op first recorded at "
+            f"{op.where or '?'}) fails: run alone on its values it raises "
+            f"{type(alone).__name__}: {alone}. (It ran in a round's group of {n} calls "
+            f"{how}, stacked arguments {shapes}, which raised {type(orig).__name__}: {orig}.) "
+            "Fix: the example's own values are at fault: run the function eagerly on example "
+            f"{example} to see where they come from."
+        )
+    else:
+        said = (
+            f"autobatch: {op.name}, recorded at {op.where or '?'}, failed on a group of {n} "
+            f"calls run {how} (stacked arguments {shapes}): {type(orig).__name__}: {orig}. "
+            f"Fix: {fix}"
+        )
     # Out of memory stays catchable as such (a training loop's handler), as in apply.
     return FoldOutOfMemoryError(said) if out_of_memory else FoldError(said)

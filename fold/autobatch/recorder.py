@@ -360,6 +360,9 @@ class _Recorder:
         # A Fold, or a _Trace when autobatch records once on lazy rows (see _traced).
         self.fold = Fold() if fold is None else fold
         self.example = 0
+        # (the Fold's next node id, example) as each example started or resumed in this
+        # round: which example recorded a node (example_of)
+        self.segments: list[tuple[int, int]] = []
         self.paused = False
         # Set when the autobatch call (or the recording made once) that this recorder serves
         # has ended: a lazy value kept beyond it records nothing (see close).
@@ -463,7 +466,20 @@ class _Recorder:
         """Example ``i`` runs (starts, or resumes after its round): it is the one recording,
         and the view log is its alone (``forget_views``)."""
         self.example = i
+        if type(self.fold) is Fold:  # (the node ids it records from here on are its own)
+            self.segments.append((self.fold.issued(), i))
         self.forget_views()
+
+    def example_of(self, node: int) -> int | None:
+        """The example that recorded node ``node`` of this round (the first, for a node
+        several examples share), from the ids handed out as each example started or
+        resumed; None where unknown."""
+        found = None
+        for start, i in self.segments:
+            if start > node:
+                break
+            found = i
+        return found
 
     def forget_views(self) -> None:
         """Empty the view log as another example starts or resumes: only the running
