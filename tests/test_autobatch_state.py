@@ -148,6 +148,36 @@ def test_batch_norm_switched_to_training_between_calls_matches_eager():
         _assert_state_equal(a, b)
 
 
+def test_batch_norm_runs_batched_in_eval_mode_after_looping_in_training(monkeypatch):
+    """A batch norm's groups run one call per example in training mode (each call its own
+    statistics, and an update of the running ones); that verdict holds in training mode
+    only: evaluated after training, its groups run as one call again.  Values equal
+    eager's in both modes (momentum None: calls of several shapes update in fold's order)."""
+    a, b = _twins(_net(None))
+    xs = [torch.randn(k, 4) for k in (2, 3, 3, 4, 2, 3)]
+    fn = lambda x: b(x)  # noqa: E731
+    want = [a(x) for x in xs]
+    for g, w in zip(fold.autobatch(fn, xs, stack=False), want):
+        torch.testing.assert_close(g, w)
+    a.eval()
+    b.eval()
+    calls = []
+    real = nn.BatchNorm1d.forward
+
+    def counted(self, x):
+        calls.append(x.shape)
+        return real(self, x)
+
+    monkeypatch.setattr(nn.BatchNorm1d, "forward", counted)
+    want = [a(x) for x in xs]
+    calls.clear()
+    got = fold.autobatch(fn, xs, stack=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert len(calls) <= 3, calls  # one call a shape (3 lengths), not one per example (6)
+    _assert_state_equal(a, b)
+
+
 class _Counting(nn.Module):
     """A module of one's own that counts its calls in a buffer and keeps an average of its
     inputs (each call changes what the one before left)."""

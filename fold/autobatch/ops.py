@@ -47,8 +47,9 @@ from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, version_of, zero
 _LOG = logging.getLogger(__name__)
 
 # The modules of which a call failed under vmap: every call of theirs runs example by example
-# (``_Op._run``).
-_LOOPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# (``_Op._run``), in the modes the failures were in (``_Op._verdict``: a batch norm loops in
+# training mode, not in eval mode).
+_LOOPED_MODULES: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
 
 
 _HOOKS = torch.nn.modules.module
@@ -383,8 +384,8 @@ class _Op:
         self.shared: tuple[int, ...] = ()
         self._shared_vmaps: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Set once a group of it could not run under vmap: its groups run one call per
-        # example (see _run).
-        self.looped = False
+        # example (see _run), in every mode (True) or in one (see _verdict).
+        self.looped: Any = False
         # The buffers a group's call may change (``_Buffers``; None: none), found on its
         # first batched call.
         self._state: Any = _MISS
@@ -504,13 +505,17 @@ class _Op:
                 except Exception as err:  # vmap gives the same values, or the error
                     programs[self] = False
                     _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
-        if self.looped:
-            return self._loop(values)
-        if self.kind == "module" and self.fn in _LOOPED_MODULES:
-            self.looped = True  # (another call of the module, other shapes: see below)
-            return self._loop(values)
         if self._state is _MISS:
             self._state = _Buffers.of(self)
+        looped = self.looped
+        if looped is not False and (looped is True or looped == self._verdict()):
+            return self._loop(values)
+        if self.kind == "module":
+            modes = _LOOPED_MODULES.get(self.fn)
+            if modes is not None and (True in modes or self._verdict() in modes):
+                # (another call of the module, other shapes: see below)
+                self.looped = self._verdict()
+                return self._loop(values)
         if self.shared:
             try:
                 out = self._vmap_shared(values, self.shared)
@@ -550,11 +555,7 @@ class _Op:
             # read of a value inside a module): one call per example, as eager code runs it.
             # Where that fails too, its error is the user's, and it is raised.
             out = self._loop(values)
-            self.looped = True
-            if self.kind == "module":
-                # Its calls on other shapes (a decoder's growing prefix, a round each) are
-                # other ops: they loop too, without trying vmap again, or saying so again.
-                _LOOPED_MODULES.add(self.fn)
+            self._looped()
             _LOG.warning(
                 "autobatch: %s does not run under torch.func.vmap (%s: %s); its groups run one "
                 "call per example",
@@ -564,12 +565,29 @@ class _Op:
             )
             return out
 
+    def _verdict(self) -> Any:
+        """The mode a verdict that the op's groups loop holds in: for a module with buffers,
+        its buffers' owners' training flags (a batch norm cannot run under vmap in training
+        mode, and can in eval mode); else True, every mode."""
+        return True if self._state is None or self._state is _MISS else self._state.key()
+
+    def _looped(self) -> None:
+        """The verdict: the op's groups loop in this mode, and so do the module's calls on
+        other shapes (other ops: a decoder's growing prefix, a round each), without trying
+        vmap again, or saying so again."""
+        mode = self._verdict()
+        self.looped = mode
+        if self.kind == "module":
+            modes = _LOOPED_MODULES.get(self.fn)
+            if modes is None:
+                modes = _LOOPED_MODULES[self.fn] = set()
+            modes.add(mode)
+
     def _changes(self, values: tuple[Any, ...], changed: _Changed) -> Any:
         """The group of a module that changed a buffer when called (running statistics; the
         change undone): one call per example, each on what the one before left, as eager
         code runs them; so every later call of the module."""
-        self.looped = True
-        _LOOPED_MODULES.add(self.fn)
+        self._looped()
         _LOG.warning(
             "autobatch: %s changes its buffer %r when called; its groups run one call per "
             "example, as eager code runs them",
