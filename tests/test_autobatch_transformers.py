@@ -190,3 +190,31 @@ def test_views_of_a_parameter_taken_under_no_grad_do_not_make_new_ops_every_call
         got = fold.autobatch(lambda s: m.greedy(s)[0], srcs, stack=False)
         assert ops() == before
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batch-of-one", "unbatched"])
+def test_attention_without_its_weights_returns_none_beside_its_output(batched):
+    """``nn.MultiheadAttention(..., need_weights=False)`` returns ``(output, None)``: the
+    call's value has its None in place (it was a FoldError: "returns tuple, not tensors"),
+    its groups run on its output alone.  Values and gradients equal eager's, over a read."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    xs = [torch.randn(n, 8) for n in (3, 5, 3, 4)]
+
+    def fn(x):
+        q = x[None] if batched else x
+        out, weights = mha(q, q, q, need_weights=False)
+        assert weights is None
+        if float(out.detach().sum()) > 0:  # a read: the value is used in a later round
+            out = out * 2
+        return out.sum(-2).flatten()
+
+    want = torch.stack([fn(x) for x in xs])
+    got = fold.autobatch(fn, xs)
+    torch.testing.assert_close(got, want)
+    params = list(mha.parameters())
+    for a, b in zip(
+        torch.autograd.grad(got.pow(2).sum(), params),
+        torch.autograd.grad(want.pow(2).sum(), params),
+    ):
+        torch.testing.assert_close(a, b)

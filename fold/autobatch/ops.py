@@ -408,6 +408,10 @@ class _Op:
         self.ragged_call: Callable[[list[Any]], tuple[Any, ...] | None] | None = None
         # A torch.nn transformer module's call as one merged call (tables._Transformer).
         self.transformer: Any = None
+        # The leaves of a module call's result that are None beside its tensors (an
+        # attention's weights not asked for), set by shape inference: its calls give their
+        # tensors alone, its values have the Nones back in place (see _wrapper).
+        self.none_at: tuple[int, ...] = ()
         self.part_outs: dict[tuple[Any, ...], tuple[torch.Size, ...]] = {}
         self.ragged_outs: dict[Any, Any] = {}  # see _ragged_outs
         # Whether a call draws random numbers (set by shape inference): each call is then a
@@ -445,6 +449,9 @@ class _Op:
     # -------------------------------------------------------------- per example
     def per_example(self, *values: Any) -> Any:
         args, kwargs = _fill((self.args, self.kwargs), values)
+        if self.none_at:  # (its tensors alone: see none_at)
+            leaves = pytree.tree_leaves(self.call(*args, **kwargs))
+            return tuple([t for t in leaves if t is not None])
         return self.call(*args, **kwargs)
 
     def __call__(self, *values: Any) -> Any:
@@ -1064,8 +1071,21 @@ def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
     return torch.where(target == ignore, float("nan"), out)
 
 
-def _wrapper(single: bool, metas: list[_Meta], treedef: Any) -> Callable[[Any, Any], Any]:
-    """How an op's recorded node (or split nodes) becomes its Lazy outputs."""
+def _wrapper(
+    single: bool, metas: list[_Meta], treedef: Any, none_at: tuple[int, ...] = ()
+) -> Callable[[Any, Any], Any]:
+    """How an op's recorded node (or split nodes) becomes its Lazy outputs (``None`` at the
+    leaves ``none_at`` of the structure, where the call returns None beside its tensors)."""
+    if none_at:
+        n = len(metas) + len(none_at)
+
+        def build(nodes: Any, rec: Any) -> Any:
+            lazies = iter([Lazy(h, m, rec) for h, m in zip(nodes, metas)])
+            return pytree.tree_unflatten(
+                [None if i in none_at else next(lazies) for i in range(n)], treedef
+            )
+
+        return build
     if single:
         m = metas[0]
         return lambda node, rec: Lazy(node, m, rec)

@@ -1168,6 +1168,13 @@ class _Recorder:
             _rng_restore(rng)
             kept.__exit__(None, None, None)
         leaves, treedef = pytree.tree_flatten(out)
+        nones = tuple(i for i, t in enumerate(leaves) if t is None)
+        if nones and len(nones) < len(leaves) and op.kind == "module":
+            # (nn.MultiheadAttention(..., need_weights=False) returns (output, None)): the
+            # op's outputs are its tensors; its calls run without the Nones (vmap takes
+            # tensors alone), and its values have them back in place.
+            leaves = [t for t in leaves if t is not None]
+            op.none_at = nones
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             if op.kind == "module" and _inlinable(op.fn):
                 raise _Inline  # (a module of one's own returning Python values: run through)
@@ -1190,8 +1197,10 @@ class _Recorder:
         op.outs = metas
         op.treedef = treedef
         op.single = isinstance(out, torch.Tensor)
-        op.wrap = _wrapper(op.single, metas, treedef)
-        if op.single:
+        op.wrap = _wrapper(op.single, metas, treedef, op.none_at)
+        if op.none_at:
+            pass  # (no fast outputs: the slow path builds the structure with its Nones)
+        elif op.single:
             op.fast_outs = metas[0]
         elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
             op.fast_outs = tuple(metas)
