@@ -218,3 +218,91 @@ def test_attention_without_its_weights_returns_none_beside_its_output(batched):
         torch.autograd.grad(want.pow(2).sum(), params),
     ):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("form", ["batch-of-one", "unbatched"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-major"])
+@pytest.mark.parametrize(
+    "weights", ["averaged", "per-head", "none"], ids=["weights", "head-weights", "no-weights"]
+)
+def test_multihead_attention_over_sequences_of_several_lengths_runs_as_one_call(
+    monkeypatch, form, batch_first, weights
+):
+    """Self-attention over each example's own sequence (3-9 tokens) with
+    ``nn.MultiheadAttention``, written for one example, then a feed-forward block: the
+    attention's calls run as ONE call (queries, keys and values padded, an attention mask
+    past each example's keys), where they ran under vmap, one group per length; the
+    feed-forward ``nn.Sequential`` as one padded call too.  Outputs, weights and gradients
+    equal eager's."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    ff = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    xs = _sources(10, 5)
+    emb = nn.Embedding(9, 8)
+
+    def fn(src):
+        x = emb(src)
+        if form == "batch-of-one":
+            x = x[None] if batch_first else x[:, None]
+        out, w = mha(
+            x, x, x, need_weights=weights != "none", average_attn_weights=weights == "averaged"
+        )
+        h = ff(out).sum(-2).flatten()
+        return h if w is None else (h, w.sum(-1).flatten())
+
+    want = [fn(s) for s in xs]
+    calls = []
+    real = nn.MultiheadAttention.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    fold.autobatch(fn, xs, stack=False)  # (its shapes inferred: a call each on zeros)
+    monkeypatch.setattr(nn.MultiheadAttention, "forward", counted)
+    got = fold.autobatch(fn, xs, stack=False)
+    assert len(calls) == 1, calls
+    params = [*mha.parameters(), *ff.parameters(), *emb.parameters()]
+    flat_got = [t for g in got for t in (g if isinstance(g, tuple) else (g,))]
+    flat_want = [t for w in want for t in (w if isinstance(w, tuple) else (w,))]
+    for a, b in zip(flat_got, flat_want):
+        torch.testing.assert_close(a, b)
+    weights_ = [torch.randn_like(t) for t in flat_want]
+    for a, b in zip(
+        torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights_, flat_got)), params),
+        torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights_, flat_want)), params),
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_cross_attention_over_memories_of_several_lengths_and_a_shared_mask_match_eager():
+    """Queries of one length over memories of several lengths (cross-attention: one output
+    tensor for every length), and self-attention with a causal mask every example makes
+    alike over sequences of one length (one call, the mask as one value): values and
+    gradients equal eager's."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    q = nn.Parameter(torch.randn(1, 3, 8))
+    mems = [torch.randn(1, n, 8) for n in (2, 6, 4, 6, 3)]
+    same = [torch.randn(1, 5, 8) for _ in range(4)]
+
+    def cross(m):
+        return mha(q, m, m)[0].sum(1)
+
+    def causal(x):
+        mask = nn.Transformer.generate_square_subsequent_mask(5)
+        return mha(x, x, x, attn_mask=mask)[0].sum(1)
+
+    for fn, its in ((cross, mems), (causal, same)):
+        want = torch.cat([fn(x) for x in its])
+        got = fold.autobatch(fn, its).flatten(0, 1)
+        torch.testing.assert_close(got, want)
+        params = [q, *mha.parameters()]
+        for a, b in zip(
+            torch.autograd.grad(got.pow(2).sum(), params, allow_unused=True),
+            torch.autograd.grad(want.pow(2).sum(), params, allow_unused=True),
+        ):
+            if b is None:
+                assert a is None or not a.any()
+            else:
+                torch.testing.assert_close(a, b)

@@ -58,14 +58,13 @@ from fold.autobatch.tables import (
     _REWRITES,
     _VALUE_ARGS,
     _aligned_elementwise,
+    _attention_layout,
     _direct_template,
     _merged_batch_call,
-    _merged_transformer,
     _module_mode,
     _padded_module,
     _reads,
     _transformer_layout,
-    _transformer_parts,
 )
 from fold.autobatch.values import (
     _FOREIGN,
@@ -1033,7 +1032,9 @@ class _Recorder:
         ):
             raise _Inline  # (before its shapes are inferred: its forward runs as code)
         if kind == "module":
-            op.transformer = _transformer_layout(fn, args, kwargs)
+            op.transformer = _transformer_layout(fn, args, kwargs) or _attention_layout(
+                fn, args, kwargs
+            )
         self._infer(op)
         if kind == "torch":
             direct = _direct_template(fn, args, kwargs, op.outs)
@@ -1056,7 +1057,7 @@ class _Recorder:
             merged = _merged_batch_call(fn, args, kwargs)
             if op.transformer is not None:
                 op.mode = _DIRECT
-                op.call = functools.partial(_merged_transformer, op.transformer)
+                op.call = functools.partial(op.transformer.merged, op)
             elif merged is not None:
                 op.mode, op.call = _DIRECT, merged
             else:
@@ -1127,11 +1128,12 @@ class _Recorder:
         kept = state.kept() if state is not None else contextlib.nullcontext()
         kept.__enter__()
         try:
-            if op.transformer is not None:
-                # torch.nn's transformer modules give their sequence's shape (the targets'
-                # of a decoder, the sources' of an encoder): no call needed, where a call on
-                # zeros cost about 1 ms, once per target and memory length.
-                out = op.transformer.output_like(op.args, op.kwargs)
+            # torch.nn's transformer modules give their sequence's shape (the targets' of a
+            # decoder, the sources' of an encoder): no call needed, where a call on zeros
+            # cost about 1 ms, once per target and memory length.
+            out = None if op.transformer is None else op.transformer.output_like(op.args, op.kwargs)
+            if out is not None:
+                pass
             elif _stateless(op):
                 try:
                     out = self._run_zeros(op, slots)
@@ -1466,7 +1468,7 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     several lengths then makes one group per step, which runs as one call on the values
     padded (``_Op._padded_parts``), not one group per length.  The op of each shape keeps its
     own outputs and Lazy values; the group op learns each shape's outputs here."""
-    if op.mode not in (_DIRECT, _VMAP) or op.looped or not op.single:
+    if op.mode not in (_DIRECT, _VMAP) or op.looped or not (op.single or op.transformer):
         return  # (a group under vmap runs on any sizes too)
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
@@ -1513,7 +1515,7 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
         first = _PADDED_OPS[group] = op
         op.padding = (how, dim)
         if how == "keys":  # (no ragged call: rows of several lengths run in parts)
-            op.padded_call = functools.partial(_transformer_parts, op, op.transformer)
+            op.padded_call = functools.partial(op.transformer.parts, op)
         else:
             op.padded_call = op._padded_parts
             op.ragged_call = op._ragged

@@ -725,6 +725,8 @@ def _padded_module(module: nn.Module) -> bool:
     classes exactly: a subclass may compute otherwise)."""
     if type(module) is nn.Embedding:
         return module.max_norm is None  # (max_norm renormalises the rows it looks up)
+    if type(module) is nn.Sequential:  # (a feed-forward block of such modules)
+        return len(module) > 0 and all(_padded_module(m) for m in module)
     return type(module) in (nn.Linear, nn.LayerNorm, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
 
@@ -828,6 +830,56 @@ class _Transformer:
             outs.append(_call_module(self.module, **kwargs))
         return torch.stack(outs)
 
+    def merged(self, op: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A group of calls of the module (``op``'s), each on a batch of one, as ONE call:
+        the examples' sequences merged into one batch (every row's output is computed from
+        its own sequences alone), their attention mask the one they all gave (else one call
+        per example)."""
+        bound = self.bind(args, kwargs)
+        n = bound[self.seqs[0]].shape[0]
+        out = self.call(bound, n)
+        return self.per_example(bound, n) if out is None else out
+
+    def parts(self, op: Any, parts: list[tuple[Any, ...]]) -> Any:
+        """``padded_call`` of ``op``'s group whose parts differ in the length of the
+        sequence attention reads as keys (a decoder's memories, an encoder's sources): that
+        sequence padded with zeros to the longest, an attention mask per example and head
+        past each one's length, ONE call; the outputs cut back to each part's length (an
+        encoder's) or one tensor of all the parts' rows (a decoder's, whose outputs are its
+        targets' shape).  Per part its own call where anything else differs between the
+        parts, the causal hint is set, or padding would more than double the sequences."""
+        binds = [self.bind(*_fill(op.run_args, values)) for values in parts]
+        keyed, dim = self.keyed, 2 if self.batch_dim == 0 else 1  # (L in the stacked values)
+        first = binds[0]
+        causal = "memory_is_causal" if keyed == "memory" else "is_causal"
+        lengths = [b[keyed].shape[dim] for b in binds]
+        counts = [b[keyed].shape[0] for b in binds]
+        big = max(lengths)
+        if (
+            not _alike(binds, (keyed,), self.seqs)
+            or first.get(self.pad_mask) is not None
+            or first.get(causal)
+            or big * sum(counts) > 2 * sum(k * n for k, n in zip(counts, lengths)) + 64
+        ):
+            return [(op._run(values),) for values in parts]
+        bound = dict(first)
+        for name in self.seqs:
+            column = [b[name] for b in binds]
+            bound[name] = torch.cat(
+                [_padded(t, dim, big) for t in column] if name == keyed else column
+            )
+        # The padding masked where attention reads the keyed sequence: an attention mask per
+        # example and head (True: not read), not a key padding mask (torch checks one through
+        # its symbolic shapes, which import sympy on their first use: a quarter second).
+        queries = bound["tgt"].shape[dim] if keyed == "memory" else big
+        bound[self.pad_mask] = _keys_mask(lengths, counts, self.heads, queries, bound[keyed].device)
+        out = self.call(bound, sum(counts), self.pad_mask)
+        if out is None:  # (masks that differ between the examples of one part)
+            return [(op._run(values),) for values in parts]
+        if keyed == "memory":  # the targets' shape: one output of all the parts' rows
+            return PaddedOutputs([out])
+        return PaddedOutputs([_cut(out, counts, [(dim, n) for n in lengths])])
+
 
 def _transformer_layout(
     module: nn.Module, args: list[Any], kwargs: dict[str, Any]
@@ -882,80 +934,237 @@ def _transformer_layout(
     return layout
 
 
-def _merged_transformer(layout: _Transformer, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A group of calls of a torch.nn transformer module, each on a batch of one, as ONE
-    call: the examples' sequences merged into one batch (every row's output is computed from
-    its own sequences alone), their attention mask the one they all gave (else one call per
-    example)."""
-    bound = layout.bind(args, kwargs)
-    n = bound[layout.seqs[0]].shape[0]
-    out = layout.call(bound, n)
-    return layout.per_example(bound, n) if out is None else out
-
-
-def _transformer_parts(op: Any, layout: _Transformer, parts: list[tuple[Any, ...]]) -> Any:
-    """``padded_call`` of a transformer module's group whose parts differ in the length of
-    the sequence a key padding mask covers (a decoder's memories, an encoder's sources):
-    that sequence padded with zeros to the longest, the mask True past each example's
-    length, ONE call; the outputs cut back to each part's length (an encoder's) or one
-    tensor of all the parts' rows (a decoder's, whose outputs are its targets' shape).  Per
-    part its own call where anything else differs between the parts, or padding would more
-    than double the sequences."""
-    binds = [layout.bind(*_fill(op.run_args, values)) for values in parts]
-    keyed, dim = layout.keyed, 2 if layout.batch_dim == 0 else 1  # (L in the stacked values)
+def _alike(binds: list[dict[str, Any]], free: tuple[str, ...], seqs: tuple[str, ...]) -> bool:
+    """Whether the parts' bound values (``binds``) agree in all but the sequences ``free``
+    (whose lengths may differ): the other sequences in shape, masks in value, the rest
+    equal."""
     first = binds[0]
-    same = True
     for name, v in first.items():
-        if name == keyed:
+        if name in free:
             continue
         others = [b[name] for b in binds[1:]]
         if isinstance(v, torch.Tensor):
-            if name in layout.seqs:
-                same = all(o.shape[1:] == v.shape[1:] for o in others)
+            if name in seqs:
+                if any(o.shape[1:] != v.shape[1:] for o in others):
+                    return False
             else:  # an attention mask: one value in every part
                 row = v[0] if v.dim() == 3 else v
-                same = all(o.shape[-2:] == row.shape and bool((o == row).all()) for o in others)
-        else:
-            same = all(o == v for o in others)
-        if not same:
-            break
-    lengths = [b[keyed].shape[dim] for b in binds]
-    counts = [b[keyed].shape[0] for b in binds]
-    big = max(lengths)
-    if not same or big * sum(counts) > 2 * sum(k * n for k, n in zip(counts, lengths)) + 64:
-        return [(op._run(values),) for values in parts]
-    padded = []
-    for b, n in zip(binds, lengths):
-        s = b[keyed]
-        if n < big:
-            shape = list(s.shape)
-            shape[dim] = big - n
-            s = torch.cat([s, s.new_zeros(shape)], dim)
-        padded.append(s)
-    bound = dict(first)
-    for name in layout.seqs:
-        bound[name] = torch.cat(padded if name == keyed else [b[name] for b in binds])
-    # The padding masked where attention reads the keyed sequence: an attention mask per
-    # example and head (True: not read), not a key padding mask (torch checks one through
-    # its symbolic shapes, which import sympy on their first use: a quarter second).
-    causal = "memory_is_causal" if keyed == "memory" else "is_causal"
-    if bound.get(layout.pad_mask) is not None or bound.get(causal):
-        return [(op._run(values),) for values in parts]
-    total = sum(counts)
+                if any(o.shape[-2:] != row.shape or not bool((o == row).all()) for o in others):
+                    return False
+        elif any(o != v for o in others):
+            return False
+    return True
+
+
+def _padded(t: torch.Tensor, dim: int, big: int) -> torch.Tensor:
+    """``t`` with zeros after its end along ``dim``, to ``big``."""
+    n = t.shape[dim]
+    if n >= big:
+        return t
+    shape = list(t.shape)
+    shape[dim] = big - n
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def _keys_mask(
+    lengths: list[int], counts: list[int], heads: int, queries: int, device: Any
+) -> torch.Tensor:
+    """An attention mask for a merged batch of parts whose keys were padded: per example
+    and head (``counts[p]`` examples of part p, keys ``lengths[p]`` long), True (not read)
+    past its keys' length; ``(examples * heads, queries, longest)``."""
+    big, total = max(lengths), sum(counts)
     rows = torch.tensor([n for n, k in zip(lengths, counts) for _ in range(k)])
-    past = (torch.arange(big)[None, :] >= rows[:, None]).to(bound[keyed].device)
-    queries = bound["tgt"].shape[dim] if keyed == "memory" else big
-    heads = layout.heads
-    bound[layout.pad_mask] = (
-        past[:, None, None, :].expand(total, heads, queries, big).reshape(-1, queries, big)
-    )
-    out = layout.call(bound, total, layout.pad_mask)
-    if out is None:  # (masks that differ between the examples of one part)
-        return [(op._run(values),) for values in parts]
-    if keyed == "memory":  # the targets' shape: one output of all the parts' rows
-        return PaddedOutputs([out])
+    past = (torch.arange(big)[None, :] >= rows[:, None]).to(device)
+    return past[:, None, None, :].expand(total, heads, queries, big).reshape(-1, queries, big)
+
+
+def _cut(out: torch.Tensor, counts: list[int], cuts: list[Any]) -> list[torch.Tensor]:
+    """The rows of each part (``counts[p]`` of them, in order), each cut back to its part's
+    length along a dim (``cuts[p]``: ``(dim, length)``, or a list of such)."""
     results, start = [], 0
-    for n, k in zip(lengths, counts):
-        results.append(out[start : start + k].narrow(dim, 0, n))
+    for k, cut in zip(counts, cuts):
+        t = out[start : start + k]
+        for d, n in cut if type(cut) is list else [cut]:
+            t = t.narrow(d, 0, n)
+        results.append(t)
         start += k
-    return PaddedOutputs([results])
+    return results
+
+
+# nn.MultiheadAttention's forward's argument names.
+_ATTENTION_NAMES = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
+
+
+class _Attention:
+    """How a group of ``nn.MultiheadAttention`` calls runs as ONE call (see
+    ``_attention_layout``): query, key and value per example, each a batch of one (batch
+    first or not) or unbatched (L, E); queries, and keys with their values, of several
+    lengths padded to the longest, an attention mask per example and head past its keys'
+    length; the outputs (and weights) cut back to each example's lengths."""
+
+    __slots__ = ("batch_dim", "heads", "module", "unbatched")
+
+    seqs = ("query", "key", "value")
+
+    def __init__(self, module: nn.MultiheadAttention, unbatched: bool) -> None:
+        self.module, self.unbatched = module, unbatched
+        self.batch_dim = 0 if module.batch_first else 1
+        self.heads = module.num_heads
+
+    def bind(self, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = dict(zip(_ATTENTION_NAMES, args))
+        bound.update(kwargs)
+        return bound
+
+    def output_like(self, args: list[Any], kwargs: dict[str, Any]) -> None:
+        return None  # (its shapes are inferred on zeros: its weights' shape varies)
+
+    @property
+    def seq_dim(self) -> int:
+        """The dim of a sequence's length in the group's stacked per-example values."""
+        return 1 if self.unbatched or self.batch_dim == 1 else 2
+
+    def merge(self, t: torch.Tensor) -> torch.Tensor:
+        """Stacked per-example sequences as one batch: (n, L, E) batch first, else (L, n, E)."""
+        if not self.unbatched:
+            t = t.flatten(0, 1) if self.batch_dim == 0 else t.squeeze(2)
+        return t if self.batch_dim == 0 else t.transpose(0, 1)
+
+    def split(self, out: torch.Tensor) -> torch.Tensor:
+        if self.batch_dim == 1:
+            out = out.transpose(0, 1)
+        if self.unbatched:
+            return out
+        return out.unsqueeze(1) if self.batch_dim == 0 else out.unsqueeze(2)
+
+    def call(self, bound: dict[str, Any], padding: bool = False) -> tuple[torch.Tensor, ...] | None:
+        """The module's one call on the group's ``bound`` values (sequences merged, the
+        attention mask the one value all examples gave, or with ``padding`` the mask made
+        for the merged batch), its outputs split back (None given up: the weights not asked
+        for); None where the examples' masks differ."""
+        kwargs = {}
+        for name, v in bound.items():
+            if name in self.seqs:
+                v = self.merge(v)
+            elif name == "attn_mask" and not padding and isinstance(v, torch.Tensor):
+                if v.dim() == 3:  # (a per-example mask, stacked)
+                    if not bool((v == v[:1]).all()):
+                        return None
+                    v = v[0]
+            kwargs[name] = v
+        out, weights = _call_module(self.module, **kwargs)
+        out = self.split(out)
+        if weights is None:
+            return (out,)
+        return out, weights if self.unbatched else weights.unsqueeze(1)
+
+    def merged(self, op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """A group of calls of the module (``op``'s) on values of one shape as ONE call
+        (one call per example where their attention masks differ)."""
+        bound = self.bind(args, kwargs)
+        got = self.call(bound)
+        if got is not None:
+            return got
+        n = bound["query"].shape[0]
+        outs = []
+        for i in range(n):
+            one = {
+                name: v[i]
+                if isinstance(v, torch.Tensor) and (name in self.seqs or v.dim() == 3)
+                else v
+                for name, v in bound.items()
+            }
+            outs.append([t for t in _call_module(self.module, **one) if t is not None])
+        return tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
+
+    def parts(self, op: Any, parts: list[tuple[Any, ...]]) -> Any:
+        """``padded_call`` of ``op``'s group whose parts differ in their queries' or keys'
+        lengths (self-attention over each example's own sequence): queries padded with
+        zeros to the longest, keys and values too, an attention mask per example and head
+        past its keys' length, ONE call; each part's outputs cut back to its lengths.  Per
+        part its own call where an attention mask or the causal hint is given, or padding
+        would more than double the sequences."""
+        binds = [self.bind(*_fill(op.run_args, values)) for values in parts]
+        first, dim = binds[0], self.seq_dim
+        queries = [b["query"].shape[dim] for b in binds]
+        keys = [b["key"].shape[dim] for b in binds]
+        counts = [b["query"].shape[0] for b in binds]
+        lq, lk = max(queries), max(keys)
+        held = sum(k * (q + s) for k, q, s in zip(counts, queries, keys))
+        if (
+            not _alike(binds, self.seqs, ())
+            or any(
+                b[name].shape[1:dim] + b[name].shape[dim + 1 :]
+                != first[name].shape[1:dim] + first[name].shape[dim + 1 :]
+                for b in binds
+                for name in self.seqs
+            )
+            or first.get("attn_mask") is not None
+            or first.get("is_causal")
+            or (lq + lk) * sum(counts) > 2 * held + 64
+        ):
+            return [op._run(values) for values in parts]
+        bound = dict(first)
+        for name in self.seqs:
+            big = lq if name == "query" else lk
+            bound[name] = torch.cat([_padded(b[name], dim, big) for b in binds])
+        bound["attn_mask"] = _keys_mask(keys, counts, self.heads, lq, bound["key"].device)
+        got = self.call(bound, padding=True)
+        if got is None:
+            return [op._run(values) for values in parts]
+        outs = [
+            got[0] if len(set(queries)) == 1 else _cut(got[0], counts, [(dim, q) for q in queries])
+        ]
+        if len(got) > 1:  # the weights: (..., queries, keys)
+            outs.append(_cut(got[1], counts, [[(-2, q), (-1, s)] for q, s in zip(queries, keys)]))
+        return PaddedOutputs(outs)
+
+
+def _attention_layout(
+    module: nn.Module, args: list[Any], kwargs: dict[str, Any]
+) -> _Attention | None:
+    """An ``_Attention`` for a call of ``nn.MultiheadAttention`` (that class exactly) whose
+    query, key and value are per-example values, all a batch of one (3-D, 1 in the batch
+    dim) or all unbatched (2-D), without a key padding mask of the user's own, its
+    attention mask none, shared or a per-example matrix; None for any other call (it runs
+    under vmap)."""
+    if type(module) is not nn.MultiheadAttention or len(args) > len(_ATTENTION_NAMES):
+        return None
+    if any(k not in _ATTENTION_NAMES or k in _ATTENTION_NAMES[: len(args)] for k in kwargs):
+        return None
+    bound = dict(zip(_ATTENTION_NAMES, args))
+    bound.update(kwargs)
+    seqs = [bound.get(name) for name in _Attention.seqs]
+    if any(type(s) is not _Slot or s.ragged for s in seqs):
+        return None
+    ranks = {s.meta.ndim for s in seqs}
+    if ranks == {2}:
+        layout = _Attention(module, True)
+    elif ranks == {3}:
+        layout = _Attention(module, False)
+        if any(s.meta.shape[layout.batch_dim] != 1 for s in seqs):
+            return None
+    else:
+        return None
+    if bound.get("key_padding_mask") is not None:
+        return None
+    mask = bound.get("attn_mask")
+    if not (
+        mask is None
+        or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+        or (type(mask) is _Slot and not mask.ragged and mask.meta.ndim == 2)
+    ):
+        return None
+    for name in ("need_weights", "average_attn_weights", "is_causal"):
+        if name in bound and type(bound[name]) is not bool:
+            return None
+    return layout
