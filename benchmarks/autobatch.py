@@ -18,6 +18,9 @@
 - A BiLSTM encoder written per sentence (the parser's of examples/autobatch_parser.py) over
   64 sentences of the bundled treebank, forward+backward and forward alone, against the
   sentences padded and packed by hand (one BiLSTM call).
+- A self-attention block written per sentence (``nn.MultiheadAttention``, a residual
+  ``LayerNorm``, a feed-forward ``nn.Sequential``; ``--only attention``) over the same
+  sentences, against the sentences padded by hand (one call, a key padding mask).
 - Where the TreeLSTM time goes: recording, apply, backward, against explicit fold.
 - Recording cost per lazy op, at growing graph sizes (it must stay linear), and for chains
   of views.
@@ -473,6 +476,110 @@ def encoder_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+class _SelfAttention(nn.Module):
+    """A transformer block written for ONE sentence, as torch's modules take it: the words'
+    embeddings as a batch of one, ``nn.MultiheadAttention`` over them (its weights asked
+    for, the default), a residual ``LayerNorm`` and a feed-forward ``nn.Sequential``."""
+
+    def __init__(self, vocab: int, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mha = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+
+    def encode(self, words: torch.Tensor) -> torch.Tensor:
+        """ONE sentence (L,) -> its states (L, width)."""
+        x = self.emb(words)[None]
+        h, _ = self.mha(x, x, x)
+        h = self.norm(x + h)
+        return (h + self.ff(h))[0]
+
+    def hand(self, words: list[torch.Tensor]) -> torch.Tensor:
+        """Every sentence at once, padded, a key padding mask: the sum of every state."""
+        from torch.nn.utils.rnn import pad_sequence
+
+        lengths = torch.tensor([len(w) for w in words])
+        x = self.emb(pad_sequence(words, batch_first=True))
+        pad = torch.arange(x.shape[1])[None, :] >= lengths[:, None]
+        h, _ = self.mha(x, x, x, key_padding_mask=pad)
+        h = self.norm(x + h)
+        out = h + self.ff(h)
+        return (out * (~pad)[..., None]).sum()
+
+
+def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The transformer block of ``_SelfAttention`` written for ONE sentence over
+    ``--sentences`` sentences of the bundled treebank: ``fold.autobatch`` (``stack=False``)
+    against the hand-batched block (the sentences padded, one call with a key padding mask)
+    and eager per sentence, forward and backward of the sum of every state, and the forward
+    alone under ``torch.no_grad()``.  Values and gradients are checked against eager first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from autobatch_parser import DATA, read
+
+    raw = read(DATA / "dev.conllu")[: args.sentences]
+    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
+
+    def auto(model: _SelfAttention) -> torch.Tensor:
+        states = fold.autobatch(lambda w: model.encode(w), words, stack=False)
+        return torch.stack([s.sum() for s in states]).sum()
+
+    def eager(model: _SelfAttention) -> torch.Tensor:
+        return torch.stack([model.encode(w).sum() for w in words]).sum()
+
+    def hand(model: _SelfAttention) -> torch.Tensor:
+        return model.hand(words)
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _SelfAttention(len(vocab) + 1)
+        got = []
+        for f in (eager, auto, hand):
+            loss = f(model)
+            got.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
+        for loss, gs in got[1:]:
+            torch.testing.assert_close(loss, got[0][0])
+            for a, b in zip(gs, got[0][1]):
+                torch.testing.assert_close(a, b)
+    finally:
+        torch.set_default_dtype(old)
+    torch.manual_seed(0)
+    model = _SelfAttention(len(vocab) + 1)
+    rows = []
+    for how in ("forward+backward", "forward, no_grad"):
+
+        def wrap(f, how=how):  # type: ignore[no-untyped-def]
+            def step() -> None:
+                if how == "forward+backward":
+                    model.zero_grad()
+                    f(model).backward()
+                else:
+                    with torch.no_grad():
+                        f(model)
+
+            return step
+
+        contenders = {"autobatch": wrap(auto), "hand, padded": wrap(hand)}
+        if args.eager_reps:
+            contenders["eager per sentence"] = wrap(eager)
+        times = interleaved(contenders, args.reps)
+        base = median(times["hand, padded"])
+        rows += [
+            {
+                "pass": how,
+                "method": k,
+                "median_ms": 1e3 * median(v),
+                "vs_hand": median(v) / base,
+                "reps": len(v),
+            }
+            for k, v in times.items()
+        ]
+    return rows
+
+
 def main() -> None:
     ap = parser(__doc__, device=False)
     ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
@@ -482,7 +589,7 @@ def main() -> None:
     ap.add_argument("--eager-reps", type=int, default=3)
     ap.add_argument("--mnist-batch", type=int, default=32)
     ap.add_argument("--sentences", type=int, default=64, help="for the encoder")
-    every = ["trees", "phases", "mnist", "mnist-list", "encoder", "recording"]
+    every = ["trees", "phases", "mnist", "mnist-list", "encoder", "attention", "recording"]
     ap.add_argument("--only", choices=every, nargs="+")
     args = ap.parse_args()
     setup(args)
@@ -513,6 +620,10 @@ def main() -> None:
         out["encoder"] = encoder_rows(args)
         print(f"\nA BiLSTM encoder written per sentence, {args.sentences} sentences")
         print(table(out["encoder"], ["pass", "method", "median_ms", "vs_hand", "reps"]))
+    if "attention" in parts:
+        out["attention"] = attention_rows(args)
+        print(f"\nA self-attention block written per sentence, {args.sentences} sentences")
+        print(table(out["attention"], ["pass", "method", "median_ms", "vs_hand", "reps"]))
     if "recording" in parts:
         out["recording"] = recording_rows(args)
         print("\nRecording alone, per example a Linear then a chain of tanh and * 0.5")

@@ -667,6 +667,30 @@ def test_elementwise_calls_on_per_example_values_of_several_ranks_run_directly(f
     assert ops, "no call ran aligned"
 
 
+@pytest.mark.parametrize(
+    "index",
+    [(None,), (slice(None), None), (Ellipsis, None)],
+    ids=["[None]", "[:, None]", "[..., None]"],
+)
+def test_new_dims_of_values_of_several_lengths_share_one_padded_group(index):
+    """``x[None]`` (a batch of one, as torch's modules take it), ``x[:, None]``,
+    ``x[..., None]`` of per-example values of several lengths: one group op for every
+    length (run as one padded call), as ``x[0]`` is, not a group per length.  Values and
+    gradients equal eager's."""
+    driver.clear_cache()  # (the ops below are this test's alone)
+    lin = nn.Linear(3, 4)
+    xs = [torch.randn(n, 3) for n in (2, 5, 3, 5, 4)]
+
+    def fn(x):
+        return torch.tanh(lin(x)[index]).sum(0)
+
+    want = [fn(x) for x in xs]
+    got = fold.autobatch(fn, xs, stack=False)
+    assert_same_lists(got, want, list(lin.parameters()))
+    ops = [op for op in _OPS.values() if op.fn is tables._GETITEM and op.args[1] == index]
+    assert len(ops) >= 3 and len({op.fold_op for op in ops}) == 1, ops
+
+
 def test_an_elementwise_call_with_a_0d_per_example_value_keeps_eager_dtypes():
     """A 0-dim tensor takes no part in type promotion in eager code (float32 times a
     float64 0-dim tensor is float32); stacked with 1-dims it would (float64): such a call is

@@ -1543,15 +1543,19 @@ def _cat_pads_last(op: _Op) -> bool:
 
 
 def _index_from_start(op: _Op) -> bool:
-    """Whether ``op`` is ``x[i]`` of a per-example value by one int i >= 0: it reads row i,
-    never the padding past a shorter value's end."""
+    """Whether ``op`` is ``x[i]`` of a per-example value by one int i >= 0 (it reads row i,
+    never the padding past a shorter value's end), or an index of new dims and whole dims
+    alone (``x[None]``, ``x[:, None]``, ``x[..., None]``: the padding stays past each
+    value's end, a dim further on)."""
     args = op.args
-    return (
-        len(args) == 2
-        and not op.kwargs
-        and type(args[0]) is _Slot
-        and type(args[1]) is int
-        and args[1] >= 0
+    if len(args) != 2 or op.kwargs or type(args[0]) is not _Slot:
+        return False
+    index = args[1]
+    if type(index) is int:
+        return index >= 0
+    parts = index if type(index) is tuple else (index,)
+    return any(p is None for p in parts) and all(
+        p is None or p is Ellipsis or (type(p) is slice and p == slice(None)) for p in parts
     )
 
 
