@@ -253,3 +253,21 @@ def test_a_lazy_module_is_a_fold_error_and_stays_lazy(shapes):
     got = fold.autobatch(lambda x: m(x), xs, stack=False)
     for g, x in zip(got, xs):
         torch.testing.assert_close(g, m(x))
+
+
+def test_the_batch_norm_patch_is_put_back_after_nested_recordings():
+    """``_BatchNorm.forward`` is patched while rows are recorded once (a batch norm in
+    training mode recorded as one call); nested recordings (one inside another, or two
+    threads at once) install it once and the last one out puts torch's own back."""
+    from fold.autobatch import patches
+
+    norm = torch.nn.modules.batchnorm._BatchNorm
+    torch_own = norm.__dict__["forward"]
+    with patches.norms_recorded:
+        with patches.norms_recorded:
+            assert norm.__dict__["forward"] is patches._norm_forward
+        assert norm.__dict__["forward"] is patches._norm_forward
+    assert norm.__dict__["forward"] is torch_own
+    m = nn.BatchNorm1d(3)
+    out = fold.autobatch(lambda x: m(x), [torch.randn(2, 3) for _ in range(3)])
+    assert out.shape == (3, 2, 3) and norm.__dict__["forward"] is torch_own

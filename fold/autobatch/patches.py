@@ -709,15 +709,21 @@ class _NormsRecorded:
     norms' base class cost 5 us, and more in the calls after it; a class, not a generator,
     as ``_ApplyInstalled``)."""
 
+    users = 0  # (nested or concurrent recordings: the first installs, the last puts back)
     found: Any = None
 
     def __enter__(self) -> None:
         with _PATCH_LOCK:
-            self.found = _install(_BATCH_NORM, "forward", _norm_forward)
+            if self.users == 0:
+                self.found = _install(_BATCH_NORM, "forward", _norm_forward)
+            self.users += 1
 
     def __exit__(self, *exc: Any) -> None:
         with _PATCH_LOCK:
-            _put_back(_BATCH_NORM, "forward", _norm_forward, self.found)
+            self.users -= 1
+            if self.users == 0:
+                _put_back(_BATCH_NORM, "forward", _norm_forward, self.found)
+                self.found = None
 
 
 norms_recorded = _NormsRecorded()

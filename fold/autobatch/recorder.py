@@ -1131,19 +1131,10 @@ class _Recorder:
             # torch.nn's transformer modules give their sequence's shape (the targets' of a
             # decoder, the sources' of an encoder): no call needed, where a call on zeros
             # cost about 1 ms, once per target and memory length.
-            out = None if op.transformer is None else op.transformer.output_like(op.args, op.kwargs)
-            if out is not None:
-                pass
-            elif _stateless(op):
-                try:
-                    out = self._run_zeros(op, slots)
-                except Exception:
-                    out = self._run_fake(op, slots)
-            else:
-                try:
-                    out = self._run_fake(op, slots)
-                except Exception:
-                    out = self._run_zeros(op, slots)
+            known = op.transformer is not None
+            out = op.transformer.output_like(op.args, op.kwargs) if known else None
+            if out is None:
+                out = self._run_shapes(op, slots)
             # A call that draws random numbers (dropout, rand_like): on zeros it moved the
             # generator, on fake tensors it ran an op tagged as seeded (_run_fake).
             op.random = self._drew or not _rng_same(rng, _rng_states())
@@ -1206,6 +1197,20 @@ class _Recorder:
             op.fast_outs = metas[0]
         elif treedef == pytree.tree_flatten(tuple(range(len(metas))))[1]:
             op.fast_outs = tuple(metas)
+
+    def _run_shapes(self, op: _Op, slots: list[_Slot]) -> Any:
+        """``op`` run on one example's zeros first where it can change no tensor but its
+        outputs (``_stateless``), on fake tensors first otherwise, each falling back to the
+        other."""
+        first, then = (
+            (self._run_zeros, self._run_fake)
+            if _stateless(op)
+            else (self._run_fake, self._run_zeros)
+        )
+        try:
+            return first(op, slots)
+        except Exception:
+            return then(op, slots)
 
     def _inputs(self, op: _Op, slots: list[_Slot], make: Callable[..., Any]) -> list[Any]:
         values: list[Any] = [None] * len(slots)
