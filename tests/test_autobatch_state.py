@@ -271,3 +271,37 @@ def test_the_batch_norm_patch_is_put_back_after_nested_recordings():
     m = nn.BatchNorm1d(3)
     out = fold.autobatch(lambda x: m(x), [torch.randn(2, 3) for _ in range(3)])
     assert out.shape == (3, 2, 3) and norm.__dict__["forward"] is torch_own
+
+
+@pytest.mark.parametrize("path", ["rows", "lists"])
+def test_batch_norm_groups_in_training_run_as_one_computation(monkeypatch, path):
+    """A batch norm in training mode, inside a ``Sequential`` (run through: the norm a call
+    of its own) or called directly: its group runs as one computation on the stacked
+    batches, each example normalised by its own statistics, the running ones updated in
+    closed form (``tables._merged_batch_norm``), where it ran one call per example.  Values,
+    gradients and state equal eager's."""
+    a, b = _twins(_net(None))
+    if path == "rows":
+        xs = [torch.randn(3, 4) for _ in range(6)]
+    else:
+        xs = [torch.randn(k, 4) for k in (2, 3, 3, 2, 3, 2)]
+    fn = lambda m: lambda x: m(x).sum()  # noqa: E731
+    fold.autobatch(fn(b), xs)  # (shapes inferred)
+    a.load_state_dict(b.state_dict())  # (the same state on both sides again)
+    calls = []
+    real = nn.BatchNorm1d.forward
+
+    def counted(self, x):
+        calls.append(tuple(x.shape))
+        return real(self, x)
+
+    monkeypatch.setattr(nn.BatchNorm1d, "forward", counted)
+    want = torch.stack([fn(a)(x) for x in xs])
+    calls.clear()
+    got = fold.autobatch(fn(b), xs)
+    assert len(calls) == 0, calls  # (no call of the module per example: one computation)
+    torch.testing.assert_close(got, want)
+    _assert_state_equal(a, b)
+    want.sum().backward()
+    got.sum().backward()
+    _assert_grads_equal(a, b)

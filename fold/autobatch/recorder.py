@@ -1028,9 +1028,12 @@ class _Recorder:
             kind == "module"
             and _inlinable(fn)
             and _module_mode(fn, args, kwargs) is _VMAP
-            and not self._vmaps(op)
+            and (_holds_batch_norm(fn, 0) or not self._vmaps(op))
         ):
-            raise _Inline  # (before its shapes are inferred: its forward runs as code)
+            # (before its shapes are inferred: its forward runs as code; a batch norm in it
+            # is then a call of its own, whose group runs as one, see tables._merged_batch_norm,
+            # where the whole module's would run one call per example in training mode)
+            raise _Inline
         if kind == "module":
             op.transformer = _transformer_layout(fn, args, kwargs) or _attention_layout(
                 fn, args, kwargs
@@ -1357,6 +1360,15 @@ _RANDOM_MODULES = (
     nn.FeatureAlphaDropout,
     nn.RReLU,
 )
+
+
+def _holds_batch_norm(m: nn.Module, depth: int) -> bool:
+    """Whether ``m`` is or holds a batch norm (walked by hand, as _find_random)."""
+    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+        return True
+    return depth < 32 and any(
+        c is not None and _holds_batch_norm(c, depth + 1) for c in m._modules.values()
+    )
 
 
 def _uninitialised(m: nn.Module, depth: int) -> nn.Module | None:
