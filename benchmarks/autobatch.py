@@ -18,6 +18,8 @@
 - A BiLSTM encoder written per sentence (the parser's of examples/autobatch_parser.py) over
   64 sentences of the bundled treebank, forward+backward and forward alone, against the
   sentences padded and packed by hand (one BiLSTM call).
+- A per-image CNN training step with ``BatchNorm2d`` in training mode (each image its own
+  statistics; ``--only cnn-bn``), against eager per image.
 - A self-attention block written per sentence (``nn.MultiheadAttention``, a residual
   ``LayerNorm``, a feed-forward ``nn.Sequential``; ``--only attention``) over the same
   sentences, against the sentences padded by hand (one call, a key padding mask).
@@ -580,6 +582,73 @@ def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+def cnn_bn_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """A per-image CNN training step with ``BatchNorm2d`` in training mode (each image a
+    batch of one: the norm takes that image's statistics, as eager code gives them), over a
+    list of ``--mnist-batch`` 28x28 images: ``fold.autobatch`` of the per-image loss against
+    eager per image (no batched equivalent: a batched step would normalise over the batch).
+    Losses, gradients and the running statistics are checked against eager first."""
+    import torch.nn.functional as F
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(16 * 11 * 11, 10),
+        )
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randn(1, 1, 28, 28, generator=g) for _ in range(args.mnist_batch)]
+    labels = [torch.randint(0, 10, (1,), generator=g) for _ in range(args.mnist_batch)]
+    data = {torch.float32: images, torch.float64: [x.double() for x in images]}
+
+    def step(model: nn.Module, auto: bool) -> torch.Tensor:
+        images = data[torch.get_default_dtype()]
+
+        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(model(x), y)
+
+        if auto:
+            losses = fold.autobatch(loss, images, labels)
+        else:
+            losses = torch.stack([loss(x, y) for x, y in zip(images, labels)])
+        total = losses.sum()
+        total.backward()
+        return total.detach()
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        eager_model, auto_model = make(), make()
+        torch.testing.assert_close(step(auto_model, True), step(eager_model, False))
+        for p, q in zip(auto_model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for p, q in zip(auto_model.buffers(), eager_model.buffers()):
+            torch.testing.assert_close(p, q)
+    finally:
+        torch.set_default_dtype(old)
+    model = make()
+    times = interleaved(
+        {
+            "autobatch": lambda: step(model, True),
+            "eager per image": lambda: step(model, False),
+        },
+        args.reps,
+    )
+    base = median(times["eager per image"])
+    return [
+        {"method": k, "median_ms": 1e3 * median(v), "vs_eager": median(v) / base, "reps": len(v)}
+        for k, v in times.items()
+    ]
+
+
 def main() -> None:
     ap = parser(__doc__, device=False)
     ap.add_argument("--hidden", type=int, nargs="+", default=[150, 32])
@@ -589,7 +658,16 @@ def main() -> None:
     ap.add_argument("--eager-reps", type=int, default=3)
     ap.add_argument("--mnist-batch", type=int, default=32)
     ap.add_argument("--sentences", type=int, default=64, help="for the encoder")
-    every = ["trees", "phases", "mnist", "mnist-list", "encoder", "attention", "recording"]
+    every = [
+        "trees",
+        "phases",
+        "mnist",
+        "mnist-list",
+        "cnn-bn",
+        "encoder",
+        "attention",
+        "recording",
+    ]
     ap.add_argument("--only", choices=every, nargs="+")
     args = ap.parse_args()
     setup(args)
@@ -616,6 +694,10 @@ def main() -> None:
         out["mnist_list"] = mnist_list_rows(args)
         print(f"\nPer-sample MNIST from a list of {args.mnist_batch} samples, one training step")
         print(table(out["mnist_list"], ["method", "median_ms", "vs_collated", "reps"]))
+    if "cnn-bn" in parts:
+        out["cnn_bn"] = cnn_bn_rows(args)
+        print(f"\nA per-image CNN with BatchNorm2d in training mode, {args.mnist_batch} images")
+        print(table(out["cnn_bn"], ["method", "median_ms", "vs_eager", "reps"]))
     if "encoder" in parts:
         out["encoder"] = encoder_rows(args)
         print(f"\nA BiLSTM encoder written per sentence, {args.sentences} sentences")
