@@ -1363,9 +1363,10 @@ _RANDOM_MODULES = (
 
 
 def _holds_batch_norm(m: nn.Module, depth: int) -> bool:
-    """Whether ``m`` is or holds a batch norm (walked by hand, as _find_random)."""
+    """Whether ``m`` is or holds a batch norm that updates running statistics (training
+    mode), which vmap cannot run (walked by hand, as _find_random)."""
     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-        return True
+        return m.training and m.track_running_stats
     return depth < 32 and any(
         c is not None and _holds_batch_norm(c, depth + 1) for c in m._modules.values()
     )
