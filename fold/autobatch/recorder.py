@@ -83,7 +83,7 @@ from fold.autobatch.values import (
 )
 from fold.errors import FoldError
 from fold.executor import ModelBatched
-from fold.graph import Fold
+from fold.graph import Fold, _Counter
 from fold.ops import PaddedRows
 from fold.ragged import Ragged
 
@@ -362,6 +362,9 @@ class _Recorder:
         # (the Fold's next node id, example) as each example started or resumed in this
         # round: which example recorded a node (example_of)
         self.segments: list[tuple[int, int]] = []
+        # (the Fold's C counter of node ids, read directly: see start_example)
+        ids = getattr(self.fold, "_ids", None)
+        self._ids = ids if _Counter is not None and type(ids) is _Counter else None
         self.paused = False
         # Set when the autobatch call (or the recording made once) that this recorder serves
         # has ended: a lazy value kept beyond it records nothing (see close).
@@ -465,7 +468,10 @@ class _Recorder:
         """Example ``i`` runs (starts, or resumes after its round): it is the one recording,
         and the view log is its alone (``forget_views``)."""
         self.example = i
-        if type(self.fold) is Fold:  # (the node ids it records from here on are its own)
+        ids = self._ids  # (the node ids it records from here on are its own)
+        if ids is not None:
+            self.segments.append((ids.issued, i))
+        elif type(self.fold) is Fold:
             self.segments.append((self.fold.issued(), i))
         self.forget_views()
 
