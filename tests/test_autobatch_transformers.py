@@ -6,6 +6,8 @@ gradients."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -306,3 +308,52 @@ def test_cross_attention_over_memories_of_several_lengths_and_a_shared_mask_matc
                 assert a is None or not a.any()
             else:
                 torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-major"])
+def test_the_whole_transformer_over_sources_of_several_lengths_runs_one_call(
+    monkeypatch, batch_first
+):
+    """``nn.Transformer`` called per example (``model(src[None], tgt[None],
+    tgt_mask=mask)``), sources of 3-9 tokens, targets of one length: one call for the
+    group (the sources padded, masked where the encoder's self-attention and the decoder's
+    cross-attention read them); targets of several lengths: one call per target length.
+    Losses and gradients equal eager's."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # (torch's own, on nested tensors, time-major)
+        warnings.simplefilter("ignore")
+        model = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=batch_first)
+    emb, out = nn.Embedding(9, 8), nn.Linear(8, 9)
+
+    def one(x):
+        return x[None] if batch_first else x[:, None]
+
+    def loss(src, tgt):
+        inp = torch.cat([torch.tensor([BOS]), tgt[:-1]])
+        mask = nn.Transformer.generate_square_subsequent_mask(len(inp))
+        h = model(one(emb(src)), one(emb(inp)), tgt_mask=mask)
+        return F.cross_entropy(out(h[0] if batch_first else h[:, 0]), tgt)
+
+    srcs = _sources(10, 6)
+    params = [*model.parameters(), *emb.parameters(), *out.parameters()]
+    for tgts in (_sources(10, 7, (4, 4)), _sources(10, 8, (2, 5))):
+        want = torch.stack([loss(s, t) for s, t in zip(srcs, tgts)])
+        fold.autobatch(loss, srcs, tgts)  # (shapes inferred)
+        calls = []
+        real = nn.Transformer.forward
+
+        def counted(self, *args, calls=calls, real=real, **kwargs):
+            calls.append(1)
+            return real(self, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(nn.Transformer, "forward", counted)
+            got = fold.autobatch(loss, srcs, tgts)
+        assert len(calls) == len({len(t) for t in tgts}), calls
+        torch.testing.assert_close(got, want)
+        weights = torch.rand(len(srcs))
+        for a, b in zip(
+            torch.autograd.grad((got * weights).sum(), params),
+            torch.autograd.grad((want * weights).sum(), params),
+        ):
+            torch.testing.assert_close(a, b)

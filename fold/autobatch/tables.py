@@ -806,14 +806,26 @@ def _polymorphic_module(module: nn.Module) -> bool:
 
 # torch.nn's transformer modules (these classes exactly: a subclass may compute otherwise),
 # called per example on a batch of one (``enc(src[None])``, ``dec(tgt, mem, tgt_mask=m)``,
-# batch first or not): per class, the sequence whose length may differ between examples
-# (padded), the attention mask that then masks the padding (its keys), and the attention
-# masks that must be one value for the whole group.
-_TRANSFORMERS: dict[type, tuple[str, str, tuple[str, ...]]] = {
-    nn.TransformerEncoderLayer: ("src", "src_mask", ("src_mask",)),
-    nn.TransformerEncoder: ("src", "mask", ("mask",)),
-    nn.TransformerDecoderLayer: ("memory", "memory_mask", ("tgt_mask",)),
-    nn.TransformerDecoder: ("memory", "memory_mask", ("tgt_mask",)),
+# ``model(src[None], tgt[None], tgt_mask=m)``, batch first or not): per class its sequences,
+# the one its output is shaped as, the one whose length may differ between examples
+# (padded, the keys of some attention), the attention masks that then mask the padding
+# (each with the sequence its queries come from), the attention masks that must be one
+# value for the whole group, and the causal hints that must be off where it pads.
+_ENCODER = (("src",), "src", "src")
+_DECODER = (("tgt", "memory"), "tgt", "memory", (("memory_mask", "tgt"),), ("tgt_mask",))
+_TRANSFORMERS: dict[type, tuple[Any, ...]] = {
+    nn.TransformerEncoderLayer: (*_ENCODER, (("src_mask", "src"),), ("src_mask",), ("is_causal",)),
+    nn.TransformerEncoder: (*_ENCODER, (("mask", "src"),), ("mask",), ("is_causal",)),
+    nn.TransformerDecoderLayer: (*_DECODER, ("memory_is_causal",)),
+    nn.TransformerDecoder: (*_DECODER, ("memory_is_causal",)),
+    nn.Transformer: (
+        ("src", "tgt"),
+        "tgt",
+        "src",
+        (("src_mask", "src"), ("memory_mask", "tgt")),
+        ("src_mask", "tgt_mask", "memory_mask"),
+        ("src_is_causal", "memory_is_causal"),
+    ),
 }
 _FORWARD_NAMES: dict[type, tuple[str, ...]] = {}
 # The modules whose calls ran one per example for their masks (said once each).
@@ -823,19 +835,28 @@ _LOG = logging.getLogger("fold.autobatch.ops")
 
 class _Transformer:
     """How a group of calls of a torch.nn transformer module runs as ONE call (see
-    ``_transformer_layout``): the module, its forward's argument names, its sequences
-    (``src``, or ``tgt`` and ``memory``), the one whose lengths may differ (``keyed``, with
-    the attention mask that masks its padding), the attention masks, the batch dim (0:
-    batch first) and the number of heads."""
+    ``_transformer_layout`` and ``_TRANSFORMERS``): the module, its forward's argument
+    names, the batch dim (0: batch first), the number of heads, and its class's layout."""
 
-    __slots__ = ("batch_dim", "heads", "keyed", "masks", "module", "names", "pad_mask", "seqs")
+    __slots__ = (
+        "batch_dim",
+        "causal",
+        "heads",
+        "keyed",
+        "masks",
+        "module",
+        "names",
+        "out",
+        "pads",
+        "seqs",
+    )
 
     def __init__(
         self, module: nn.Module, names: tuple[str, ...], batch_dim: int, heads: int
     ) -> None:
         self.module, self.names, self.batch_dim, self.heads = module, names, batch_dim, heads
-        self.keyed, self.pad_mask, self.masks = _TRANSFORMERS[type(module)]
-        self.seqs = ("src",) if "src" in names else ("tgt", "memory")
+        spec = _TRANSFORMERS[type(module)]
+        self.seqs, self.out, self.keyed, self.pads, self.masks, self.causal = spec
 
     def bind(self, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         bound = dict(zip(self.names, args))
@@ -844,8 +865,8 @@ class _Transformer:
 
     def output_like(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
         """An empty tensor of the shape a call of the module on one example's values (the
-        op's template: slots in place of its sequences) returns: its first sequence's."""
-        meta = self.bind(args, kwargs)[self.seqs[0]].meta
+        op's template: slots in place of its sequences) returns: its ``out`` sequence's."""
+        meta = self.bind(args, kwargs)[self.out].meta
         return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
 
     def merge(self, t: torch.Tensor) -> torch.Tensor:
@@ -858,17 +879,17 @@ class _Transformer:
         return out.unsqueeze(1) if self.batch_dim == 0 else out.transpose(0, 1).unsqueeze(2)
 
     def call(
-        self, bound: dict[str, Any], n: int, padding: str | None = None
+        self, bound: dict[str, Any], n: int, padding: tuple[str, ...] = ()
     ) -> torch.Tensor | None:
         """The module's one call on the group's ``bound`` values (sequences merged; each
-        attention mask the one value all examples gave, but ``padding``, the mask of the
-        padding made for the merged batch), split back; None where the examples' masks
-        differ."""
+        attention mask the one value all examples gave, but those named in ``padding``, the
+        masks of the padding made for the merged batch), split back; None where the
+        examples' masks differ."""
         kwargs = {}
         for name, v in bound.items():
             if name in self.seqs:
                 v = self.merge(v)
-            elif name == padding:
+            elif name in padding:
                 pass
             elif name in self.masks and isinstance(v, torch.Tensor) and v.dim() == 3:
                 if not bool((v == v[:1]).all()):
@@ -919,14 +940,13 @@ class _Transformer:
         binds = [self.bind(*_fill(op.run_args, values)) for values in parts]
         keyed, dim = self.keyed, 2 if self.batch_dim == 0 else 1  # (L in the stacked values)
         first = binds[0]
-        causal = "memory_is_causal" if keyed == "memory" else "is_causal"
         lengths = [b[keyed].shape[dim] for b in binds]
         counts = [b[keyed].shape[0] for b in binds]
         big = max(lengths)
         if (
             not _alike(binds, (keyed,), self.seqs)
-            or first.get(self.pad_mask) is not None
-            or first.get(causal)
+            or any(first.get(mask) is not None for mask, _ in self.pads)
+            or any(first.get(hint) for hint in self.causal)
             or big * sum(counts) > 2 * sum(k * n for k, n in zip(counts, lengths)) + 64
         ):
             return [(op._run(values),) for values in parts]
@@ -939,12 +959,14 @@ class _Transformer:
         # The padding masked where attention reads the keyed sequence: an attention mask per
         # example and head (True: not read), not a key padding mask (torch checks one through
         # its symbolic shapes, which import sympy on their first use: a quarter second).
-        queries = bound["tgt"].shape[dim] if keyed == "memory" else big
-        bound[self.pad_mask] = _keys_mask(lengths, counts, self.heads, queries, bound[keyed].device)
-        out = self.call(bound, sum(counts), self.pad_mask)
+        device = bound[keyed].device
+        for mask, query in self.pads:
+            queries = bound[query].shape[dim]
+            bound[mask] = _keys_mask(lengths, counts, self.heads, queries, device)
+        out = self.call(bound, sum(counts), tuple(mask for mask, _ in self.pads))
         if out is None:  # (masks that differ between the examples of one part)
             return [(op._run(values),) for values in parts]
-        if keyed == "memory":  # the targets' shape: one output of all the parts' rows
+        if self.out != keyed:  # the targets' shape: one output of all the parts' rows
             return PaddedOutputs([out])
         return PaddedOutputs([_cut(out, counts, [(dim, n) for n in lengths])])
 
@@ -968,10 +990,19 @@ def _transformer_layout(
     if len(args) > len(names) or any(k not in names or k in names[: len(args)] for k in kwargs):
         return None
     first = module
-    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
-        if not len(module.layers):  # (it returns its input itself, or its norm of it)
+    if t is nn.Transformer:  # (its own encoder's first layer: of torch's own, or not merged)
+        if (
+            type(module.encoder) is not nn.TransformerEncoder
+            or type(module.decoder) is not nn.TransformerDecoder
+        ):
             return None
-        first = module.layers[0]
+        module_ = module.encoder
+    else:
+        module_ = module
+    if isinstance(module_, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        if not len(module_.layers):  # (it returns its input itself, or its norm of it)
+            return None
+        first = module_.layers[0]
     attn = first.self_attn
     layout = _Transformer(module, names, 0 if attn.batch_first else 1, attn.num_heads)
     bound = layout.bind(args, kwargs)
