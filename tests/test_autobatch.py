@@ -645,6 +645,7 @@ def test_elementwise_calls_on_per_example_values_of_several_ranks_run_directly(f
     broadcasting aligns them): the group runs as one call, each stacked argument given
     1-dims after its batch dim (``tables._aligned_elementwise``), not under vmap.  Values
     and gradients equal eager's; examples of several lengths, in rounds."""
+    driver.clear_cache()  # (the ops below are this test's alone)
     lin, proj = nn.Linear(3, 4), nn.Linear(3, 4)
 
     def per_example(x):
