@@ -153,7 +153,7 @@ How a call is recorded (the choices the contract leaves open):
   (``patches._DIRECT_TORCH``, ``_DIRECT_FUNCTIONAL``); the factories and
   ``Tensor.new_*``/``expand`` get known values' tensors and recorded counts' ints
   (``patches._WRAPPERS``); a custom ``autograd.Function`` called on lazy values is
-  recorded whole, its backward kept (``patches._ApplyInstalled``, installed alone where a
+  recorded whole, its backward kept (``patches._apply_installed``, installed alone where a
   function is recorded once on tensor rows).  All are put back
   when the call returns; a wrapper another library installs over them meanwhile is never
   dropped (see ``_Patches``).  Installing costs about

@@ -36,8 +36,6 @@ class _Patches:
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
     as_tensor: Any = None  # torch.as_tensor as found
-    apply_users = 0  # calls inside _apply_installed
-    apply: Any = None  # _SingleLevelFunction's own apply as found (see _ApplyInstalled)
     # (module or class, name) -> the function as found there (_INHERITED: none, the class
     # inherits it), where a wrapper of _WRAPPERS is installed
     wrapped: dict[tuple[Any, str], Any] = {}
@@ -543,33 +541,31 @@ _WRAPPERS.update(
 )
 
 
-class _ApplyInstalled:
-    """Install autobatch's ``autograd.Function`` call (``_recording_apply``) for the length
-    of a ``with _apply_installed:``: with the other wrappers (``_installed``), and alone
-    where a function is recorded once without them (``traced._record_once``).  It goes where
-    ``Function.apply`` hands the call to torch's C code (``super().apply``, found on
-    ``_SingleLevelFunction``, which inherits it from the C base), so that an ``apply`` taken
-    before the call (``grad_reverse = GradReverse.apply`` at import) reaches it too; set
-    there and deleted again, leaving the class as it was.  (A class, not a generator: it
-    runs on every autobatch call, in under a microsecond.)"""
+class _Installed:
+    """One wrapper set at ``where.name`` for the length of a ``with``: nested or concurrent
+    users share it, the first installing it and the last putting back what it found (see
+    ``_install``).  A class, not a generator: the patches below run on every autobatch
+    call, in under a microsecond."""
+
+    __slots__ = ("found", "name", "users", "where", "wrapper")
+
+    def __init__(self, where: Any, name: str, wrapper: Any) -> None:
+        self.where, self.name, self.wrapper = where, name, wrapper
+        self.users = 0
+        self.found: Any = None
 
     def __enter__(self) -> None:
-        p = _PATCHES
         with _PATCH_LOCK:
-            if p.apply_users == 0:
-                p.apply = _install(_APPLY_CLASS, "apply", _RECORDING_APPLY)
-            p.apply_users += 1
+            if self.users == 0:
+                self.found = _install(self.where, self.name, self.wrapper)
+            self.users += 1
 
     def __exit__(self, *exc: Any) -> None:
-        p = _PATCHES
         with _PATCH_LOCK:
-            p.apply_users -= 1
-            if p.apply_users == 0:
-                _put_back(_APPLY_CLASS, "apply", _RECORDING_APPLY, p.apply)
-                p.apply = None
-
-
-_apply_installed = _ApplyInstalled()
+            self.users -= 1
+            if self.users == 0:
+                _put_back(self.where, self.name, self.wrapper, self.found)
+                self.found = None
 
 
 # The class whose ``apply`` Function.apply's ``super().apply`` finds first, and what it finds
@@ -614,6 +610,15 @@ def _apply_of(cls: Any) -> Any:
 
 
 _RECORDING_APPLY = classmethod(_recording_apply)
+
+# Autobatch's ``autograd.Function`` call (``_recording_apply``) installed for the length of a
+# ``with _apply_installed:``: with the other wrappers (``_installed``), and alone where a
+# function is recorded once without them (``traced._record_once``).  It goes where
+# ``Function.apply`` hands the call to torch's C code (``super().apply``, found on
+# ``_SingleLevelFunction``, which inherits it from the C base), so that an ``apply`` taken
+# before the call (``grad_reverse = GradReverse.apply`` at import) reaches it too; set there
+# and deleted again, leaving the class as it was.
+_apply_installed = _Installed(_APPLY_CLASS, "apply", _RECORDING_APPLY)
 
 
 class _ThroughFunction(Exception):
@@ -703,27 +708,7 @@ def _norm_forward(self: Any, input: Any) -> Any:
     return _BATCH_NORM_FORWARD(self, input)
 
 
-class _NormsRecorded:
-    """``_norm_forward`` installed for the length of a ``with norms_recorded:`` (a class
-    attribute that is no slot: setting it costs about 0.1 us, where a ``__call__`` on the
-    norms' base class cost 5 us, and more in the calls after it; a class, not a generator,
-    as ``_ApplyInstalled``)."""
-
-    users = 0  # (nested or concurrent recordings: the first installs, the last puts back)
-    found: Any = None
-
-    def __enter__(self) -> None:
-        with _PATCH_LOCK:
-            if self.users == 0:
-                self.found = _install(_BATCH_NORM, "forward", _norm_forward)
-            self.users += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        with _PATCH_LOCK:
-            self.users -= 1
-            if self.users == 0:
-                _put_back(_BATCH_NORM, "forward", _norm_forward, self.found)
-                self.found = None
-
-
-norms_recorded = _NormsRecorded()
+# ``_norm_forward`` installed for the length of a ``with norms_recorded:`` (a class attribute
+# that is no slot: setting it costs about 0.1 us, where a ``__call__`` on the norms' base
+# class cost 5 us, and more in the calls after it).
+norms_recorded = _Installed(_BATCH_NORM, "forward", _norm_forward)
