@@ -401,12 +401,10 @@ def encoder_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     backward of the sum of every state, and the forward alone under ``torch.no_grad()``;
     eager per sentence too.  Values and gradients are checked against eager first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from autobatch_parser import DATA, Parser, read
+    from autobatch_parser import Parser
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
-    raw = read(DATA / "dev.conllu")[: args.sentences]
-    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
-    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
+    words, vocab_size = _treebank_words(args.sentences)
 
     def hand(model: Parser) -> torch.Tensor:
         lengths = torch.tensor([len(w) for w in words])
@@ -423,59 +421,12 @@ def encoder_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     def eager(model: Parser) -> torch.Tensor:
         return torch.stack([model.encode(w).sum() for w in words]).sum()
 
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = Parser(len(vocab) + 1)
-        grads = []
-        for f in (eager, auto, hand):
-            model.zero_grad()
-            loss = f(model)
-            loss.backward()
-            used = [*model.embed.parameters(), *model.lstm.parameters(), model.root]
-            grads.append((loss.detach(), [p.grad.clone() for p in used]))
-        for loss, gs in grads[1:]:
-            torch.testing.assert_close(loss, grads[0][0])
-            for a, b in zip(gs, grads[0][1]):
-                torch.testing.assert_close(a, b)
-    finally:
-        torch.set_default_dtype(old)
-    torch.manual_seed(0)
-    model = Parser(len(vocab) + 1)
+    def used(model: Parser) -> list[torch.Tensor]:  # (the MLP takes no part)
+        return [*model.embed.parameters(), *model.lstm.parameters(), model.root]
 
-    def train(f):  # type: ignore[no-untyped-def]
-        def step() -> None:
-            model.zero_grad()
-            f(model).backward()
-
-        return step
-
-    def infer(f):  # type: ignore[no-untyped-def]
-        def step() -> None:
-            with torch.no_grad():
-                f(model)
-
-        return step
-
-    rows = []
-    for how, wrap in (("forward+backward", train), ("forward, no_grad", infer)):
-        contenders = {"autobatch": wrap(auto), "hand, packed": wrap(hand)}
-        if args.eager_reps:
-            contenders["eager per sentence"] = wrap(eager)
-        times = interleaved(contenders, args.reps)
-        base = median(times["hand, packed"])
-        rows += [
-            {
-                "pass": how,
-                "method": k,
-                "median_ms": 1e3 * median(v),
-                "vs_hand": median(v) / base,
-                "reps": len(v),
-            }
-            for k, v in times.items()
-        ]
-    return rows
+    return _per_sentence_rows(
+        args, lambda: Parser(vocab_size), auto, eager, ("hand, packed", hand), used
+    )
 
 
 class _SelfAttention(nn.Module):
@@ -516,12 +467,7 @@ def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     against the hand-batched block (the sentences padded, one call with a key padding mask)
     and eager per sentence, forward and backward of the sum of every state, and the forward
     alone under ``torch.no_grad()``.  Values and gradients are checked against eager first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from autobatch_parser import DATA, read
-
-    raw = read(DATA / "dev.conllu")[: args.sentences]
-    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
-    words = [torch.tensor([vocab[w] for w in s]) for s, _ in raw]
+    words, vocab_size = _treebank_words(args.sentences)
 
     def auto(model: _SelfAttention) -> torch.Tensor:
         states = fold.autobatch(lambda w: model.encode(w), words, stack=False)
@@ -533,15 +479,43 @@ def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     def hand(model: _SelfAttention) -> torch.Tensor:
         return model.hand(words)
 
+    return _per_sentence_rows(
+        args,
+        lambda: _SelfAttention(vocab_size),
+        auto,
+        eager,
+        ("hand, padded", hand),
+        lambda model: list(model.parameters()),
+    )
+
+
+def _treebank_words(n: int) -> tuple[list[torch.Tensor], int]:
+    """The word ids of the first ``n`` sentences of the bundled dev treebank, and the size of
+    their vocabulary (0 kept for padding)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from autobatch_parser import DATA, read
+
+    raw = read(DATA / "dev.conllu")[:n]
+    vocab = {w: i + 1 for i, w in enumerate(sorted({w for s, _ in raw for w in s}))}
+    return [torch.tensor([vocab[w] for w in s]) for s, _ in raw], len(vocab) + 1
+
+
+def _per_sentence_rows(args, make, auto, eager, hand, params) -> list[dict]:  # type: ignore[no-untyped-def]
+    """A model written per sentence (``make()``), its three sums of every state over the
+    sentences (``auto``, ``eager``, and ``hand``: ``(its name, its function)``) checked
+    against eager first (the sum and the gradients of ``params(model)``, float64), then
+    timed interleaved: forward and backward, and the forward alone under
+    ``torch.no_grad()``; ratios to the hand-batched one."""
+    hand_name, hand_fn = hand
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        model = _SelfAttention(len(vocab) + 1)
+        model = make()
         got = []
-        for f in (eager, auto, hand):
+        for f in (eager, auto, hand_fn):
             loss = f(model)
-            got.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
+            got.append((loss.detach(), torch.autograd.grad(loss, params(model))))
         for loss, gs in got[1:]:
             torch.testing.assert_close(loss, got[0][0])
             for a, b in zip(gs, got[0][1]):
@@ -549,7 +523,7 @@ def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     finally:
         torch.set_default_dtype(old)
     torch.manual_seed(0)
-    model = _SelfAttention(len(vocab) + 1)
+    model = make()
     rows = []
     for how in ("forward+backward", "forward, no_grad"):
 
@@ -564,11 +538,11 @@ def attention_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
 
             return step
 
-        contenders = {"autobatch": wrap(auto), "hand, padded": wrap(hand)}
+        contenders = {"autobatch": wrap(auto), hand_name: wrap(hand_fn)}
         if args.eager_reps:
             contenders["eager per sentence"] = wrap(eager)
         times = interleaved(contenders, args.reps)
-        base = median(times["hand, padded"])
+        base = median(times[hand_name])
         rows += [
             {
                 "pass": how,
