@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def float64():
+    """Float64 throughout a test, so that batched and eager agree to tight tolerances (the
+    autobatch test files use it for every test: ``pytestmark``)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

@@ -30,14 +30,8 @@ from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.ops import PaddedRows
 from fold.treebank import Tree, random_dep_tree, random_tree
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    """Float64 throughout, so that batched and eager agree to tight tolerances."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+# Float64 throughout (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def eager_stack(fn, *iterables):

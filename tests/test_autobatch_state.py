@@ -14,13 +14,8 @@ from torch.nn import functional as F
 import fold
 from fold.errors import FoldError
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+# Float64 throughout (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def _twins(make):

@@ -19,12 +19,8 @@ from fold.autobatch import driver, recorder
 BOS, EOS = 1, 0
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+# Float64 throughout (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 class _Seq2Seq(nn.Module):
