@@ -34,7 +34,7 @@ from fold.autobatch.common import (
     _rng_restore,
     _rng_states,
 )
-from fold.autobatch.ops import _Buffers, _Op, _op_device, _OpFailed, forget_combinations
+from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
 from fold.autobatch.recorder import (
     _INLINE,
@@ -728,7 +728,7 @@ def _failing_example(cause: _OpFailed, members: Any, rec: _Recorder) -> tuple[in
     n = len(members)
     if any(not isinstance(v, torch.Tensor) or v.dim() == 0 or len(v) != n for v in values):
         return None
-    state = _Buffers.of(op)
+    state = op.buffers()
     rng = _rng_states()
     try:
         with _in_mode(op.recorded_in or _USUAL_MODE), torch.no_grad():

@@ -386,8 +386,8 @@ class _Op:
         # Set once a group of it could not run under vmap: its groups run one call per
         # example (see _run), in every mode (True) or in one (see _verdict).
         self.looped: Any = False
-        # The buffers a group's call may change (``_Buffers``; None: none), found on its
-        # first batched call.
+        # The buffers a group's call may change (``_Buffers``; None: none), found once
+        # (``buffers``).
         self._state: Any = _MISS
         # The grad/autocast mode the calls were recorded in (see _current_mode), None for the
         # usual one; a group runs in it (a target network under torch.no_grad(), a region
@@ -512,8 +512,7 @@ class _Op:
                 except Exception as err:  # vmap gives the same values, or the error
                     programs[self] = False
                     _LOG.debug("autobatch: %s recorded once failed (%s); vmap runs it", self, err)
-        if self._state is _MISS:
-            self._state = _Buffers.of(self)
+        self.buffers()
         looped = self.looped
         if looped is not False and (looped is True or looped == self._verdict()):
             return self._loop(values)
@@ -571,6 +570,12 @@ class _Op:
                 str(err).split("\n")[0],
             )
             return out
+
+    def buffers(self) -> _Buffers | None:
+        """The buffers the op's calls may change (``_Buffers``; None: none), found once."""
+        if self._state is _MISS:
+            self._state = _Buffers.of(self)
+        return self._state
 
     def _verdict(self) -> Any:
         """The mode a verdict that the op's groups loop holds in: for a module with buffers,

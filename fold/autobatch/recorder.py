@@ -38,7 +38,6 @@ from fold.autobatch.common import (
     _source_line,
 )
 from fold.autobatch.ops import (
-    _Buffers,
     _leaves,
     _Op,
     _Slot,
@@ -1133,9 +1132,8 @@ class _Recorder:
         rng = _rng_states()  # inference draws nothing from the user's random stream
         self._drew = False
         # nor changes a buffer of the module (BatchNorm's running statistics, on zeros)
-        state = _Buffers.of(op)
-        kept = state.kept() if state is not None else contextlib.nullcontext()
-        kept.__enter__()
+        state = op.buffers()
+        copy = None if state is None else state.copy()
         try:
             # torch.nn's transformer modules give their sequence's shape (the targets' of a
             # decoder, the sources' of an encoder): no call needed, where a call on zeros
@@ -1168,7 +1166,8 @@ class _Recorder:
             self.paused = False
             _LOCAL.running -= running
             _rng_restore(rng)
-            kept.__exit__(None, None, None)
+            if state is not None:
+                state.restore(copy)
         leaves, treedef = pytree.tree_flatten(out)
         nones = tuple(i for i, t in enumerate(leaves) if t is None)
         if nones and len(nones) < len(leaves) and op.kind == "module":
@@ -1263,7 +1262,7 @@ class _Recorder:
             return True
         self.paused = True
         rng = _rng_states()
-        state = _Buffers.of(op)
+        state = op.buffers()
         try:
             with state.kept() if state is not None else contextlib.nullcontext(), _fake_mode():
                 values = self._inputs(
