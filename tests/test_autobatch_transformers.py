@@ -353,3 +353,30 @@ def test_the_whole_transformer_over_sources_of_several_lengths_runs_one_call(
             torch.autograd.grad((want * weights).sum(), params),
         ):
             torch.testing.assert_close(a, b)
+
+
+def test_attention_with_masks_that_differ_between_examples_matches_eager():
+    """An attention mask of each example's own (a bias from its first token) over sequences
+    of one length: the group cannot run as one call with one mask, and runs one call per
+    example.  Outputs, weights and gradients equal eager's."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    xs = [torch.randn(1, 4, 8) for _ in range(5)]
+
+    def fn(x):
+        mask = torch.full((4, 4), float(x[0, 0, 0]))  # a bias of its own
+        out, w = mha(x, x, x, attn_mask=mask)
+        return out.sum(1), w.sum(-1)
+
+    want = [fn(x) for x in xs]
+    got = fold.autobatch(fn, xs, stack=False)
+    flat_got = [t for g in got for t in g]
+    flat_want = [t for w in want for t in w]
+    for a, b in zip(flat_got, flat_want):
+        torch.testing.assert_close(a, b)
+    params = list(mha.parameters())
+    for a, b in zip(
+        torch.autograd.grad(sum(t.pow(2).sum() for t in flat_got), params),
+        torch.autograd.grad(sum(t.pow(2).sum() for t in flat_want), params),
+    ):
+        torch.testing.assert_close(a, b)

@@ -909,15 +909,7 @@ class _Transformer:
                 "call)",
                 type(self.module).__name__,
             )
-        outs = []
-        for i in range(n):
-            kwargs = {}
-            for name, v in bound.items():
-                if isinstance(v, torch.Tensor) and (name in self.seqs or v.dim() == 3):
-                    v = v[i]
-                kwargs[name] = v
-            outs.append(_call_module(self.module, **kwargs))
-        return torch.stack(outs)
+        return torch.stack(_one_by_one(self.module, bound, self.seqs, n))
 
     def merged(self, op: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """A group of calls of the module (``op``'s), each on a batch of one, as ONE call:
@@ -1031,6 +1023,23 @@ def _transformer_layout(
         if v is not None:  # (key padding masks and memory masks of the user's own)
             return None
     return layout
+
+
+def _one_by_one(
+    module: nn.Module, bound: dict[str, Any], seqs: tuple[str, ...], n: int
+) -> list[Any]:
+    """A transformer module's or attention's group run one call per example (masks that
+    differ between examples): per example its sequences' rows and its own mask (a
+    per-example mask is stacked, 3-D; a shared one is 2-D), the other arguments as given;
+    the calls' results."""
+    outs = []
+    for i in range(n):
+        one = {
+            name: v[i] if isinstance(v, torch.Tensor) and (name in seqs or v.dim() == 3) else v
+            for name, v in bound.items()
+        }
+        outs.append(_call_module(module, **one))
+    return outs
 
 
 def _alike(binds: list[dict[str, Any]], free: tuple[str, ...], seqs: tuple[str, ...]) -> bool:
@@ -1173,16 +1182,10 @@ class _Attention:
         got = self.call(bound)
         if got is not None:
             return got
-        n = bound["query"].shape[0]
-        outs = []
-        for i in range(n):
-            one = {
-                name: v[i]
-                if isinstance(v, torch.Tensor) and (name in self.seqs or v.dim() == 3)
-                else v
-                for name, v in bound.items()
-            }
-            outs.append([t for t in _call_module(self.module, **one) if t is not None])
+        outs = [
+            [t for t in out if t is not None]
+            for out in _one_by_one(self.module, bound, self.seqs, bound["query"].shape[0])
+        ]
         return tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
 
     def parts(self, op: Any, parts: list[tuple[Any, ...]]) -> Any:
