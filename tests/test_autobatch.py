@@ -2649,6 +2649,81 @@ def test_attention_written_with_mv_einsum_bmm_mm_and_dot_runs_padded():
     assert_same_lists(got, [fn(x) for x in xs], [*enc.parameters(), *q.parameters()])
 
 
+class _Pointer(nn.Module):
+    """A pointer network written for one example: each step scores the example's own inputs
+    (L, 4) against a query, masks the ones already picked, and reads the argmax (a round);
+    it returns the picks and the log-probability of each pick."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.att = nn.Linear(4, 4)
+
+    def forward(self, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = torch.tanh(self.enc(seq))
+        q, used, picks, logps = enc.mean(0), torch.zeros(len(seq), dtype=torch.bool), [], []
+        for _ in range(len(seq)):
+            scores = (enc @ self.att(q)).masked_fill(used, float("-inf"))
+            i = int(scores.argmax())  # a read: the example pauses
+            logps.append(torch.log_softmax(scores, 0)[i])
+            picks.append(i)
+            used = used.clone()
+            used[i] = True
+            q = enc[i]
+        return torch.tensor(picks), torch.stack(logps)
+
+
+def test_pointer_network_over_inputs_of_several_lengths_runs_padded_calls(finish, monkeypatch):
+    """A pointer network over inputs of several lengths: a round's masked_fill (its mask a
+    tensor of each example's length) and argmax run as one padded call each, not one group
+    per length; picks, log-probabilities and gradients equal eager per example (float64)."""
+    torch.manual_seed(0)
+    model = _Pointer().double()
+    seqs = [torch.randn(n, 4, dtype=torch.float64) for n in (3, 5, 2, 6, 4, 5, 3)]
+    names = _spy_padded_calls(monkeypatch)
+    got, want = fold.autobatch(model, seqs, stack=False), [model(x) for x in seqs]
+    assert [g[0].tolist() for g in got] == [w[0].tolist() for w in want]
+    assert_same_lists([g[1:] for g in got], [w[1:] for w in want], list(model.parameters()))
+    ran = {n.split(" (")[0] for n in names}
+    assert {"Tensor.masked_fill", "Tensor.argmax"} <= ran, ran
+    if finish == "batched-rounds":  # one padded call a round, where lengths differ (5 rounds)
+        assert names.count(next(n for n in names if n.startswith("Tensor.argmax"))) == 5
+
+
+@pytest.mark.parametrize("which", ["argmax", "argmin", "amin"])
+def test_extremes_over_values_of_several_lengths_never_pick_the_padding(which):
+    """argmax, argmin and amin over values of several lengths run padded: the padding is
+    filled with a value that never wins, even where each example's values are all the
+    dtype's extreme (-inf, inf, an integer type's least or greatest), or where the values tie
+    (the first index wins, as in eager); along a dim, over a whole value of one dim, with
+    keepdim; floats and integers."""
+    lin = nn.Linear(2, 3)
+    fns = {
+        "argmax": lambda v: (v.argmax(), v.argmax(0), v[:, 1].argmax(), v.argmax(0, keepdim=True)),
+        "argmin": lambda v: (v.argmin(), v.argmin(0), v[:, 1].argmin(), v.argmin(dim=0)),
+        "amin": lambda v: (v.amin(0), v[:, 1].amin(0), v.amin(0) * 2),
+    }
+
+    def fn(x, fill):
+        v = lin(x)  # (L, 3)
+        ints = (v * 10).long()
+        if fill == "ties":
+            v, ints = v * 0.0, ints * 0
+        elif fill is not None:
+            extreme = torch.iinfo(torch.long).min if fill < 0 else torch.iinfo(torch.long).max
+            v, ints = v * 0.0 + fill, ints * 0 + extreme
+        return (*fns[which](v), *fns[which](ints))
+
+    lengths = (3, 5, 2, 5, 4)
+    xs = [torch.randn(n, 2) for n in lengths]
+    for fill in (None, "ties", float("-inf"), float("inf")):
+        got = fold.autobatch(lambda x, fill=fill: fn(x, fill), xs, stack=False)
+        for g, w in zip(got, [fn(x, fill) for x in xs], strict=True):
+            for a, b in zip(g, w, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                torch.testing.assert_close(a, b)
+
+
 def test_padded_groups_of_integer_and_bool_values_match_eager():
     """Values of several lengths that are integers or bools: amax pads with the dtype's
     least value (no -inf in an integer tensor), elementwise ops with zeros."""
@@ -5183,16 +5258,16 @@ def ragged_programs(draw):
     """A random per-example program over a sequence (L, 3) whose length L each example
     draws: steps over a pool of per-position values (L, 3) and a pool of pooled values (3,),
     and whether to read (and branch on) a pooled value now and then."""
-    steps = draw(_steps(18))
+    steps = draw(_steps(22))
     lengths = draw(st.lists(st.integers(1, 5), min_size=1, max_size=6))
     return steps, lengths, draw(st.booleans())
 
 
 class RaggedMenu(nn.Module):
     """Attention-style ops on values whose length differs per example: what autobatch runs
-    as padded calls (softmax and log_softmax along either dim, mean/sum/amax, matmul and
-    einsum against a pooled query, a cat after a shared row, an index by int, transposes,
-    elementwise ops), mixed with reads that start new rounds."""
+    as padded calls (softmax and log_softmax along either dim, mean/sum/amax/amin, argmax and
+    argmin, masked_fill, matmul and einsum against a pooled query, a cat after a shared row,
+    an index by int, transposes, elementwise ops), mixed with reads that start new rounds."""
 
     def __init__(self, width: int = 3) -> None:
         super().__init__()
@@ -5245,6 +5320,17 @@ class RaggedMenu(nn.Module):
                 pooled.append(torch.einsum("ld,l->d", a, torch.softmax(a @ u, 0)))
             elif kind == 16:
                 rag.append(a + self.emb(torch.tensor(i % 7)))
+            elif kind == 18:  # masked attention, the mask a recorded value
+                scores = (a @ self.q(u)).masked_fill(a[:, j % 3] > 0.2, -5.0)
+                pooled.append(torch.softmax(scores, 0) @ a)
+            elif kind == 19:  # a mask made per example from its length (a literal)
+                keep = torch.arange(a.shape[0]) % 2 == i % 2
+                rag.append(a.masked_fill(keep[:, None], 0.0) + a * 0.5)
+            elif kind == 20:  # the positions of the largest and least: index tensors
+                best = a.sum(-1).argmax()
+                pooled.append(u * best + a.argmin(0) - a.argmax(dim=0, keepdim=True)[0])
+            elif kind == 21:
+                pooled.append(a.amin(0) + u)
             else:
                 pooled.append(torch.tanh(self.q(u)))
         return pooled[-1] + sum(r.sum(0) for r in rag[-2:])

@@ -767,23 +767,23 @@ class _Op:
         how, dim = self.padding  # type: ignore[misc]
         merged = []
         for j, (column, big) in enumerate(zip(columns, bigs)):
-            softmax = how == "softmax" and j == 0 and dim is not None
-            d = dim % (column[0].dim() - 1) + 1 if softmax else -1  # the op's dim, past the batch
+            fill = _REDUCED_FILL.get(how) if j == 0 and dim is not None else None
+            d = dim % (column[0].dim() - 1) + 1 if fill else -1  # the op's dim, past the batch
             base = _tiled_base(column, big)
             if base is not None:  # the parts of an earlier padded call, in its order
-                if type(base) is _Padded:  # -inf past the values along softmax's dim
-                    base = base.fill(_lowest(base.base.dtype) if base.dim == d else 0)
+                if type(base) is _Padded:  # (-inf past the values along softmax's dim)
+                    base = base.fill(fill(base.base.dtype) if base.dim == d else 0)
                 merged.append(base)
                 continue
             padded = []
             for v in column:
                 short = [b - n for b, n in zip(big, v.shape)]
-                if softmax:
+                if fill:
                     cut, short[d] = short[d], 0
                     v = _pad(v, short, 0.0)
                     short = [0] * v.dim()
                     short[d] = cut
-                    v = _pad(v, short, _lowest(v.dtype))
+                    v = _pad(v, short, fill(v.dtype))
                 else:
                     v = _pad(v, short, 0.0)
                 padded.append(v)
@@ -859,8 +859,9 @@ class _Op:
             if type(v) is not PaddedRows:
                 merged.append(v)
                 continue
-            d = dim % (v.data.dim() - 1) + 1 if how == "softmax" and j == 0 else -1
-            merged.append(v.filled(_lowest(v.data.dtype) if v.dim == d else 0))
+            fill = _REDUCED_FILL.get(how) if j == 0 else None
+            d = dim % (v.data.dim() - 1) + 1 if fill else -1
+            merged.append(v.filled(fill(v.data.dtype) if v.dim == d else 0))
         out = self._run(tuple(merged))
         if how == "mean":  # a mean over the padded length: rescaled to each row's own
             v = values[0]
@@ -1048,10 +1049,29 @@ def _lowest(dtype: torch.dtype) -> Any:
     return torch.iinfo(dtype).min
 
 
+def _highest(dtype: torch.dtype) -> Any:
+    """The value no other of ``dtype`` is above: inf, an integer type's greatest, True."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("inf")
+    if dtype is torch.bool:
+        return True
+    return torch.iinfo(dtype).max
+
+
+# What a padded op that reduces a dim (tables._PADDED: softmax, amax and argmax; amin and
+# argmin) fills its first value's padding in that dim with: a value that never wins.
+_REDUCED_FILL = {"softmax": _lowest, "least": _highest}
+
+
 def _pad(v: torch.Tensor, short: list[int], value: Any) -> torch.Tensor:
     """``v`` padded at the end of each dim by ``short[d]`` (dim 0, the batch, never)."""
     if not any(short):
         return v
+    if value != 0 and not (v.is_floating_point() or v.is_complex()):
+        # (F.pad takes its value as a float: an int64's greatest would come back its least)
+        out = v.new_full([n + k for n, k in zip(v.shape, short)], value)
+        out[tuple([slice(0, n) for n in v.shape])] = v
+        return out
     spec: list[int] = []
     for n in reversed(short[1:]):  # F.pad takes the last dim first
         spec += [0, n]

@@ -49,6 +49,7 @@ from fold.autobatch.ops import (
 )
 from fold.autobatch.patches import _call_module
 from fold.autobatch.tables import (
+    _ARG_EXTREMES,
     _DIM_OPS,
     _ELEMENTWISE,
     _GROUP_CALLS,
@@ -1502,6 +1503,13 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
         if not (_cat_pads_last(op) if how == "cat" else _index_from_start(op)):
             return  # (padding would land inside a value, or be read)
         how = "zeros"
+    elif op.fn in _ARG_EXTREMES:
+        given = dict(zip(("dim", "keepdim"), op.args[1:]), **op.kwargs)
+        dim, keepdim = given.get("dim"), given.get("keepdim", False)
+        if dim is None and slots[0].meta.ndim == 1 and keepdim is False:
+            dim = 0  # (a value of one dim: its flat index is its index in that dim)
+        if len(slots) != 1 or type(dim) is not int or type(keepdim) is not bool:
+            return
     elif how not in ("zeros", "keys"):
         pos, name, _ = _DIM_OPS[op.fn]
         dim = op.kwargs.get(name, op.args[pos] if len(op.args) > pos else None)

@@ -125,6 +125,15 @@ _PADDED.update(
 _PADDED.update(
     {f: "softmax" for f in _functions("softmax log_softmax amax", torch, torch.Tensor, F)}
 )
+# The least of a dim: its padding filled with the dtype's greatest value.
+_PADDED.update({f: "least" for f in _functions("amin", torch, torch.Tensor)})
+# The index of a dim's greatest (least) value: its padding filled with the least (greatest)
+# value, so that no padding wins, nor ties with a value before it (the first index wins);
+# over a whole value only where it has one dim (a padded value's flat index is its own).
+_ARG_EXTREMES = _functions("argmax argmin", torch, torch.Tensor)
+_PADDED.update({f: "softmax" if f.__name__ == "argmax" else "least" for f in _ARG_EXTREMES})
+# A mask's padding is False: masked_fill keeps the value's padding.
+_PADDED.update({f: "zeros" for f in _functions("masked_fill", torch, torch.Tensor)})
 _PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
 # torch.cat whose list ends with the one per-example value, after shared tensors (a parser's
 # root row before a sentence's states): zeros pad the value's end, which is the output's
