@@ -433,7 +433,9 @@ def _round_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
         xs = [torch.full((1,), float(i)) for i in range(examples)]  # distinct: not memoised
 
         def fn(steps: int = steps, xs: list[torch.Tensor] = xs) -> None:
-            fold.autobatch(lambda x: model.run(x, steps), xs)
+            # (per example: rows of one shape whose reads agree would run in lockstep, with
+            # no rounds; the rounds' own cost is what is timed here)
+            fold.autobatch(lambda x: model.run(x, steps), xs, per_example=True)
 
         rounds = _rounds(fn)
         assert rounds == steps, (rounds, steps)  # one batched round per step, as timed
@@ -557,6 +559,106 @@ def _first_call_worker(work: str, how: str) -> None:
     print(json.dumps({"first": t1 - t0, "second": t2 - t1}))
 
 
+class EarlyExit(nn.Module):
+    """An early-exit classifier (BranchyNet's idea) written for one example: where the first
+    head is confident, it answers; else the example goes on through a second block."""
+
+    def __init__(self, width: int = 256, classes: int = 10) -> None:
+        super().__init__()
+        self.first, self.head1 = nn.Linear(width, width), nn.Linear(width, classes)
+        self.second, self.head2 = nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        p = torch.softmax(self.head1(h), -1)
+        if p.max() > 0.15:  # a read: confident examples exit here
+            return p
+        return torch.softmax(self.head2(torch.relu(self.second(h)) + h), -1)
+
+    def hand(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch at once: the first head for all, the second block for the rest."""
+        h = torch.relu(self.first(x))
+        p = torch.softmax(self.head1(h), -1)
+        rest = (p.amax(1) <= 0.15).nonzero().squeeze(1)
+        out = p.clone()
+        r = h[rest]
+        out[rest] = torch.softmax(self.head2(torch.relu(self.second(r)) + r), -1)
+        return out
+
+
+class Pointer(nn.Module):
+    """A pointer network's decoder written for one example (Vinyals et al. 2015): each
+    step scores the example's own items against a query, masks those already picked and
+    reads the pick."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.att = nn.Linear(width, width)
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        q, used, picks = items.mean(0), torch.zeros(len(items), dtype=torch.bool), []
+        for _ in range(len(items)):
+            scores = (items @ self.att(q)).masked_fill(used, float("-inf"))
+            i = int(scores.argmax())  # a read: the example pauses
+            picks.append(i)
+            used = used.clone()
+            used[i] = True
+            q = items[i]
+        return torch.tensor(picks)
+
+
+def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Per-example programs with reads from the literature, as a Dataset yields their
+    inputs (a list of samples): an early-exit classifier over 256 samples of one shape
+    (autobatch records it once for all of them, the rows split where they exit; against the
+    hand-batched version and eager per example), and a pointer network over 64 inputs of
+    5-20 items (per example, a round a pick; against eager per example)."""
+    torch.manual_seed(0)
+    rows = []
+    model = EarlyExit()
+    xs = list(torch.randn(256, 256))
+    with _MODE["mode"]():
+        want = torch.stack([model(x) for x in xs])
+        torch.testing.assert_close(fold.autobatch(model, xs), want)
+        torch.testing.assert_close(model.hand(torch.stack(xs)), want)
+        exits = int(
+            (
+                torch.stack([model.head1(torch.relu(model.first(x))) for x in xs])
+                .softmax(1)
+                .amax(1)
+                > 0.15
+            ).sum()
+        )
+    times = interleaved(
+        {
+            "autobatch": _no_grad(lambda: fold.autobatch(model, xs)),
+            "hand": _no_grad(lambda: model.hand(torch.stack(xs))),
+            "eager per example": _no_grad(lambda: [model(x) for x in xs]),
+        },
+        args.reps,
+    )
+    for row in _against(times, "hand"):
+        rows.append({"workload": f"early exit ({exits} of 256 exit)", **row})
+    pointer = Pointer()
+    g = torch.Generator().manual_seed(0)
+    items = [
+        torch.randn(int(n), 128, generator=g) for n in torch.randint(5, 21, (64,), generator=g)
+    ]
+    with _MODE["mode"]():
+        got = fold.autobatch(pointer, items, stack=False)
+        assert [t.tolist() for t in got] == [pointer(x).tolist() for x in items]
+    times = interleaved(
+        {
+            "autobatch": _no_grad(lambda: fold.autobatch(pointer, items, stack=False)),
+            "eager per example": _no_grad(lambda: [pointer(x) for x in items]),
+        },
+        args.reps,
+    )
+    for row in _against(times, "eager per example"):
+        rows.append({"workload": "pointer network (64 inputs of 5-20 items)", **row})
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) == 6 and sys.argv[1] == "--first-call-worker":
         torch.set_num_threads(int(sys.argv[5]))
@@ -580,6 +682,7 @@ def main() -> None:
             "rounds",
             "first-call",
             "transformer",
+            "literature",
         ],
         default=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
         help="the workloads to run (all by default)",
@@ -621,6 +724,10 @@ def main() -> None:
         out["transformer"] = transformer_rows(args)
         print("\ngreedy decoding with torch.nn's transformer, as written for one source")
         print(table(out["transformer"], ["sources", "method", "median_ms", "vs_eager"]))
+    if "literature" in args.only:
+        out["literature"] = literature_rows(args)
+        print("\nper-example programs with reads from the literature (ratio: to the row marked 1)")
+        print(table(out["literature"], ["workload", "method", "median_ms", "vs_hand", "reps"]))
     if "first-call" in args.only:
         out["first_call"] = first_call_rows(args)
         print("\nthe first call in a fresh process (decode-long; the parser)")

@@ -605,6 +605,163 @@ def test_tensor_rows_record_once_and_equal_eager():
 
 
 @pytest.mark.parametrize(
+    "reduce",
+    [
+        lambda h: h.max() + h[0].max(),
+        lambda h: torch.min(h) * h[1].min(),
+        lambda h: ((h > 0).all(), (h[0] > 0).any(), h[0] * 2),
+        lambda h: h[0] * h.argmax() + h[1].argmax(),  # (a 0-dim value's argmax: 0)
+        lambda h: h.round().max() + h[0],  # (ties: the gradient split among them)
+        lambda h: h.sum() + h.mean() + torch.amin(h[None]) + h[None].amax(),
+    ],
+)
+def test_whole_value_max_min_all_any_run_directly_and_equal_eager(reduce, monkeypatch):
+    """``max()``, ``min()``, ``all()``, ``any()``, ``argmax()``, ``sum()``, ``mean()``,
+    ``amax()`` and ``amin()`` over a whole per-example value (of any rank; 0-dim too, but
+    for the sum and mean) run as one direct call on the group (not under vmap); values and
+    gradients equal eager (float64), per example and recorded once."""
+    lin = nn.Linear(3, 4)
+    vmapped = []
+    real = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real(f, *a, **k)
+    )
+    xs = torch.randn(6, 3) * 2
+    assert_same(lambda x: reduce(lin(x)), list(lin.parameters()), xs)
+    assert not vmapped
+
+
+def _recordings(monkeypatch):
+    """The count of recordings of a function on lazy rows (the per-example path records
+    none), and of examples started per example (coroutines or one after another)."""
+    from fold.autobatch import driver, traced
+
+    counts = {"once": 0, "per example": 0}
+    real_once, real_example = traced._record_once, driver._example
+
+    def once(*args, **kwargs):
+        counts["once"] += 1
+        return real_once(*args, **kwargs)
+
+    def example(*args, **kwargs):
+        counts["per example"] += 1
+        return real_example(*args, **kwargs)
+
+    monkeypatch.setattr(traced, "_record_once", once)
+    monkeypatch.setattr(driver, "_example", example)
+    return counts
+
+
+class _EarlyExit(nn.Module):
+    """An early-exit classifier written for one example: where the first head is confident
+    it answers, else the example goes on through a second block (a read: ``if``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.head1 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.second, self.head2 = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        p = torch.softmax(self.head1(h), -1)
+        if p.max() > 0.4:
+            return p
+        return torch.softmax(self.head2(torch.relu(self.second(h)) + h), -1)
+
+
+@pytest.mark.parametrize("rows", ["tensor", "list"])
+def test_reads_of_tensor_rows_run_in_lockstep_split_where_rows_disagree(rows, monkeypatch):
+    """Tensor rows (a tensor, or a Dataset's list of samples of one shape) whose function
+    reads: recorded once for all rows, a read runs what is recorded so far and the rows go
+    on in lockstep; where they read different values (an early exit taken by some), the
+    function is recorded again for each group of rows that read one value, from the values
+    computed so far.  Values and gradients (parameters, inputs) equal eager (float64), and
+    no example is recorded on its own."""
+    torch.manual_seed(0)
+    model = _EarlyExit().double()
+    x = torch.randn(12, 6, dtype=torch.float64) * 2
+    took = [bool(torch.softmax(model.head1(torch.relu(model.first(r))), -1).max() > 0.4) for r in x]
+    assert 0 < sum(took) < len(took)  # (both paths taken)
+    counts = _recordings(monkeypatch)
+    xs = x if rows == "tensor" else list(x)
+    got = fold.autobatch(model, xs)
+    assert counts == {"once": 3, "per example": 0}  # all rows, then each group
+    want = torch.stack([model(r) for r in x])
+    torch.testing.assert_close(got, want)
+    leaf = x.clone().requires_grad_()
+    w = torch.randn_like(want)
+    grads = torch.autograd.grad(
+        (fold.autobatch(model, leaf) * w).sum(), [leaf, *model.parameters()]
+    )
+    want_grads = torch.autograd.grad(
+        (torch.stack([model(r) for r in leaf]) * w).sum(), [leaf, *model.parameters()]
+    )
+    for g, h in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, h)
+
+
+def test_lockstep_reads_that_agree_record_once_and_nested_splits_equal_eager(monkeypatch):
+    """Reads every row agrees on (a flag that holds for all) cost no split; reads that split
+    the rows again inside a group (an int that picks how many steps, then a sign), and
+    ``.tolist()`` reads, each group recorded from what its rows read before: values and
+    gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    x = torch.randn(32, 4, dtype=torch.float64)
+
+    def fn(r):
+        h = torch.tanh(lin(r))
+        if (h.abs() <= 1).all():  # every row: no split
+            h = h * 2
+        for _ in range(int(r.argmax()) % 2 + 1):  # one or two steps
+            h = torch.tanh(lin(h))
+        if h.sum() > 0:  # (groups split again)
+            h = h + 1
+        first = (h[:1] > 0).tolist()
+        return h * (1.0 + first[0]), h.sum()
+
+    counts = _recordings(monkeypatch)
+    assert_same(fn, list(lin.parameters()), x)
+    assert counts["per example"] == 32  # (assert_same's per_example=True run alone)
+    assert 1 + 2 + 4 < counts["once"] <= 1 + 16  # (splits into 2, 4, then up to 8 groups)
+
+
+def test_lockstep_gives_way_to_examples_recorded_one_by_one(monkeypatch):
+    """Where the rows' reads split them into too many groups (a read of a float that
+    differs in every row), or a call that changes a module's buffers would run before a
+    read (a batch norm in training), the examples are recorded one by one as before: the
+    results equal eager, and the batch norm's statistics count each example once."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    x = torch.randn(16, 4, dtype=torch.float64)
+
+    def scaled(r):
+        h = lin(r)
+        return h * float(h.detach().sum())  # (a Python float per row)
+
+    counts = _recordings(monkeypatch)
+    assert_same(scaled, list(lin.parameters()), x)
+    assert counts["per example"] >= 16
+
+    norm, twin = nn.BatchNorm1d(4).double(), nn.BatchNorm1d(4).double()
+    xs = torch.randn(5, 3, 4, dtype=torch.float64)
+
+    def normed(m):
+        def fn(r):
+            h = m(r)
+            if bool(h[0, 0] > 0):  # (rows disagree)
+                h = h * 2
+            return h.sum()
+
+        return fn
+
+    torch.testing.assert_close(fold.autobatch(normed(norm), xs), eager_stack(normed(twin), xs))
+    torch.testing.assert_close(norm.running_mean, twin.running_mean)
+    torch.testing.assert_close(norm.running_var, twin.running_var)
+    assert int(norm.num_batches_tracked) == int(twin.num_batches_tracked) == 5
+
+
+@pytest.mark.parametrize(
     "flatten",
     [
         lambda r: r.flatten(),

@@ -284,13 +284,13 @@ def test_batch_norm_groups_in_training_run_as_one_computation(monkeypatch, path)
     fold.autobatch(fn(b), xs)  # (shapes inferred)
     a.load_state_dict(b.state_dict())  # (the same state on both sides again)
     calls = []
-    real = nn.BatchNorm1d.forward
+    real = F.batch_norm  # (what the module's forward calls)
 
-    def counted(self, x):
+    def counted(x, *args, **kwargs):
         calls.append(tuple(x.shape))
-        return real(self, x)
+        return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(nn.BatchNorm1d, "forward", counted)
+    monkeypatch.setattr(torch.nn.modules.batchnorm.F, "batch_norm", counted)
     want = torch.stack([fn(a)(x) for x in xs])
     calls.clear()
     got = fold.autobatch(fn(b), xs)

@@ -171,8 +171,17 @@ How a call is recorded (the choices the contract leaves open):
   (direct, vmap, batched) a group of those calls runs in; values made inside ``fn`` that
   depend on no row are the same for every example and are repeated over the batch.  This
   is what ``torch.vmap(fn)(images, labels)`` computes, without vmap's per-op cost where a
-  call runs directly.  It falls back to recording per example, which gives the same values
-  (or the error naming the example), where ``fn`` reads a row (``int(label)``), changes one in
+  call runs directly.  A read (``if p.max() > 0.5:``, ``int(label)``) runs the calls recorded
+  so far on the whole batch (``traced._Lockstep``): where every row reads one value, ``fn``
+  goes on with it, the rows in lockstep; where the rows disagree, ``fn`` is recorded again
+  for each group of rows that read one value (each earlier read answered as it was, the
+  calls run before reused for the group's rows, not run again), and the groups' results go
+  back in the rows' order.  It falls back to recording per example, which gives the same
+  values (or the error naming the example), where the reads split the rows into more groups
+  than half the rows (``float`` of a value that differs in every row), a call that may
+  change a module's buffers (a batch norm in training) would run before a read or in a
+  group, the groups return results of different structures or shapes, given the same reads
+  ``fn`` records other calls (it is not pure), ``fn`` changes a row in
   place, draws random numbers eagerly (``torch.randn(3)`` with no lazy argument: one draw
   would be shared by every example; the random state is put back, so per example it draws
   what eager code draws), returns something other than tensors and numbers, gives a
@@ -182,8 +191,8 @@ How a call is recorded (the choices the contract leaves open):
   torch's default generators are checked: a draw from Python's ``random`` or numpy inside
   ``fn`` (a coin flip for augmentation) is made once and shared by every row; checking
   their states costs 30-90 us a call, so such code should pass ``per_example=True``.
-  Consequences: ``fn`` runs once, not once per example (its side effects happen once; as
-  elsewhere the functions are taken as pure), and results may be views of the inputs where
+  Consequences: ``fn`` runs once per group of rows, not once per example (its side effects
+  happen so; as elsewhere the functions are taken as pure), and results may be views of the inputs where
   a call returns one (``x[0]``), as under vmap.  ``autobatch(..., per_example=True)`` always
   records per example.  Rows of unequal tensors pair up as ``zip`` pairs them.
 """

@@ -373,6 +373,9 @@ class _Recorder:
         # once its round has run, values: node -> (the round's output, row).
         self.session = session
         self.values: dict[Any, tuple[torch.Tensor, int]] | None = None
+        # Where this recorder records a function once for a whole batch of rows whose reads
+        # run the recording so far (traced._Lockstep): its reads' values come from there.
+        self.lockstep: Any = None
         self.rows_of: dict[Any, torch.Tensor] = {}  # node -> its row of values, made once
         # node -> its row of values as a batch-of-one literal of a later round, made once
         self.literals: dict[Any, torch.Tensor] = {}

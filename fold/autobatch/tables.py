@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from typing import Any
 
@@ -284,9 +285,16 @@ def _direct_template(
         args[pos] = d
     elif default is not None:
         kwargs[name] = default + 1
+    elif fn in _WHOLE_REDUCTIONS and ndims != {0}:  # (x.sum(): over all of each example)
+        kwargs[name] = tuple(range(1, ndims.pop() + 1))
     else:
         return None
     return args, kwargs
+
+
+# Reductions that take a tuple of dims: over a whole per-example value (no dim given), the
+# dims past the batch dim.  (A 0-dim value keeps vmap: torch reads dim=() as every dim.)
+_WHOLE_REDUCTIONS = _functions("sum mean amax amin", torch, torch.Tensor)
 
 
 def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> str:
@@ -739,8 +747,26 @@ def _arg_extreme_group(fn: Any) -> Any:
 
     def run(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
         if dim is None:
-            return fn(x.flatten(1), 1)
+            return fn(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)
         return fn(x, dim + 1 if dim >= 0 else dim, keepdim)
+
+    return run
+
+
+def _whole_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``max``/``min``/``all``/``any`` of one per-example value over all of it (``p.max() >
+    0.5``, ``mask.all()``: one number; ``max`` with a dim returns values and indices, left
+    to vmap)."""
+    return len(args) == 1 and not kwargs and type(args[0]) is _Slot
+
+
+def _whole_extreme_group(fn: Any) -> Any:
+    """``fn`` (torch.amax, amin, all or any) along dim 1 of each example's values, flattened
+    past the batch dim: a group's ``max()``/``min()`` (NaN propagates, as there), ``all()``,
+    ``any()``."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return fn(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)
 
     return run
 
@@ -782,6 +808,18 @@ _GROUP_CALLS: dict[Any, Any] = {
     **{
         f: (_arg_extreme_fits, _arg_extreme_group(torch.argmin))
         for f in _functions("argmin", torch, torch.Tensor)
+    },
+    **{
+        f: (_whole_extreme_fits, _whole_extreme_group(torch.amax))
+        for f in _functions("max", torch, torch.Tensor)
+    },
+    **{
+        f: (_whole_extreme_fits, _whole_extreme_group(torch.amin))
+        for f in _functions("min", torch, torch.Tensor)
+    },
+    **{
+        f: (_whole_extreme_fits, _whole_extreme_group(getattr(torch, f.__name__)))
+        for f in _functions("all any", torch, torch.Tensor)
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},

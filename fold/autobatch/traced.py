@@ -78,6 +78,145 @@ class _Untraceable(Exception):
     """A recording on lazy rows that cannot stand for every example (see ``_traced``)."""
 
 
+class _Diverged(BaseException):
+    """A read whose rows disagree, while a function is recorded once for a batch of rows
+    (see ``_Lockstep``): ``answers``, the values every row read before it; ``groups``, per
+    value read, one row's value and the rows that read it; ``calls`` and ``values``, the
+    calls run for the read and the values of all rows they made.  A BaseException: the
+    function's own ``except Exception`` must not take it."""
+
+    def __init__(
+        self,
+        answers: list[Any],
+        groups: list[tuple[Any, list[int]]],
+        calls: list[Any],
+        values: list[Any],
+    ) -> None:
+        super().__init__("the rows read different values")
+        self.answers, self.groups, self.calls, self.values = answers, groups, calls, values
+
+
+class _Lockstep:
+    """The reads of a function recorded once for a batch of ``n`` rows (``_traced``): a read
+    (``bool``, ``int``, ``.item()``, ``if t:``) runs the calls recorded so far on the batch
+    and gives every row's value; where all rows read one value, the recording goes on with
+    it (the rows in lockstep), else ``_Diverged``, and the caller records the function again
+    for each group of rows that read one value, each read before answered as it was
+    (``answers``: per read, one row's value, all rows' alike).  The function must be pure
+    for that (as recording once takes it to be): given the same reads, the same calls."""
+
+    __slots__ = ("trace", "inputs", "n", "answers", "values", "done", "reads", "prefix", "partial")
+
+    def __init__(
+        self,
+        trace: _Trace,
+        inputs: list[torch.Tensor],
+        n: int,
+        answers: list[Any],
+        prefix: tuple[list[Any], list[Any], torch.Tensor] | None = None,
+    ) -> None:
+        self.trace, self.inputs, self.n, self.answers = trace, inputs, n, answers
+        self.values: list[Any] | None = None
+        self.done = 0  # calls run so far
+        self.reads = 0
+        # (calls, their values, these rows' indices there): where a recording for more rows
+        # ran the same calls before its read diverged; their values are these rows' of
+        # those, not run again (a call that changes a module's state runs once per row).
+        self.prefix = prefix
+        self.partial = bool(answers)  # (a group of the rows: answers it was given)
+
+    def run(self, final: bool = False) -> list[Any]:
+        """The values of every handle recorded so far (the calls not run yet, run).  A call
+        that may change a module's buffers (a batch norm in training) runs only in the last
+        run of a recording that read no value its rows disagreed on (``final``, no
+        ``answers`` a group of rows was given): anywhere else, the recording may yet give
+        way to recording per example, which would run it again (``_Untraceable`` first)."""
+        trace = self.trace
+        if not final or self.prefix is not None or self.partial:
+            for call in trace.calls[self.done :]:
+                if call[0].buffers() is not None:
+                    raise _Untraceable(f"{call[0].name} may change buffers, and the rows read")
+        if self.prefix is not None:
+            calls, values, index = self.prefix
+            self.prefix = None
+            if not _same_calls(trace.calls[: len(calls)], calls):
+                raise _Untraceable("given the same reads, the function recorded other calls")
+            self.values = [None if v is None else v.index_select(0, index) for v in values]
+            self.done = len(calls)
+        if self.values is None or self.done < len(trace.calls) or len(self.values) < trace.size:
+            self.values = trace.run(self.inputs, self.n, self.values, self.done)
+            self.done = len(trace.calls)
+        return self.values
+
+    def read(self, x: Lazy, convert: Callable[[Any], Any], numbers: bool) -> Any:
+        """``convert`` of lazy value ``x``'s rows (numbers: one number per row, from one
+        ``tolist``; else each row's tensor), where they agree."""
+        k = self.reads
+        self.reads += 1
+        if k < len(self.answers):
+            return convert(self.answers[k])
+        v = self.run()[x.node.i]
+        if v.requires_grad:
+            v = v.detach()
+        rows = v.reshape(self.n).tolist() if numbers else list(v.unbind(0))
+        groups: dict[Any, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(_hashable(convert(row)), []).append(i)
+        if len(groups) > 1:
+            raise _Diverged(
+                self.answers,
+                [(rows[g[0]], g) for g in groups.values()],
+                self.trace.calls[: self.done],
+                self.values,  # type: ignore[arg-type]
+            )
+        self.answers.append(rows[0])
+        return convert(rows[0])
+
+
+def _same_calls(mine: list[Any], theirs: list[Any]) -> bool:
+    """Whether two recordings' calls are the same: ops, arguments (handles by index,
+    literals by value) and outputs."""
+    if len(mine) != len(theirs):
+        return False
+    for (op, args, first, outputs), (op2, args2, first2, outputs2) in zip(mine, theirs):
+        if op is not op2 or first != first2 or outputs != outputs2 or not _same_arg(args, args2):
+            return False
+    return True
+
+
+def _same_arg(x: Any, y: Any) -> bool:
+    t = type(x)
+    if t is not type(y):
+        return False
+    if t is _Handle:
+        return x.i == y.i
+    if t is list or t is tuple:
+        return len(x) == len(y) and all(_same_arg(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        return x is y or (
+            x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y)
+        )
+    try:
+        return bool(x == y)
+    except Exception:  # (a value without a plain equality)
+        return False
+
+
+def _hashable(value: Any) -> Any:
+    """A read's value as a key that equal values share (lists as tuples, arrays by their
+    bytes); ``_Untraceable`` for a value of another kind."""
+    t = type(value)
+    if t in (bool, int, float, complex, str) or value is None:
+        return value
+    if t in (list, tuple):
+        return (t, tuple([_hashable(v) for v in value]))
+    if t.__module__ == "numpy" or isinstance(value, torch.Tensor):
+        a = value.numpy() if isinstance(value, torch.Tensor) else value
+        if hasattr(a, "tobytes") and hasattr(a, "dtype"):
+            return ("array", str(a.dtype), getattr(a, "shape", ()), a.tobytes())
+    raise _Untraceable(f"a read of a {t.__name__}")
+
+
 class _Trace:
     """What a recorder records into, in place of a Fold, when autobatch records ``fn`` once
     on lazy rows: the calls in order, each with its arguments (handles of earlier outputs, or
@@ -102,13 +241,19 @@ class _Trace:
 
         return record
 
-    def run(self, inputs: list[torch.Tensor], n: int) -> list[Any]:
+    def run(
+        self, inputs: list[torch.Tensor], n: int, values: list[Any] | None = None, start: int = 0
+    ) -> list[Any]:
         """Every call once, on the whole batch of ``n`` examples, in recording order; the
         values of all handles.  Outputs are checked against the shapes inferred while
-        recording (``_Untraceable`` where they differ)."""
-        values: list[Any] = [*inputs, *([None] * (self.size - len(inputs)))]
+        recording (``_Untraceable`` where they differ).  With ``values`` (what an earlier
+        run returned), the calls from ``start`` on run, the earlier ones' values kept."""
+        if values is None:
+            values = [*inputs, *([None] * (self.size - len(inputs)))]
+        else:
+            values.extend([None] * (self.size - len(values)))
         handle = _Handle
-        for op, args, first, outputs in self.calls:
+        for op, args, first, outputs in self.calls[start:]:
             out = op(
                 *[
                     values[a.i] if type(a) is handle else _batch_value(a, values, n, op, inputs)
@@ -185,7 +330,10 @@ def _call_programs() -> Any:
 
 
 def _record_once(
-    fn: Callable[..., Any], metas: list[_Meta], modules: bool = True
+    fn: Callable[..., Any],
+    metas: list[_Meta],
+    modules: bool = True,
+    rows: tuple[Any, ...] | None = None,
 ) -> tuple[_Recorder, _Trace, Any]:
     """``fn`` called once on lazy values of these metas, recorded into a :class:`_Trace`
     (the recording that stands for many calls: a whole batch of tensor rows, or every group
@@ -197,6 +345,8 @@ def _record_once(
     forward makes."""
     trace = _Trace(len(metas))
     rec = _Recorder(trace)
+    if rows is not None:  # (the batch's inputs, its size, the reads answered before, ...)
+        rec.lockstep = _Lockstep(trace, *rows)
     lazies = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
     outer = _LOCAL.rec
     _LOCAL.rec = rec
@@ -210,7 +360,7 @@ def _record_once(
                 out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
-    except Exception:
+    except BaseException:
         _rng_restore(rng)
         raise
     finally:
@@ -303,26 +453,113 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     # with module calls as one call each, and is remembered for the next calls.
     modules = key in _WITH_MODULES
     try:
-        rec, trace, out = _record_once(fn, metas, modules)
+        out, spec = _rows_run(fn, metas, modules, key, inputs, n, [], [_paths(n)])
+    except Exception as err:
+        return _untraceable(key, "recording or running", err)
+    return out[0] if spec is _LEAF_SPEC else pytree.tree_unflatten(out, spec)
+
+
+def _paths(n: int) -> int:
+    """How many groups of rows, in all, a function recorded once for ``n`` rows may be
+    recorded again for where its reads' rows disagree (see ``_partitioned``), before the
+    examples are recorded one by one instead (each recording costs about what one example's
+    costs)."""
+    return max(2, n // 2)
+
+
+def _rows_run(
+    fn: Callable[..., Any],
+    metas: list[_Meta],
+    modules: bool,
+    key: tuple[Any, ...],
+    inputs: list[torch.Tensor],
+    n: int,
+    answers: list[Any],
+    budget: list[int],
+    prefix: tuple[list[Any], list[Any], torch.Tensor] | None = None,
+) -> tuple[list[Any], Any]:
+    """``fn`` recorded once for the ``n`` rows of ``inputs`` and run: its results for all
+    rows, flat, and their structure.  Its reads run what is recorded so far (see
+    ``_Lockstep``; ``answers``: the values of the reads made before, every row's alike;
+    ``prefix``: the calls run before them, for more rows); where the rows of a read
+    disagree, ``_partitioned``.
+
+    First without autobatch's wrapper over nn.Module.__call__ (installing it costs ~50 us and
+    the method caches of every module class): module calls record as the torch calls their
+    forward makes.  Where one of those has no direct form (it would run under vmap: an
+    nn.LSTM's _VF.lstm, an op without a batching rule), the function is recorded again with
+    module calls as one call each, and is remembered for the next calls."""
+    try:
+        rec, trace, out = _record_once(fn, metas, modules, (inputs, n, list(answers), prefix))
         if not modules and any(c[0].mode is _VMAP and c[0].kind == "torch" for c in trace.calls):
             if len(_WITH_MODULES) >= _UNTRACEABLE_MAX:
                 _WITH_MODULES.clear()
             _WITH_MODULES.add(key)
-            rec, trace, out = _record_once(fn, metas, True)
-    except Exception as err:
-        return _untraceable(key, "recording", err)
+            if prefix is None and not rec.lockstep.reads:  # (else calls ran: kept as they are)
+                modules = True
+                rec, trace, out = _record_once(fn, metas, True, (inputs, n, []))
+    except _Diverged as diverged:
+        return _partitioned(fn, metas, modules, key, inputs, diverged, budget)
     leaves, spec = _flatten(out)
-    try:
-        rec.check_aliases()  # (recording per example then names the example)
-        if any(c[0].kind is _PER_EXAMPLE for c in trace.calls):
-            with _call_programs():
-                values = trace.run(inputs, n)
-        else:  # no @batchable program to record (the scope costs a few us a call)
-            values = trace.run(inputs, n)
-        out = [_trace_output(v, values, n, rec) for v in leaves]
-    except Exception as err:
-        return _untraceable(key, "running", err)
-    return out[0] if spec is _LEAF_SPEC else pytree.tree_unflatten(out, spec)
+    rec.check_aliases()  # (recording per example then names the example)
+    if any(c[0].kind is _PER_EXAMPLE for c in trace.calls):
+        with _call_programs():
+            values = rec.lockstep.run(True)
+    else:  # no @batchable program to record (the scope costs a few us a call)
+        values = rec.lockstep.run(True)
+    return [_trace_output(v, values, n, rec) for v in leaves], spec
+
+
+def _partitioned(
+    fn: Callable[..., Any],
+    metas: list[_Meta],
+    modules: bool,
+    key: tuple[Any, ...],
+    inputs: list[torch.Tensor],
+    diverged: _Diverged,
+    budget: list[int],
+) -> tuple[list[Any], Any]:
+    """The results of ``fn`` for rows whose read disagreed: recorded and run again for each
+    group of rows that read one value (their rows of the inputs), the groups' results put
+    back in the rows' order.  ``_Untraceable`` where the groups would pass ``budget`` (see
+    ``_paths``), or return results of different structures or shapes (stack=True: recorded
+    per example, the error names the example)."""
+    groups = diverged.groups
+    budget[0] -= len(groups)
+    if budget[0] < 0:
+        raise _Untraceable("its reads split the rows into too many groups")
+    device = inputs[0].device
+    parts = []
+    # (installed once for the groups' recordings, each of which would install it again)
+    with _installed() if modules else contextlib.nullcontext():
+        for row, members in groups:
+            index = torch.tensor(members, device=device)
+            sub = [t.index_select(0, index) for t in inputs]
+            answers = [*diverged.answers, row]
+            prefix = (diverged.calls, diverged.values, index)
+            parts.append(
+                _rows_run(fn, metas, modules, key, sub, len(members), answers, budget, prefix)
+            )
+    spec = parts[0][1]
+    if any(p[1] != spec for p in parts):
+        raise _Untraceable("groups of rows returned results of different structures")
+    order = torch.tensor([i for _, members in groups for i in members])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    out: list[Any] = []
+    for j, first in enumerate(parts[0][0]):
+        column = [p[0][j] for p in parts]
+        if first is None:
+            if any(c is not None for c in column):
+                raise _Untraceable("groups of rows returned None and tensors")
+            out.append(None)
+            continue
+        if any(
+            c is None or c.shape[1:] != first.shape[1:] or c.dtype != first.dtype for c in column
+        ):
+            raise _Untraceable("groups of rows returned results of different shapes")
+        out.append(torch.cat(column).index_select(0, inverse.to(first.device)))
+    return out, spec
 
 
 def _same_rows(items: Any) -> torch.Tensor | None:

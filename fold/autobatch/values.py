@@ -356,6 +356,8 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         inside an example that autobatch runs as a coroutine (see driver), the example
         pauses until the round that computes it; else a FoldError naming the fix."""
         rec = self.rec
+        if rec.lockstep is not None:  # recorded once for all rows: the rows' value
+            return rec.lockstep.read(self, convert, False)
         value = _value_of(self)
         if value is None and rec.session is not None and rec.session.pause(self):
             value = _value_of(self)
@@ -391,6 +393,8 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
             m.ndim == 0 or m.shape.numel() == 1
         ):
             rec = self.rec
+            if rec.lockstep is not None:  # recorded once for all rows: the rows' number
+                return rec.lockstep.read(self, convert, True)
             if rec.values is None and rec.session is not None:
                 rec.session.pause(self)
             if rec.values is not None:
