@@ -741,9 +741,11 @@ def _arg_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return (dim is None and keepdim is False) or (type(dim) is int and type(keepdim) is bool)
 
 
-def _arg_extreme_group(fn: Any) -> Any:
-    """``fn`` (torch.argmax or argmin) for a group: over each example's values (flattened
-    past the batch dim), or along its dim moved past the batch dim."""
+def _extreme_group(fn: Any) -> Any:
+    """``fn`` (torch.argmax, argmin, amax, amin, all or any) for a group: over each
+    example's values (flattened past the batch dim: ``argmax()``, and ``max()``, ``min()``,
+    ``all()``, ``any()``, whose NaN propagates as there), or along its dim moved past the
+    batch dim."""
 
     def run(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
         if dim is None:
@@ -758,17 +760,6 @@ def _whole_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
     0.5``, ``mask.all()``: one number; ``max`` with a dim returns values and indices, left
     to vmap)."""
     return len(args) == 1 and not kwargs and type(args[0]) is _Slot
-
-
-def _whole_extreme_group(fn: Any) -> Any:
-    """``fn`` (torch.amax, amin, all or any) along dim 1 of each example's values, flattened
-    past the batch dim: a group's ``max()``/``min()`` (NaN propagates, as there), ``all()``,
-    ``any()``."""
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return fn(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)
-
-    return run
 
 
 def _cat_shared_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -802,23 +793,23 @@ def _cat_shared_group(tensors: Any, dim: int = 0) -> torch.Tensor:
 _GROUP_CALLS: dict[Any, Any] = {
     **{f: (_cat_shared_fits, _cat_shared_group) for f in _functions("cat concat", torch)},
     **{
-        f: (_arg_extreme_fits, _arg_extreme_group(torch.argmax))
+        f: (_arg_extreme_fits, _extreme_group(torch.argmax))
         for f in _functions("argmax", torch, torch.Tensor)
     },
     **{
-        f: (_arg_extreme_fits, _arg_extreme_group(torch.argmin))
+        f: (_arg_extreme_fits, _extreme_group(torch.argmin))
         for f in _functions("argmin", torch, torch.Tensor)
     },
     **{
-        f: (_whole_extreme_fits, _whole_extreme_group(torch.amax))
+        f: (_whole_extreme_fits, _extreme_group(torch.amax))
         for f in _functions("max", torch, torch.Tensor)
     },
     **{
-        f: (_whole_extreme_fits, _whole_extreme_group(torch.amin))
+        f: (_whole_extreme_fits, _extreme_group(torch.amin))
         for f in _functions("min", torch, torch.Tensor)
     },
     **{
-        f: (_whole_extreme_fits, _whole_extreme_group(getattr(torch, f.__name__)))
+        f: (_whole_extreme_fits, _extreme_group(getattr(torch, f.__name__)))
         for f in _functions("all any", torch, torch.Tensor)
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),

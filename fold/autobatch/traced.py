@@ -113,17 +113,17 @@ class _Lockstep:
         inputs: list[torch.Tensor],
         n: int,
         answers: list[Any],
-        prefix: tuple[list[Any], list[Any], torch.Tensor] | None = None,
+        prefix: tuple[list[Any], list[Any]] | None = None,
     ) -> None:
         self.trace, self.inputs, self.n, self.answers = trace, inputs, n, answers
         self.values: list[Any] | None = None
         self.done = 0  # calls run so far
         self.reads = 0
-        # (calls, their values, these rows' indices there): where a recording for more rows
-        # ran the same calls before its read diverged; their values are these rows' of
-        # those, not run again (a call that changes a module's state runs once per row).
+        # (calls, these rows' values of them): where a recording for more rows ran the same
+        # calls before its read diverged; their values are not made again (a call that
+        # changes a module's state runs once per row).
         self.prefix = prefix
-        self.partial = bool(answers)  # (a group of the rows: answers it was given)
+        self.partial = prefix is not None  # (a group of the rows)
 
     def run(self, final: bool = False) -> list[Any]:
         """The values of every handle recorded so far (the calls not run yet, run).  A call
@@ -132,17 +132,16 @@ class _Lockstep:
         ``answers`` a group of rows was given): anywhere else, the recording may yet give
         way to recording per example, which would run it again (``_Untraceable`` first)."""
         trace = self.trace
-        if not final or self.prefix is not None or self.partial:
+        if not final or self.partial:
             for call in trace.calls[self.done :]:
                 if call[0].buffers() is not None:
                     raise _Untraceable(f"{call[0].name} may change buffers, and the rows read")
         if self.prefix is not None:
-            calls, values, index = self.prefix
+            calls, values = self.prefix
             self.prefix = None
             if not _same_calls(trace.calls[: len(calls)], calls):
                 raise _Untraceable("given the same reads, the function recorded other calls")
-            self.values = [None if v is None else v.index_select(0, index) for v in values]
-            self.done = len(calls)
+            self.values, self.done = list(values), len(calls)
         if self.values is None or self.done < len(trace.calls) or len(self.values) < trace.size:
             self.values = trace.run(self.inputs, self.n, self.values, self.done)
             self.done = len(trace.calls)
@@ -476,7 +475,7 @@ def _rows_run(
     n: int,
     answers: list[Any],
     budget: list[int],
-    prefix: tuple[list[Any], list[Any], torch.Tensor] | None = None,
+    prefix: tuple[list[Any], list[Any]] | None = None,
 ) -> tuple[list[Any], Any]:
     """``fn`` recorded once for the ``n`` rows of ``inputs`` and run: its results for all
     rows, flat, and their structure.  Its reads run what is recorded so far (see
@@ -502,10 +501,9 @@ def _rows_run(
         return _partitioned(fn, metas, modules, key, inputs, diverged, budget)
     leaves, spec = _flatten(out)
     rec.check_aliases()  # (recording per example then names the example)
-    if any(c[0].kind is _PER_EXAMPLE for c in trace.calls):
-        with _call_programs():
-            values = rec.lockstep.run(True)
-    else:  # no @batchable program to record (the scope costs a few us a call)
+    # (the scope of @batchable programs only where one runs: it costs a few us a call)
+    programs = any(c[0].kind is _PER_EXAMPLE for c in trace.calls)
+    with _call_programs() if programs else contextlib.nullcontext():
         values = rec.lockstep.run(True)
     return [_trace_output(v, values, n, rec) for v in leaves], spec
 
@@ -534,9 +532,11 @@ def _partitioned(
     with _installed() if modules else contextlib.nullcontext():
         for row, members in groups:
             index = torch.tensor(members, device=device)
-            sub = [t.index_select(0, index) for t in inputs]
+            # The group's rows of every value made so far, its inputs first.
+            values = [None if v is None else v.index_select(0, index) for v in diverged.values]
+            sub = values[: len(inputs)]
             answers = [*diverged.answers, row]
-            prefix = (diverged.calls, diverged.values, index)
+            prefix = (diverged.calls, values)
             parts.append(
                 _rows_run(fn, metas, modules, key, sub, len(members), answers, budget, prefix)
             )
