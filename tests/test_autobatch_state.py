@@ -300,3 +300,103 @@ def test_batch_norm_groups_in_training_run_as_one_computation(monkeypatch, path)
     want.sum().backward()
     got.sum().backward()
     _assert_grads_equal(a, b)
+
+
+class _Doubled(nn.BatchNorm1d):
+    """A batch norm subclass with a forward of its own (``super().forward``)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _OwnNorm(nn.Module):
+    """A norm of one's own: ``F.batch_norm`` in training on buffers it holds."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(c))
+        self.register_buffer("var", torch.ones(c))
+        self.weight = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, self.weight, None, self.training, 0.3, 1e-5)
+
+
+class _Tripled(nn.InstanceNorm1d):
+    def forward(self, x):
+        return super().forward(x) * 3
+
+
+_NORMS = {
+    "batch norm subclass": lambda: _Doubled(6),
+    "batch norm subclass, momentum None": lambda: _Doubled(6, momentum=None),
+    "F.batch_norm on own buffers": lambda: _OwnNorm(6),
+    "instance norm with running statistics": lambda: nn.InstanceNorm1d(
+        6, affine=True, track_running_stats=True
+    ),
+    "instance norm subclass": lambda: _Tripled(6, track_running_stats=True),
+}
+
+
+class _Channels(nn.Module):
+    """(N, L, C) -> (N, C, L): the layout an instance norm takes."""
+
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+def _read_before(m):
+    """A function that reads a value before it calls ``m`` (in the second round)."""
+
+    def fn(x):
+        h = x * 2 if float(x.sum()) > 0 else x
+        return m(h).pow(2).sum()
+
+    return fn
+
+
+@pytest.mark.parametrize("path", ["rows", "lists", "rounds"])
+@pytest.mark.parametrize("norm", list(_NORMS))
+def test_norms_of_ones_own_update_running_statistics_once_per_example(monkeypatch, norm, path):
+    """A norm that updates running statistics, reached otherwise than as a call of torch's
+    batch norm classes: a subclass's ``super().forward`` (its call count once per example
+    too), ``F.batch_norm`` on buffers of one's own, an instance norm with running
+    statistics (its class, or a subclass).  Values, gradients, running statistics and the
+    count equal eager's, on every path; where no read comes between, a group runs as one
+    computation (no per-example call of torch's norm).  (The subclass and the F.batch_norm
+    call ran under vmap on a copy of the statistics, which stayed as they were; the rows
+    path counted a subclass's calls once or twice for the whole batch; an instance norm
+    with running statistics ran one call per example.)"""
+    instance = "instance" in norm
+
+    def make():
+        layers = [nn.Linear(4, 6), _Channels(), _NORMS[norm]()]
+        return nn.Sequential(*(layers if instance else layers[::2]))
+
+    a, b = _twins(make)
+    # (Groups of several shapes run one after another; with a momentum, the running
+    # statistics weigh the calls in fold's order, which is eager's where the examples come
+    # in the order of their shapes: see the README.)
+    sizes = (2, 2, 3, 3, 4) if path == "lists" else (3,) * 5
+    xs = [torch.randn(k, 5, 4) if instance else torch.randn(k, 4) for k in sizes]
+    fn = _read_before if path == "rounds" else (lambda m: lambda x: m(x).pow(2).sum())
+    calls = []
+    for name in ("batch_norm", "instance_norm"):
+        real = getattr(torch, name)
+
+        def counted(*args, real=real, **kwargs):
+            calls.append(real)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, counted)
+    for step in range(2):  # (the first infers shapes: on fake tensors, torch's norm runs)
+        want = torch.stack([fn(a)(x) for x in xs])
+        calls.clear()
+        got = fold.autobatch(fn(b), xs)
+        if step and path != "rounds":
+            assert not calls  # (one computation per group)
+        torch.testing.assert_close(got, want)
+        _assert_state_equal(a, b)
+        want.sum().backward()
+        got.sum().backward()
+        _assert_grads_equal(a, b)

@@ -39,7 +39,7 @@ from fold.autobatch.common import (
     _any_autocast,
     _in_mode,
 )
-from fold.autobatch.patches import KEEPS_STATE, _call_module
+from fold.autobatch.patches import KEEPS_STATE, STATE_ARGS, _call_module
 from fold.autobatch.values import Lazy, _Meta
 from fold.errors import FoldError
 from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, version_of, zero_past
@@ -246,10 +246,18 @@ class _Buffers:
     @staticmethod
     def of(op: Any) -> _Buffers | None:
         """The buffers ``op``, a call, may change; None for a call that can change none."""
-        if op.kind != "module" or not isinstance(op.fn, nn.Module) or _stateless_module(op.fn):
+        module = op.fn
+        if op.kind == "torch":  # a function given what it changes (patches.STATE_ARGS)
+            at = STATE_ARGS.get(op.fn)
+            if at is None:
+                return None
+            module = op.args[at]
+        elif op.kind != "module" or not isinstance(module, nn.Module):
+            return None
+        elif _stateless_module(module):
             return None
         slots: list[tuple[nn.Module, str]] = []
-        _buffer_slots(op.fn, 0, slots)
+        _buffer_slots(module, 0, slots)
         return _Buffers(slots) if slots else None
 
     def key(self) -> tuple[bool, ...]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as _F
 
 from fold.autobatch.buffers import note_made
 from fold.autobatch.common import _C, _LOCAL, _MISS
@@ -164,7 +165,7 @@ def _installed() -> Any:
                     setattr(where, name, wrapper)
         p.users += 1
     try:
-        with _apply_installed:
+        with _apply_installed, norms_recorded:
             yield
     finally:
         with _PATCH_LOCK:
@@ -689,12 +690,15 @@ _BATCH_NORM_FORWARD = _BATCH_NORM.__dict__["forward"]
 
 
 def _norm_forward(self: Any, input: Any) -> Any:
-    """``_BatchNorm.forward`` while a function is recorded once without autobatch's module
-    wrapper (``traced._record_once``): a batch norm in training mode called on a lazy value
-    is recorded as one call of the module, as the wrapper records it, so that its forward
-    does not run once in eager code (it counts the call, ``num_batches_tracked``, before
-    the call is recorded: once for the whole batch).  A subclass with a forward of its own
-    runs it as before."""
+    """``_BatchNorm.forward`` while autobatch records: a batch norm in training mode called on
+    a lazy value is recorded as one call that normalises and counts, so that its forward
+    does not run as eager code, which would count the call (``num_batches_tracked``) once
+    where the function is recorded once for a whole batch of rows (``traced._record_once``,
+    without autobatch's module wrapper), and would hand its running statistics to the call
+    as data, updated in a copy.  A module of these classes exactly is recorded as a call of
+    itself (as the wrapper records it); a subclass whose forward reaches this one
+    (``super().forward(x)``) as a call of ``batch_norm_forward`` on it, whose group is one
+    call that counts every example (see tables._merged_batch_norm)."""
     rec = _LOCAL.rec
     if (
         type(input) is Lazy
@@ -702,10 +706,122 @@ def _norm_forward(self: Any, input: Any) -> Any:
         and not rec.paused
         and self.training
         and self.track_running_stats
-        and type(self).forward is _norm_forward
     ):
-        return rec.record(self, "module", (input,), {})
+        if type(self).forward is _norm_forward:
+            return rec.record(self, "module", (input,), {})
+        self._check_input_dim(input)
+        return rec.record(batch_norm_forward, "torch", (self, input), {})
     return _BATCH_NORM_FORWARD(self, input)
+
+
+def batch_norm_forward(module: Any, input: Any) -> Any:
+    """``_BatchNorm.forward`` of ``module`` (a subclass's ``super().forward(x)``): what a
+    call recorded by ``_norm_forward`` runs for one example."""
+    return _BATCH_NORM_FORWARD(module, input)
+
+
+class RunningStats:
+    """The running statistics a norm call of a function updates in place (``F.batch_norm``
+    in training, ``F.instance_norm`` with ``use_input_stats``: the tensors the caller holds,
+    a module's buffers), as a recorded call takes them: by identity, not as data (a copy
+    per example, updated in the copy).  It holds them as a module holds buffers
+    (``_buffers``, ``training``), so that what guards a module's buffers guards them (see
+    ops._Buffers).  One per tensors (``of``): the calls of every example on the same
+    statistics share it, and so their op."""
+
+    __slots__ = ("_buffers", "_modules", "kind", "training")
+
+    def __init__(self, kind: str, mean: torch.Tensor, var: torch.Tensor) -> None:
+        self.kind = kind  # "batch" or "instance"
+        self._buffers = {"running_mean": mean, "running_var": var}
+        self._modules: dict[str, Any] = {}
+        self.training = True
+
+    def __repr__(self) -> str:
+        return f"{self.kind} norm running statistics"
+
+    @staticmethod
+    def of(kind: str, mean: torch.Tensor, var: torch.Tensor) -> RunningStats:
+        key = (kind, id(mean), id(var))
+        stats = _RUNNING.get(key)
+        if stats is None or stats._buffers["running_mean"] is not mean:  # (an id reused)
+            if len(_RUNNING) >= 4096:
+                _RUNNING.clear()
+            stats = _RUNNING[key] = RunningStats(kind, mean, var)
+        return stats
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._buffers["running_mean"], self._buffers["running_var"]
+
+
+_RUNNING: dict[tuple[str, int, int], RunningStats] = {}
+
+
+def running_norm(
+    input: Any, weight: Any, bias: Any, momentum: float, eps: float, stats: RunningStats
+) -> Any:
+    """``F.batch_norm`` in training, or ``F.instance_norm`` with ``use_input_stats``, that
+    updates ``stats``: what such a call is recorded as (``norm_rewrite``), a torch function
+    of its own (its group: tables._running_norm_group)."""
+    if torch.overrides.has_torch_function_variadic(input, weight, bias):
+        return torch.overrides.handle_torch_function(
+            running_norm, (input, weight, bias), input, weight, bias, momentum, eps, stats
+        )
+    mean, var = stats.tensors()
+    norm = _F.batch_norm if stats.kind == "batch" else _F.instance_norm
+    return norm(input, mean, var, weight, bias, True, momentum, eps)
+
+
+def _updates(training: Any, mean: Any, var: Any) -> bool:
+    """Whether a norm call updates running statistics ``mean`` and ``var`` (eager tensors)."""
+    return (
+        type(training) in (bool, int)
+        and bool(training)
+        and type(mean) is torch.Tensor
+        and type(var) is torch.Tensor
+        and not (mean.requires_grad or var.requires_grad)
+    )
+
+
+def batch_norm_rewrite(
+    input: Any,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    """``F.batch_norm`` while recording: in training, with running statistics, recorded as
+    ``running_norm``; else as it is (``_MISS``)."""
+    if not _updates(training, running_mean, running_var):
+        return _MISS
+    stats = RunningStats.of("batch", running_mean, running_var)
+    return running_norm(input, weight, bias, momentum, eps, stats)
+
+
+def instance_norm_rewrite(
+    input: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    """``F.instance_norm`` while recording: with running statistics that it updates
+    (``use_input_stats``), recorded as ``running_norm``; else as it is (``_MISS``)."""
+    if not _updates(use_input_stats, running_mean, running_var):
+        return _MISS
+    stats = RunningStats.of("instance", running_mean, running_var)
+    return running_norm(input, weight, bias, momentum, eps, stats)
+
+
+# Torch functions recorded with the module (or statistics) they change, by the argument's
+# position: its buffers are guarded as a module call's are (ops._Buffers).
+STATE_ARGS = {batch_norm_forward: 0, running_norm: 5}
 
 
 # ``_norm_forward`` installed for the length of a ``with norms_recorded:`` (a class attribute

@@ -677,7 +677,9 @@ class _Recorder:
                 return _inplace_call(self, fn, args, kwargs)
             rewrite = _REWRITES.get(fn)
             if rewrite is not None:
-                return rewrite(*args, **kwargs)
+                out = rewrite(*args, **kwargs)
+                if out is not _MISS:
+                    return out
             if _reads(fn, args, kwargs):
                 out = self._read_call(fn, args, kwargs)
                 if out is not _MISS:

@@ -17,7 +17,14 @@ from torch.nn import functional as F
 from fold.autobatch import buffers
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _LOSSES, _fill, _Slot, _slots, _tensors
-from fold.autobatch.patches import _READ_FUNCTIONS, _call_module
+from fold.autobatch.patches import (
+    _READ_FUNCTIONS,
+    _call_module,
+    batch_norm_forward,
+    batch_norm_rewrite,
+    instance_norm_rewrite,
+    running_norm,
+)
 from fold.autobatch.values import _Meta
 from fold.errors import FoldError
 from fold.executor import ModelBatched
@@ -326,6 +333,18 @@ def _merged_batch_call(module: nn.Module, args: list[Any], kwargs: dict[str, Any
         if len(args) == 1 and type(x) is _Slot and not x.ragged and x.meta.ndim >= 2:
             return functools.partial(_merged_batch_norm, module)
         return None
+    if type(module) in _INSTANCE_NORMS:  # (in training, with running statistics)
+        x = args[0]
+        if (
+            module.training
+            and module.track_running_stats
+            and len(args) == 1
+            and type(x) is _Slot
+            and not x.ragged
+            and x.meta.ndim >= 2
+        ):
+            return functools.partial(_merged_instance_norm, module)
+        return None
     if isinstance(module, nn.RNNBase):
         dims = 3
     elif isinstance(module, _CELLS):
@@ -380,66 +399,147 @@ def _merged_rnn(module: nn.Module, sequences: bool, x: torch.Tensor, hx: Any = N
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 def _merged_batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """A group of calls of a batch norm (these classes exactly), each on a batch of its
-    example's own ``(N, C, *S)``, as ONE computation on the stacked ``(n, N, C, *S)``.  In
-    eval mode (running statistics) the examples' batches merged into one call.  Where the
-    norm uses the batch's statistics (training mode), each example normalised by its own
-    (over its N and S: torch's own kernel, each example's channels taken as channels of their
-    own), and the running statistics updated as the group's calls one after
-    another would update them, in closed form: with a momentum m, k calls give
-    ``(1 - m)^k r + sum_j m (1 - m)^(k-1-j) s_j``; without (``momentum=None``), the
-    cumulative average over the calls counted; the count grows by k.  (One call per example
-    under the loop did the same, at an eager call's cost each.)"""
+    """A group of calls of a batch norm (these classes exactly, or a subclass's
+    ``super().forward``: patches.batch_norm_forward), each on a batch of its example's own
+    ``(N, C, *S)``, as ONE computation on the stacked ``(n, N, C, *S)``.  In eval mode
+    (running statistics) the examples' batches merged into one call.  Where the norm uses
+    the batch's statistics (training mode), each example normalised by its own (see
+    ``_own_statistics``), and the running statistics updated as the group's calls one after
+    another would update them (``_update_running``); the count grows by k.  (One call per
+    example under the loop did the same, at an eager call's cost each.)"""
     n, per = x.shape[0], x.shape[1:]
     uses_batch = module.training or (module.running_mean is None and module.running_var is None)
     if not uses_batch:
-        return _call_module(module, x.flatten(0, 1)).unflatten(0, (n, per[0]))
-    channels = per[1]
-    count = x[0].numel() // channels  # (values per channel of one example: N times S)
-    if count <= 1:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {per}"
-        )
-    # Each example's channels as channels of their own, (1, n * C, N * S): torch's batch norm
-    # kernel then takes each example's statistics (a reduction over the dims around C, as
-    # var_mean would take them, cost 3-4x more), the affine parameters repeated per example.
-    by_channel = x.movedim(2, 1)  # (n, C, N, *S)
-    flat = by_channel.reshape(1, n * channels, -1)
-    weight = None if module.weight is None else module.weight.repeat(n)
-    bias = None if module.bias is None else module.bias.repeat(n)
-    out, mean, invstd = torch.native_batch_norm(
-        flat, weight, bias, None, None, True, 0.0, module.eps
-    )
+        # (a subclass's super().forward, recorded in training: its base forward alone)
+        forward = _call_module if type(module) in _BATCH_NORMS else batch_norm_forward
+        return forward(module, x.flatten(0, 1)).unflatten(0, (n, per[0]))
+    out, means, var, count = _own_statistics(x, module.weight, module.bias, module.eps, False)
     if module.training and module.track_running_stats:
-        var = invstd.detach().pow(-2) - module.eps  # (the biased variance)
-        _update_running(module, mean.detach().reshape(n, channels), var, count)
-    return out.reshape(by_channel.shape).movedim(1, 2)
-
-
-def _update_running(
-    module: nn.modules.batchnorm._BatchNorm, means: torch.Tensor, var: torch.Tensor, count: int
-) -> None:
-    """A batch norm's running statistics (and count of calls) after k calls whose batches'
-    statistics are ``means`` (k, C) and biased ``var``, in the order of their rows."""
-    k = means.shape[0]
-    with torch.no_grad():
-        means = means.to(module.running_mean.dtype)
-        variances = var.reshape(k, -1).to(module.running_var.dtype) * (count / (count - 1))
         calls = module.num_batches_tracked
         before = int(calls) if calls is not None else 0
         if calls is not None:
-            calls.add_(k)
-        m = module.momentum
-        for running, stats in ((module.running_mean, means), (module.running_var, variances)):
+            calls.add_(n)
+        running = (module.running_mean, module.running_var)
+        _update_running(*running, module.momentum, before, means, var, count)
+    return out
+
+
+def _merged_instance_norm(module: nn.modules.instancenorm._InstanceNorm, x: torch.Tensor) -> Any:
+    """A group of calls of an instance norm (these classes exactly) in training mode with
+    running statistics: each example's instances normalised by their own statistics, the
+    running statistics updated as the calls one after another would (``_own_statistics``,
+    ``_update_running``); an unbatched example ``(C, *S)`` as a batch of one."""
+    unbatched = x.dim() - 1 == module._get_no_batch_dim()
+    if unbatched:
+        x = x.unsqueeze(1)
+    momentum = module.momentum if module.momentum is not None else 0.0
+    out, means, var, count = _own_statistics(x, module.weight, module.bias, module.eps, True)
+    _update_running(module.running_mean, module.running_var, momentum, 0, means, var, count)
+    return out.squeeze(1) if unbatched else out
+
+
+def _running_norm_group(
+    x: torch.Tensor, weight: Any, bias: Any, momentum: float, eps: float, stats: Any
+) -> torch.Tensor:
+    """A group of ``patches.running_norm`` calls (``F.batch_norm`` in training, or
+    ``F.instance_norm``, on running statistics ``stats``), each on its example's ``(N, C,
+    *S)``: as ``_merged_instance_norm`` does for a module."""
+    out, means, var, count = _own_statistics(x, weight, bias, eps, stats.kind == "instance")
+    _update_running(*stats.tensors(), momentum, 0, means, var, count)
+    return out
+
+
+def _own_statistics(
+    x: torch.Tensor, weight: Any, bias: Any, eps: float, instance: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Each example of the stacked ``(n, N, C, *S)`` normalised as a batch norm in training
+    normalises it alone (over its N and S), or with ``instance``, each of its N instances
+    alone (over S), by one call of torch's kernel (the groups' channels taken as channels
+    of their own: a reduction over the dims around C, as var_mean would take it, cost 3-4x
+    more), the affine parameters repeated per group.  Returns the output, and per example
+    its statistics per channel (an instance norm's: the mean over its instances, as torch
+    takes them into the running statistics), the biased variance, and how many values
+    each statistic is over."""
+    n, channels = x.shape[0], x.shape[2]
+    if instance:
+        groups = n * x.shape[1]
+        flat = x.reshape(1, groups * channels, -1)
+    else:
+        groups = n
+        flat = x.movedim(2, 1).reshape(1, n * channels, -1)  # (n, C, N, *S) flattened
+    count = flat.shape[-1]
+    if count <= 1:
+        what = "spatial element" if instance else "value per channel"
+        raise ValueError(
+            f"Expected more than 1 {what} when training, got input size {tuple(x.shape[1:])}"
+        )
+    weight = None if weight is None else weight.repeat(groups)
+    bias = None if bias is None else bias.repeat(groups)
+    out, mean, invstd = torch.native_batch_norm(flat, weight, bias, None, None, True, 0.0, eps)
+    var = invstd.detach().pow(-2) - eps  # (the biased variance)
+    means = mean.detach().reshape(n, -1, channels).mean(1)
+    var = var.reshape(n, -1, channels).mean(1)
+    if instance:
+        return out.reshape(x.shape), means, var, count
+    moved = (n, channels, x.shape[1], *x.shape[3:])
+    return out.reshape(moved).movedim(1, 2), means, var, count
+
+
+def _update_running(
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float | None,
+    before: int,
+    means: torch.Tensor,
+    var: torch.Tensor,
+    count: int,
+) -> None:
+    """Running statistics after k calls whose batches' statistics are ``means`` (k, C) and
+    biased ``var``, in the order of their rows, in closed form: with a momentum m, k calls
+    give ``(1 - m)^k r + sum_j m (1 - m)^(k-1-j) s_j``; without (``None``), the cumulative
+    average over every call counted (``before`` of them before these)."""
+    k = means.shape[0]
+    with torch.no_grad():
+        means = means.to(running_mean.dtype)
+        variances = var.to(running_var.dtype) * (count / (count - 1))
+        m = momentum
+        for running, stats in ((running_mean, means), (running_var, variances)):
             if m is None:  # the cumulative average over every call counted
                 running.mul_(before).add_(stats.sum(0)).div_(before + k)
             else:
                 powers = torch.arange(k - 1, -1, -1, dtype=stats.dtype, device=stats.device)
                 weights = m * (1 - m) ** powers
                 running.mul_((1 - m) ** k).add_((weights[:, None] * stats).sum(0))
+
+
+def _norm_forward_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """A batch norm's forward on a batch of each example's own (see _merged_batch_norm)."""
+    return (
+        not kwargs
+        and len(args) == 2
+        and isinstance(args[0], nn.modules.batchnorm._BatchNorm)
+        and type(args[1]) is _Slot
+        and not args[1].ragged
+        and args[1].meta.ndim >= 2
+    )
+
+
+def _running_norm_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """A running_norm call on each example's ``(N, C, *S)`` (``S`` not empty for an
+    instance norm), its affine parameters shared or None."""
+    if kwargs or len(args) != 6:
+        return False
+    x, weight, bias, stats = args[0], args[1], args[2], args[5]
+    return (
+        type(x) is _Slot
+        and not x.ragged
+        and x.meta.ndim >= (3 if stats.kind == "instance" else 2)
+        and all(p is None or isinstance(p, torch.Tensor) for p in (weight, bias))
+    )
 
 
 def _unbatched_sequence(args: list[Any]) -> bool:
@@ -620,9 +720,13 @@ def _is_mask(x: Any) -> bool:
 
 # Torch functions recorded as other calls, made at record time: their shapes depend on
 # values known while recording (lengths), which the recorded calls then carry.
+# A rewrite may decline a call (``_MISS``): it is recorded as it is.
 _REWRITES: dict[Any, Any] = {
     torch._pack_padded_sequence: _pack_padded,
     torch._pad_packed_sequence: _pad_packed,
+    # A norm call that updates running statistics, recorded with them by identity.
+    F.batch_norm: batch_norm_rewrite,
+    F.instance_norm: instance_norm_rewrite,
 }
 
 
@@ -813,6 +917,10 @@ _GROUP_CALLS: dict[Any, Any] = {
         for f in _functions("all any", torch, torch.Tensor)
     },
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
+    # A batch norm subclass's super().forward(x) in training mode (patches._norm_forward),
+    # a norm call that updates running statistics (patches.running_norm).
+    batch_norm_forward: (_norm_forward_fits, _merged_batch_norm),
+    running_norm: (_running_norm_fits, _running_norm_group),
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
     # A write into a buffer, out of place (buffers._put), at an int or slice index; the part
     # of a buffer a view sees, and a write through it (buffers._region, _put_region).
