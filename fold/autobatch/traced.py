@@ -143,7 +143,12 @@ class _Lockstep:
                 raise _Untraceable("given the same reads, the function recorded other calls")
             self.values, self.done = list(values), len(calls)
         if self.values is None or self.done < len(trace.calls) or len(self.values) < trace.size:
-            self.values = trace.run(self.inputs, self.n, self.values, self.done)
+            # The calls run, nothing records (a module's call would record its inner calls).
+            outer, _LOCAL.rec = _LOCAL.rec, None
+            try:
+                self.values = trace.run(self.inputs, self.n, self.values, self.done)
+            finally:
+                _LOCAL.rec = outer
             self.done = len(trace.calls)
         return self.values
 
