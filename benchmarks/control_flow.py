@@ -607,6 +607,57 @@ class Pointer(nn.Module):
         return torch.tensor(picks)
 
 
+class Policy(nn.Module):
+    """A policy-gradient (REINFORCE) loss written for one sample: the log-probability of the
+    action taken, weighed by its return, and an entropy bonus, through torch.distributions
+    with its argument checks on (torch's default)."""
+
+    def __init__(self, width: int = 64, actions: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, actions))
+
+    def forward(self, state: torch.Tensor, action: torch.Tensor, ret: torch.Tensor) -> Any:
+        d = torch.distributions.Categorical(logits=self.net(state), validate_args=True)
+        return -(d.log_prob(action) * ret) - 0.01 * d.entropy()
+
+    def hand(self, states: torch.Tensor, actions: torch.Tensor, rets: torch.Tensor) -> Any:
+        return self(states, actions, rets)  # (a Categorical over the batch's rows)
+
+
+def _policy_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The REINFORCE loss over 256 samples (state, action, return) as a Dataset yields them,
+    forward and backward: autobatch, the batched loss (one Categorical over the stacked
+    states), eager per example."""
+    torch.manual_seed(0)
+    policy = Policy()
+    states = list(torch.randn(256, 8))
+    actions = list(torch.randint(0, 6, (256,)))
+    rets = list(torch.randn(256))
+    stacked = torch.stack(states), torch.stack(actions), torch.stack(rets)
+    want = torch.stack([policy(*sample) for sample in zip(states, actions, rets)])
+    torch.testing.assert_close(fold.autobatch(policy, states, actions, rets), want)
+    torch.testing.assert_close(policy.hand(*stacked), want)
+
+    def step(losses: Any) -> None:
+        policy.zero_grad()
+        losses().sum().backward()
+
+    times = interleaved(
+        {
+            "autobatch": lambda: step(lambda: fold.autobatch(policy, states, actions, rets)),
+            "hand": lambda: step(lambda: policy.hand(*stacked)),
+            "eager per example": lambda: step(
+                lambda: torch.stack([policy(*sample) for sample in zip(states, actions, rets)])
+            ),
+        },
+        args.reps,
+    )
+    return [
+        {"workload": "policy gradient step (256 samples, Categorical)", **row}
+        for row in _against(times, "hand")
+    ]
+
+
 def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Per-example programs with reads from the literature, as a Dataset yields their
     inputs (a list of samples): an early-exit classifier over 256 samples of one shape
@@ -656,7 +707,7 @@ def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     )
     for row in _against(times, "eager per example"):
         rows.append({"workload": "pointer network (64 inputs of 5-20 items)", **row})
-    return rows
+    return rows + _policy_rows(args)
 
 
 def main() -> None:

@@ -631,6 +631,44 @@ def test_whole_value_max_min_all_any_run_directly_and_equal_eager(reduce, monkey
     assert not vmapped
 
 
+@pytest.mark.parametrize(
+    "shaped",
+    [
+        lambda h: (
+            (h.view(2, 2) * 2).view(4) + h.reshape(-1, 1).reshape((4,)) * h.view(torch.Size([4]))
+        ),
+        lambda h: (
+            h.view(2, 2).transpose(0, 1).reshape(4) * h.view(1, 2, 2).permute(2, 0, 1).flatten()
+        ),
+        lambda h: torch.logsumexp(h.view(2, 2), -1) + h.logsumexp(0, keepdim=True),
+        lambda h: h.gather(0, (h.detach().abs() * 2).long().clamp(max=3)) + h,
+        lambda h: torch.gather(h.view(2, 2), 1, torch.tensor([[1], [0]])).squeeze(1),
+        lambda h: torch.broadcast_tensors(h.view(2, 2), h[:2])[1] * 3,
+        lambda h: sum(torch.broadcast_tensors(h[:1], h, torch.ones(3, 1, dtype=h.dtype))),
+        lambda h: (torch.where((h.view(2, 2) > 0).all(1), h[:2], -h[2:]), (h > 0).any(-1)),
+        lambda h: (h * 2, torch._is_all_true(h.abs() > -1), torch._is_any_true(h > 9)),
+    ],
+)
+def test_reshape_gather_logsumexp_and_broadcasts_run_directly_and_equal_eager(shaped, monkeypatch):
+    """``view``/``reshape`` to a shape of ints (a value not contiguous too), ``transpose``
+    and ``permute``, ``logsumexp``,
+    ``all``/``any`` along a dim, ``gather`` of a per-example (or shared) index,
+    ``torch.broadcast_tensors`` of per-example values and shared tensors (a distribution's
+    parameters), ``torch._is_all_true`` (its argument check): one direct call on a group,
+    not vmap's; values and gradients equal eager (float64), per example and recorded once
+    (a policy's Categorical over samples ran 7 of its calls under vmap: 2.2 ms for 256
+    samples, 1.1 now)."""
+    lin = nn.Linear(3, 4)
+    vmapped = []
+    real = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real(f, *a, **k)
+    )
+    xs = torch.randn(6, 3) * 2
+    assert_same(lambda x: shaped(lin(x)), list(lin.parameters()), xs)
+    assert not vmapped
+
+
 def _recordings(monkeypatch):
     """The count of recordings of a function on lazy rows (the per-example path records
     none), and of examples started per example (coroutines or one after another)."""
@@ -1157,7 +1195,7 @@ def _steps(kinds: int) -> st.SearchStrategy:
 def programs(draw):
     """A random per-example program: a list of steps over a growing pool of values, each
     step an op of the menu on values of the pool; examples draw their own lengths."""
-    steps = draw(_steps(10))
+    steps = draw(_steps(13))
     lengths = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
     return steps, lengths
 
@@ -1193,6 +1231,13 @@ class Menu(nn.Module):
                 v = torch.cat([q, p])
             elif kind == 8:
                 v = a @ self.w + b.sum()
+            elif kind == 10:
+                v = torch.logsumexp(torch.stack([a, b]).transpose(0, 1), -1).repeat(2)[:4] * a
+            elif kind == 11:
+                v = a.gather(0, (b.detach().abs() * 2).long().clamp(max=3)) + b
+            elif kind == 12:
+                p, q = torch.broadcast_tensors(a.reshape(2, 2), b[:2])
+                v = (p * q).permute(1, 0).reshape(4)
             else:
                 v = torch.where(a > 0, a, b)
             pool.append(v)

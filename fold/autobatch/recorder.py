@@ -1056,8 +1056,9 @@ class _Recorder:
                 op.mode, op.run_args = _DIRECT, direct
             elif fn in _GROUP_CALLS and not any(s.ragged for s in _slots((args, kwargs))):
                 fits, call = _GROUP_CALLS[fn]
-                if fits(args, kwargs):
-                    op.mode, op.call = _DIRECT, call
+                got = fits(args, kwargs)
+                if got:
+                    op.mode, op.call = _DIRECT, got if callable(got) else call
             elif fn in _ELEMENTWISE:
                 aligned = _aligned_elementwise(fn, args, kwargs, op.outs)
                 if aligned is not None:

@@ -84,6 +84,10 @@ for _name, _pos, _default in (
     ("select", 1, None),
     ("flip", 1, None),
     ("norm", 2, None),
+    ("logsumexp", 1, None),
+    ("all", 1, None),
+    ("any", 1, None),
+    ("gather", 1, None),  # (its index per example too, of the input's number of dims)
 ):
     for _f in _functions(_name, torch, torch.Tensor, F):
         _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
@@ -104,6 +108,8 @@ _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
 
 
 _FLATTEN = _functions("flatten", torch, torch.Tensor)
+_TRANSPOSE = _functions("transpose swapaxes swapdims", torch, torch.Tensor)
+_PERMUTE = _functions("permute", torch, torch.Tensor)
 
 
 # Torch functions whose group may hold calls on values of several shapes (an attention's
@@ -262,6 +268,18 @@ def _direct_template(
         if not all(_basic_index(i) for i in index):
             return None
         return [args[0], (slice(None), *index)], {}
+    if fn in _TRANSPOSE or fn in _PERMUTE:  # dims moved past the batch dim
+        if len(slots) != 1 or type(args[0]) is not _Slot or kwargs:
+            return None
+        dims = args[1:]
+        if fn in _PERMUTE and len(dims) == 1 and type(dims[0]) in (tuple, list, torch.Size):
+            dims = tuple(dims[0])
+        if not all(type(d) is int for d in dims) or (fn in _TRANSPOSE and len(dims) != 2):
+            return None
+        ndim = args[0].meta.ndim
+        if fn in _PERMUTE:  # (every dim, each made non-negative: the batch dim first)
+            return [args[0], (0, *[d % ndim + 1 if ndim else 0 for d in dims])], {}
+        return [args[0], *[_shift_dim(d) for d in dims]], {}
     if fn in _FLATTEN:  # two dims: start_dim and end_dim, both moved past the batch dim
         if len(slots) != 1 or type(args[0]) is not _Slot or args[0].meta.ndim == 0:
             return None
@@ -859,6 +877,47 @@ def _extreme_group(fn: Any) -> Any:
     return run
 
 
+def _reshape_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """``reshape``/``view`` of one per-example value to a shape of ints (as ints, or one
+    tuple, list or Size of them; one may be -1)."""
+    if kwargs or len(args) < 2 or type(args[0]) is not _Slot or args[0].ragged:
+        return False
+    shape = args[1] if len(args) == 2 and type(args[1]) in (tuple, list, torch.Size) else args[1:]
+    return all(type(d) is int for d in shape)
+
+
+def _reshape_group(x: torch.Tensor, *shape: Any) -> torch.Tensor:
+    """A group of ``reshape``/``view`` calls: each example's value to the shape, the batch
+    dim kept first (reshape: a view where the stacked values allow one, as view needs)."""
+    if len(shape) == 1 and type(shape[0]) in (tuple, list, torch.Size):
+        shape = tuple(shape[0])
+    return x.reshape(x.shape[0], *shape)
+
+
+def _broadcast_fits(args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``torch.broadcast_tensors`` of per-example values and shared tensors: the group's
+    function, told which are per example (``_broadcast_group``)."""
+    if kwargs or not any(type(a) is _Slot for a in args):
+        return False
+    if not all((type(a) is _Slot and not a.ragged) or isinstance(a, torch.Tensor) for a in args):
+        return False
+    ranks = [a.meta.ndim if type(a) is _Slot else a.dim() for a in args]
+    return functools.partial(_broadcast_group, tuple(type(a) is _Slot for a in args), max(ranks))
+
+
+def _broadcast_group(stacked: tuple[bool, ...], rank: int, *tensors: torch.Tensor) -> Any:
+    """A group of ``torch.broadcast_tensors`` calls: each value given the per-example
+    ``rank`` of the largest (ones in front of its own dims, as broadcasting prepends them),
+    a batch dim first (a shared tensor's of one), then broadcast as one call."""
+    aligned = []
+    for per, t in zip(stacked, tensors):
+        if per:
+            aligned.append(t.reshape(t.shape[0], *[1] * (rank + 1 - t.dim()), *t.shape[1:]))
+        else:
+            aligned.append(t.reshape(1, *[1] * (rank - t.dim()), *t.shape))
+    return tuple(torch.broadcast_tensors(*aligned))
+
+
 def _whole_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """``max``/``min``/``all``/``any`` of one per-example value over all of it (``p.max() >
     0.5``, ``mask.all()``: one number; ``max`` with a dim returns values and indices, left
@@ -893,7 +952,8 @@ def _cat_shared_group(tensors: Any, dim: int = 0) -> torch.Tensor:
 
 # Torch functions whose group runs through a function of fold's own on the stacked values
 # (where the function itself has no batching rule, or vmap's costs more): fn -> (whether a
-# call's argument template fits, the group's function).
+# call's argument template fits, the group's function; or a fits that gives the group's
+# function, made for the template).
 _GROUP_CALLS: dict[Any, Any] = {
     **{f: (_cat_shared_fits, _cat_shared_group) for f in _functions("cat concat", torch)},
     **{
@@ -916,6 +976,9 @@ _GROUP_CALLS: dict[Any, Any] = {
         f: (_whole_extreme_fits, _extreme_group(getattr(torch, f.__name__)))
         for f in _functions("all any", torch, torch.Tensor)
     },
+    # (torch.distributions' argument checks: whether every value holds, one bool)
+    torch._is_all_true: (_whole_extreme_fits, _extreme_group(torch.all)),
+    torch._is_any_true: (_whole_extreme_fits, _extreme_group(torch.any)),
     torch._C._nn.pad_sequence: (lambda args, kwargs: True, _pad_sequence_group),
     # A batch norm subclass's super().forward(x) in training mode (patches._norm_forward),
     # a norm call that updates running statistics (patches.running_norm).
@@ -924,6 +987,8 @@ _GROUP_CALLS: dict[Any, Any] = {
     **{f: (_two_batched_operands, _matmul_group) for f in _MATMUL},
     # A write into a buffer, out of place (buffers._put), at an int or slice index; the part
     # of a buffer a view sees, and a write through it (buffers._region, _put_region).
+    **{f: (_reshape_fits, _reshape_group) for f in _functions("reshape view", torch, torch.Tensor)},
+    torch.broadcast_tensors: (_broadcast_fits, None),  # (fits gives the group's function)
     buffers._put: (_put_fits, _put_group),
     buffers._region: (_region_fits, _region_group),
     buffers._put_region: (_region_fits, _put_region_group),
