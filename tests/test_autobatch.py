@@ -669,6 +669,141 @@ def test_reshape_gather_logsumexp_and_broadcasts_run_directly_and_equal_eager(sh
     assert not vmapped
 
 
+class _TextCNN(nn.Module):
+    """A sentence classifier of convolutions over time (Kim 2014) written for one sentence,
+    as a batch of one: embeddings (1, D, L), a Conv1d per width, ReLU, max over time, a
+    Linear, the cross-entropy of the sentence's label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.convs = nn.ModuleList([nn.Conv1d(8, 6, k, padding=p) for k, p in ((2, 0), (3, 1))])
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, words, label):
+        e = self.emb(words).t()[None]
+        h = torch.cat([F.relu(c(e)).max(dim=2)[0] for c in self.convs], 1)
+        return F.cross_entropy(self.out(h), label[None])
+
+
+def test_convolutions_over_sentences_of_several_lengths_run_padded(monkeypatch):
+    """A Conv1d on batches of the examples' own (1, C, L) of several lengths: one padded
+    call per conv module (its zero padding is what the padding adds), the batches merged;
+    ``t()``, ``max(dim)`` and a cross-entropy over a batch of one run directly, not under
+    vmap.  Values and gradients equal eager (float64).  (Each ran under vmap, the conv one
+    group per length.)"""
+    torch.manual_seed(0)
+    model = _TextCNN()
+    from fold.autobatch.recorder import _INLINE
+
+    _INLINE[id(model)] = model  # (its calls run through: the convs are calls of their own)
+    words = [torch.randint(0, 50, (int(n),)) for n in (5, 9, 7, 5, 12, 9)]
+    labels = [torch.tensor(i % 4) for i in range(6)]
+    convs = []
+    real = F.conv1d
+
+    def counted(x, *args, **kwargs):
+        convs.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    vmapped = []
+    real_vmap = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
+    )
+    fold.autobatch(model, words, labels)  # (shapes inferred)
+    monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", counted)
+    got = assert_same(model, list(model.parameters()), words, labels)
+    assert got.shape == (6,)
+    assert not vmapped
+    monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", real)
+    want = torch.stack([model(w, y) for w, y in zip(words, labels)])
+    convs.clear()
+    monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", counted)
+    torch.testing.assert_close(fold.autobatch(model, words, labels), want)
+    assert convs == [(6, 8, 12), (6, 8, 12)], convs  # (one call per conv: all six, padded)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        lambda: nn.Conv2d(2, 3, 3, padding=1, stride=2),
+        lambda: nn.Conv2d(2, 4, (2, 3), dilation=(2, 1), groups=2),
+        lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),  # (per shape)
+        lambda: nn.ConvTranspose2d(2, 3, 3, stride=2),
+    ],
+)
+def test_convolutions_over_images_of_several_sizes_equal_eager(conv):
+    """Conv2d over images of several heights and widths, each a batch of one (1, C, H, W)
+    or unbatched (C, H, W): padded groups where zeros are what the conv reads past an
+    image (zero padding; reflect padding keeps a group per size; a transposed conv writes
+    past the image, so it keeps a group per size too), the examples merged; values and
+    gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    c = conv()
+    images = [torch.randn(2, h, w) for h, w in ((5, 7), (6, 6), (5, 7), (8, 5))]
+    assert_same(lambda x: c(x[None])[0].tanh().sum((1, 2)), list(c.parameters()), images)
+    assert_same(lambda x: c(x).amax((1, 2)), list(c.parameters()), images)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_loss_over_a_batch_of_the_examples_own_runs_directly(reduction, monkeypatch):
+    """``F.cross_entropy`` and ``F.nll_loss`` of (N, classes) scores and N class indices
+    per example (a model called on ``x[None]``, or on a few rows), with ignored targets,
+    and an example whose targets are all ignored (a mean of nothing: nan, as eager):
+    one direct call for the group; values and gradients equal eager (float64)."""
+    lin = nn.Linear(3, 5)
+    vmapped = []
+    real_vmap = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
+    )
+    xs = torch.randn(6, 4, 3)
+    ys = torch.randint(0, 5, (6, 4))
+    ys[1, 2] = 7
+    ys[3] = 2
+    ys[4] = 7
+
+    def fn(x, y):
+        h = lin(x)
+        return (
+            F.cross_entropy(h, y, ignore_index=7, reduction=reduction),
+            F.nll_loss(F.log_softmax(h, -1), y.clamp(max=4), reduction=reduction),
+            F.cross_entropy(h, torch.where(y == 7, -100, y), reduction=reduction),
+            F.cross_entropy(h[:1], y[:1].clamp(0, 4), label_smoothing=0.1),
+        )
+
+    keep = [0, 1, 2, 3, 5]  # (the all-ignored example's nan: compared apart, below)
+    assert_same(fn, list(lin.parameters()), xs[keep], ys[keep])
+    got = fold.autobatch(fn, xs, ys)
+    want = torch.stack([fn(x, y)[0] for x, y in zip(xs, ys)])
+    torch.testing.assert_close(got[0], want, equal_nan=True)
+    assert not vmapped
+    assert torch.isnan(got[0][4]) == (reduction == "mean")
+
+
+@pytest.mark.parametrize("how", ["max", "min"])
+def test_max_and_min_along_a_dim_run_directly_and_equal_eager(how, monkeypatch):
+    """``x.max(dim)``, ``torch.min(x, dim, keepdim=True)``: values and indices (ties: the
+    first, as eager), one direct call; gradients flow to the indices taken."""
+    lin = nn.Linear(3, 6)
+    vmapped = []
+    real_vmap = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
+    )
+    reduce = getattr(torch, how)
+
+    def fn(x):
+        h = lin(x).view(2, 3).round()  # (ties)
+        v, i = getattr(h, how)(dim=1)
+        w = reduce(h, 0, keepdim=True)
+        return v * 2, i, w.values, w.indices, h.t().sum(0)
+
+    assert_same(fn, list(lin.parameters()), torch.randn(7, 3) * 3)
+    assert not vmapped
+
+
 def _recordings(monkeypatch):
     """The count of recordings of a function on lazy rows (the per-example path records
     none), and of examples started per example (coroutines or one after another)."""

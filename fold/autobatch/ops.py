@@ -1091,14 +1091,24 @@ def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _inf
 
 
 def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
-    """A per-example mean/sum classification loss over a group, one value per example."""
+    """A per-example mean/sum classification loss over a group, one value per example: of
+    one (classes,) input each, or of a batch of the example's own (N, classes), whose N
+    losses its mean averages over the targets not ignored."""
     kwargs = dict(kwargs)
     reduction = kwargs.get("reduction", "mean")
     kwargs["reduction"] = "none"
+    x, target = args[0], args[1]
+    if x.dim() == 3:  # (n, N, classes): the examples' batches as one
+        n = x.shape[0]
+        out = fn(x.flatten(0, 1), target.flatten(0, 1), *args[2:], **kwargs).view(n, -1)
+        if reduction != "mean":
+            return out.sum(1)  # (an ignored target's loss is 0)
+        kept = target != kwargs.get("ignore_index", -100)
+        # All of an example's targets ignored: 0 / 0, nan, as eager gives.
+        return out.sum(1) / kept.sum(1).to(out.dtype)
     out = fn(*args, **kwargs)
     if reduction != "mean":
         return out  # a sum over nothing is 0, as 'none' gives an ignored target
-    target = args[1]
     ignore = kwargs.get("ignore_index", -100)
     # One example whose target is ignored averages nothing: nan, as eager gives.
     return torch.where(target == ignore, float("nan"), out)

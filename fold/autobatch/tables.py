@@ -88,6 +88,8 @@ for _name, _pos, _default in (
     ("all", 1, None),
     ("any", 1, None),
     ("gather", 1, None),  # (its index per example too, of the input's number of dims)
+    ("max", 1, None),  # (with a dim: values and indices; without, see _GROUP_CALLS)
+    ("min", 1, None),
 ):
     for _f in _functions(_name, torch, torch.Tensor, F):
         _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
@@ -246,13 +248,23 @@ def _direct_template(
         return None
     if fn in _LOSSES:
         # One example's mean loss over a (classes,) input is its 'none' loss (without class
-        # weights, which a mean divides out); ignored targets are handled in _loss.
+        # weights, which a mean divides out); over a batch of its own, (N, classes) with N
+        # class indices (a model called on x[None]), the mean of its N (see ops._loss);
+        # ignored targets are handled in _loss.
+        x, t = (args[0], args[1]) if len(args) >= 2 else (None, None)
         if (
             len(args) >= 2
-            and type(args[0]) is _Slot
-            and args[0].meta.ndim == 1
-            and type(args[1]) is _Slot
-            and args[1].meta.ndim == 0
+            and type(x) is _Slot
+            and type(t) is _Slot
+            and (
+                (x.meta.ndim == 1 and t.meta.ndim == 0)
+                or (
+                    x.meta.ndim == 2
+                    and t.meta.ndim == 1
+                    and x.meta.shape[0] == t.meta.shape[0]
+                    and not t.meta.dtype.is_floating_point  # (class indices, not probabilities)
+                )
+            )
             and kwargs.get("weight") is None
             and kwargs.get("size_average") is None  # the legacy arguments override reduction
             and kwargs.get("reduce") is None
@@ -363,6 +375,15 @@ def _merged_batch_call(module: nn.Module, args: list[Any], kwargs: dict[str, Any
         ):
             return functools.partial(_merged_instance_norm, module)
         return None
+    if type(module) in _CONVS:
+        x = args[0]
+        spatial = _CONVS[type(module)]
+        if len(args) == 1 and type(x) is _Slot and not x.ragged:
+            if x.meta.ndim == spatial + 2:  # (N, C, *S): the examples' batches merged
+                return functools.partial(_merged_conv, module)
+            if x.meta.ndim == spatial + 1:  # (C, *S) unbatched: the group is a batch
+                return module
+        return None
     if isinstance(module, nn.RNNBase):
         dims = 3
     elif isinstance(module, _CELLS):
@@ -377,6 +398,24 @@ def _merged_batch_call(module: nn.Module, args: list[Any], kwargs: dict[str, Any
     if not all(type(h) is _Slot and not h.ragged and h.meta.ndim == dims for h in states):
         return None
     return functools.partial(_merged_rnn, module, dims == 3)
+
+
+# torch.nn's convolutions (these classes exactly), by their number of spatial dims.
+_CONVS = {
+    nn.Conv1d: 1,
+    nn.Conv2d: 2,
+    nn.Conv3d: 3,
+    nn.ConvTranspose1d: 1,
+    nn.ConvTranspose2d: 2,
+    nn.ConvTranspose3d: 3,
+}
+
+
+def _merged_conv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A group of calls of a convolution, each on a batch of its example's own ``(N, C,
+    *S)`` (an image as ``(1, C, H, W)``): ONE call on the examples' batches merged, ``(n *
+    N, C, *S)``; each sample's output is computed from it alone."""
+    return _call_module(module, x.flatten(0, 1)).unflatten(0, x.shape[:2])
 
 
 def _merged_rnn(module: nn.Module, sequences: bool, x: torch.Tensor, hx: Any = None) -> Any:
@@ -877,6 +916,11 @@ def _extreme_group(fn: Any) -> Any:
     return run
 
 
+def _t_group(x: torch.Tensor) -> torch.Tensor:
+    """A group of ``t()`` calls: each example's matrix transposed (a vector kept)."""
+    return x.transpose(1, 2) if x.dim() == 3 else x
+
+
 def _reshape_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """``reshape``/``view`` of one per-example value to a shape of ints (as ints, or one
     tuple, list or Size of them; one may be -1)."""
@@ -989,6 +1033,7 @@ _GROUP_CALLS: dict[Any, Any] = {
     # of a buffer a view sees, and a write through it (buffers._region, _put_region).
     **{f: (_reshape_fits, _reshape_group) for f in _functions("reshape view", torch, torch.Tensor)},
     torch.broadcast_tensors: (_broadcast_fits, None),  # (fits gives the group's function)
+    **{f: (_whole_extreme_fits, _t_group) for f in _functions("t", torch, torch.Tensor)},
     buffers._put: (_put_fits, _put_group),
     buffers._region: (_region_fits, _region_group),
     buffers._put_region: (_region_fits, _put_region_group),
@@ -1006,6 +1051,11 @@ def _padded_module(module: nn.Module) -> bool:
         return module.max_norm is None  # (max_norm renormalises the rows it looks up)
     if type(module) is nn.Sequential:  # (a feed-forward block of such modules)
         return len(module) > 0 and all(_padded_module(m) for m in module)
+    if type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        # Zeros at the end of a sequence (an image's height and width) are what the conv's
+        # own zero padding reads there: each position an example's output keeps reads its
+        # input and that padding alone, whatever its stride, dilation or groups.
+        return module.padding_mode == "zeros" or not any(module._reversed_padding_repeated_twice)
     return type(module) in (nn.Linear, nn.LayerNorm, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
 
