@@ -687,18 +687,18 @@ class _TextCNN(nn.Module):
 
 
 def test_convolutions_over_sentences_of_several_lengths_run_padded(monkeypatch):
-    """A Conv1d on batches of the examples' own (1, C, L) of several lengths: one padded
-    call per conv module (its zero padding is what the padding adds), the batches merged;
-    ``t()``, ``max(dim)`` and a cross-entropy over a batch of one run directly, not under
-    vmap.  Values and gradients equal eager (float64).  (Each ran under vmap, the conv one
-    group per length.)"""
+    """A sentence classifier of one's own over sentences of several lengths: recorded whole
+    for the first length, run through once the lengths vary (a group per length under vmap
+    before), its Conv1d on batches of the examples' own (1, C, L) one padded call per conv
+    module (its zero padding is what the padding adds), the batches merged, and its ReLU
+    and max over time one padded call for both convs; ``t()`` and the cross-entropy over a
+    batch of one directly; nothing under vmap.  Values and gradients equal eager (float64).  (Each
+    ran under vmap, the conv and the max one group per length.)"""
     torch.manual_seed(0)
     model = _TextCNN()
-    from fold.autobatch.recorder import _INLINE
-
-    _INLINE[id(model)] = model  # (its calls run through: the convs are calls of their own)
     words = [torch.randint(0, 50, (int(n),)) for n in (5, 9, 7, 5, 12, 9)]
     labels = [torch.tensor(i % 4) for i in range(6)]
+    fold.autobatch(model, words, labels)  # (recorded whole, then run through)
     convs = []
     real = F.conv1d
 
@@ -711,17 +711,19 @@ def test_convolutions_over_sentences_of_several_lengths_run_padded(monkeypatch):
     monkeypatch.setattr(
         torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
     )
-    fold.autobatch(model, words, labels)  # (shapes inferred)
-    monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", counted)
     got = assert_same(model, list(model.parameters()), words, labels)
     assert got.shape == (6,)
     assert not vmapped
-    monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", real)
     want = torch.stack([model(w, y) for w, y in zip(words, labels)])
-    convs.clear()
+    padded = _spy_padded_calls(monkeypatch)
     monkeypatch.setattr(torch.nn.modules.conv.F, "conv1d", counted)
     torch.testing.assert_close(fold.autobatch(model, words, labels), want)
     assert convs == [(6, 8, 12), (6, 8, 12)], convs  # (one call per conv: all six, padded)
+    # (the two convs' outputs, of lengths L - 1 and L, share the ReLU's and the max's call)
+    assert sorted(padded) == sorted(
+        ["Embedding call", "Tensor.t", "Tensor.__getitem__", "Conv1d call", "Conv1d call"]
+        + ["F.relu", "Tensor.max"]
+    ), padded
 
 
 @pytest.mark.parametrize(
@@ -5595,7 +5597,7 @@ def ragged_programs(draw):
     """A random per-example program over a sequence (L, 3) whose length L each example
     draws: steps over a pool of per-position values (L, 3) and a pool of pooled values (3,),
     and whether to read (and branch on) a pooled value now and then."""
-    steps = draw(_steps(22))
+    steps = draw(_steps(25))
     lengths = draw(st.lists(st.integers(1, 5), min_size=1, max_size=6))
     return steps, lengths, draw(st.booleans())
 
@@ -5603,8 +5605,9 @@ def ragged_programs(draw):
 class RaggedMenu(nn.Module):
     """Attention-style ops on values whose length differs per example: what autobatch runs
     as padded calls (softmax and log_softmax along either dim, mean/sum/amax/amin, argmax and
-    argmin, masked_fill, matmul and einsum against a pooled query, a cat after a shared row,
-    an index by int, transposes, elementwise ops), mixed with reads that start new rounds."""
+    argmin, max and min along a dim, masked_fill, matmul and einsum against a pooled query, a
+    cat after a shared row, an index by int, transposes, convolutions over the length,
+    elementwise ops), mixed with reads that start new rounds."""
 
     def __init__(self, width: int = 3) -> None:
         super().__init__()
@@ -5612,6 +5615,9 @@ class RaggedMenu(nn.Module):
         self.q = nn.Linear(width, width)
         self.root = nn.Parameter(torch.randn(1, width))
         self.emb = nn.Embedding(7, width)
+        self.conv = nn.ModuleList(
+            [nn.Conv1d(width, width, 3, padding=1), nn.Conv1d(width, width, 2, padding=1)]
+        )
 
     def run(self, steps, x, reads):
         rag = [torch.tanh(self.lin(x))]  # (L, 3)
@@ -5668,6 +5674,13 @@ class RaggedMenu(nn.Module):
                 pooled.append(u * best + a.argmin(0) - a.argmax(dim=0, keepdim=True)[0])
             elif kind == 21:
                 pooled.append(a.amin(0) + u)
+            elif kind == 22:  # the largest and least along the length: values and indices
+                top, at = a.max(0)
+                low = torch.min(a, dim=0, keepdim=True)
+                pooled.append(top * at + low.values[0] - low.indices[0])
+            elif kind == 23:  # convolutions over the length (zeros padding, or none)
+                c = self.conv[i % 2](a.t()[None])[0].t()  # (L or L + 1, 3)
+                rag.append(torch.relu(c))
             else:
                 pooled.append(torch.tanh(self.q(u)))
         return pooled[-1] + sum(r.sum(0) for r in rag[-2:])

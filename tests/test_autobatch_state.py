@@ -226,12 +226,27 @@ def test_a_buffer_changed_after_calls_that_changed_none_is_a_fold_error():
     copied, on its later calls; one that then changes a buffer (a flag of its own) cannot
     be undone: a FoldError names the module, the buffer and the fix."""
     m = _Flagged()
-    xs = [torch.randn(k, 3) for k in (1, 2, 2, 3)]
+    xs = [torch.randn(2, 3) for _ in range(4)]  # (one shape: its calls recorded whole)
     fn = lambda x: m(x)  # noqa: E731
     fold.autobatch(fn, xs, stack=False)
     m.counting = True
     with pytest.raises(FoldError, match=r"changed its buffer 'calls'.*Fix: change buffers"):
         fold.autobatch(fn, xs, stack=False)
+
+
+def test_a_module_called_on_several_shapes_runs_through_and_counts_each_call():
+    """The same module called on values of several shapes: run through once the shapes
+    vary (see recorder._shapes_vary), so its forward runs per example, as eager code runs
+    it, and a buffer it changes counts every call."""
+    m = _Flagged()
+    xs = [torch.randn(k, 3) for k in (1, 2, 2, 3)]
+    fn = lambda x: m(x)  # noqa: E731
+    fold.autobatch(fn, xs, stack=False)  # (recorded whole for the first shape)
+    m.counting = True
+    got = fold.autobatch(fn, xs, stack=False)
+    assert int(m.calls) == len(xs)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, m.lin(x))
 
 
 @pytest.mark.parametrize("shapes", [(3, 3, 3), (1, 2, 3)])

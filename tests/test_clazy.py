@@ -316,6 +316,11 @@ def test_every_recorded_call_is_a_hit_in_both_paths() -> None:
     both paths, with outputs in the op's structure."""
     w = _world()
     for fn, kind, args in w.calls:
+        if kind == "module" and recorder._INLINE.get(id(fn)) is fn:
+            # (a module of one's own called on several shapes is run through from then on:
+            # its calls make no op of their own, on either path; see recorder._shapes_vary)
+            assert _outcome(C.fast, w.rec, fn, kind, args) == "miss"
+            continue
         # Zeros are keyed by the slow path alone (-0.0 apart from 0.0).  A float64 number
         # tensor travels as a tensor row (not the default dtype), which the C path takes too.
         slow = any(type(a) is float and a == 0 for a in args)

@@ -52,6 +52,9 @@ class _Hooks:
     # traced._compile: a @batchable function recorded once as a program of its calls, run
     # by ops._Op for a group of its per-example calls.
     compile: Any = None
+    # driver._forget_pools: the fast tables kept for later calls dropped (a module's calls
+    # recorded whole until now are run through from now on: recorder._shapes_vary).
+    forget_pools: Any = None
 
 
 HOOKS = _Hooks()

@@ -28,6 +28,7 @@ from fold.autobatch.common import (
     _RNN,
     _USUAL_MODE,
     _VMAP,
+    HOOKS,
     _any_autocast,
     _current_mode,
     _in_mode,
@@ -44,6 +45,7 @@ from fold.autobatch.recorder import (
     _PADDED_OPS,
     _SEQUENCE_OPS,
     _SIZED_BY_DATA,
+    _WHOLE,
     _Recorder,
 )
 from fold.autobatch.traced import (
@@ -72,6 +74,7 @@ def clear_cache() -> None:
     _PADDED_OPS.clear()
     _SIZED_BY_DATA.clear()
     _INLINE.clear()
+    _WHOLE.clear()
     _METAS.clear()
     _ROWS.clear()
     _KW_PARTS.clear()
@@ -165,6 +168,13 @@ def _take_pooled(fn: Any) -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
         return _POOL[_pool_key(fn)].pop()
     except (KeyError, IndexError, TypeError):  # (none kept; or an unhashable callable)
         return None
+
+
+def _forget_pools() -> None:
+    _POOL.clear()
+
+
+HOOKS.forget_pools = _forget_pools
 
 
 def _give_back(fn: Any, rec: _Recorder) -> None:

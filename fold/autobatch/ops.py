@@ -805,20 +805,25 @@ class _Op:
             out = out * torch.tensor(scale, dtype=out.dtype, device=out.device).view(
                 -1, *[1] * (out.dim() - 1)
             )
+        # (max and min along a dim: values and indices, each cut as the values are)
+        several = type(out) is not torch.Tensor
         first = outs[0][0]
-        if all(shape == first for (shape,) in outs):
+        if all(shape[0] == first for shape in outs):
             # One output shape for every part (a context vector read from memories of several
             # lengths): one output of all the parts' rows.
-            if tuple(out.shape[1:]) != tuple(first):
-                out = out[(slice(None), *[slice(0, n) for n in first])]
-            return PaddedOutputs([out])
-        results = []
+            cut = (slice(None), *[slice(0, n) for n in first])
+            if several:
+                return PaddedOutputs([t if t.shape[1:] == first else t[cut] for t in out])
+            return PaddedOutputs([out if tuple(out.shape[1:]) == tuple(first) else out[cut]])
+        results: list[list[torch.Tensor]] = [[] for _ in out] if several else [[]]
         start = 0
-        for values, (shape,) in zip(parts, outs):
+        for values, shape in zip(parts, outs):
             k = values[0].shape[0]
-            results.append(out[(slice(start, start + k), *[slice(0, n) for n in shape])])
+            cut = (slice(start, start + k), *[slice(0, n) for n in shape[0]])
+            for column, t in zip(results, out if several else (out,)):
+                column.append(t[cut])
             start += k
-        return PaddedOutputs([results])
+        return PaddedOutputs(results)
 
     def _ragged(self, values: list[Any]) -> tuple[Any, ...] | None:
         """A whole group of a padding op (``padding`` set) whose columns hold rows of
@@ -877,11 +882,13 @@ class _Op:
             if type(v) is PaddedRows and v.dim == d:
                 scale = torch.from_numpy(v.data.shape[d] / v.lengths).to(out.device, out.dtype)
                 out = out * scale.view(-1, *[1] * (out.dim() - 1))
-        if list(out.shape[1:]) != big:
-            out = out[(slice(None), *[slice(0, n) for n in big])]
+        several = type(out) is not torch.Tensor  # (max and min along a dim: see _pad_run)
+        cut = (slice(None), *[slice(0, n) for n in big])
+        outs = [t if list(t.shape[1:]) == big else t[cut] for t in (out if several else (out,))]
         if varying is None:
-            return (out,)
-        return (PaddedRows(out, varying + 1, out_lengths[inv]),)
+            return tuple(outs)
+        lengths = out_lengths[inv]
+        return tuple([PaddedRows(t, varying + 1, lengths) for t in outs])
 
     def _ragged_outs(
         self, values: list[Any], ragged: list[int], shapes: list[Any], combos: list[tuple[int, ...]]

@@ -148,6 +148,15 @@ _PADDED.update({f: "least" for f in _functions("amin", torch, torch.Tensor)})
 # over a whole value only where it has one dim (a padded value's flat index is its own).
 _ARG_EXTREMES = _functions("argmax argmin", torch, torch.Tensor)
 _PADDED.update({f: "softmax" if f.__name__ == "argmax" else "least" for f in _ARG_EXTREMES})
+# The greatest (least) along a dim, its values and indices (two outputs of one shape, see
+# recorder._group_padded): the padding filled as argmax's (argmin's).
+_PADDED.update(
+    {
+        f: "softmax" if f.__name__ == "max" else "least"
+        for f in _functions("max min", torch, torch.Tensor)
+    }
+)
+_TWO_OUTPUTS = _functions("max min", torch, torch.Tensor)
 # A mask's padding is False: masked_fill keeps the value's padding.
 _PADDED.update({f: "zeros" for f in _functions("masked_fill", torch, torch.Tensor)})
 _PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
