@@ -149,10 +149,11 @@ class PaddedRows:
     read like a tensor's (``rows[i]``, ``rows.narrow(0, i, 1)``: views cut to the row's
     length)."""
 
-    __slots__ = ("data", "dim", "lengths", "zero", "_mask")
+    __slots__ = ("_filled", "_mask", "data", "dim", "lengths", "zero")
 
     def __init__(self, data: torch.Tensor, dim: int, lengths: Any, zero: bool = False) -> None:
         self.data, self.dim, self.lengths, self.zero = data, dim, lengths, zero
+        self._filled: tuple[Any, torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -211,7 +212,18 @@ class PaddedRows:
         already)."""
         if self.zero and value == 0:
             return self.data
-        return self.data.masked_fill(self.mask(), value)
+        last = self._filled
+        if last is not None and last[0] == value:  # (rows several groups read: three convs')
+            return last[1]
+        data = self.data
+        if data.is_floating_point():
+            # (torch.where: 1.7x faster than masked_fill on the CPU, (64, 64, 29) floats:
+            # 74 against 123 us; the same values and gradient)
+            out = torch.where(self.mask(), value, data)
+        else:
+            out = data.masked_fill(self.mask(), value)
+        self._filled = (value, out)
+        return out
 
     def parts(self) -> tuple[list[np.ndarray], list[torch.Tensor]]:
         """The rows by length: per length, the rows' positions and their values (one

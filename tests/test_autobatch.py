@@ -5722,6 +5722,25 @@ def test_random_programs_over_values_of_several_lengths_match_eager(finish, monk
         torch.set_default_dtype(old)
 
 
+def test_rows_padded_in_a_longer_group_meet_rows_padded_in_their_own(finish):
+    """A ReLU of sequences and of their convolution (one longer) runs as one padded call,
+    whose rows of the sequences keep the longer rows' padding; an op that then takes them
+    beside the sequences' own rows (padded to the sequences' longest) takes each column cut
+    to its own longest (it failed: widths 3 and 4 in one call).  Found by the property
+    test above."""
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        menu = RaggedMenu()
+        steps = [(23, 1, 0), (14, 0, 0)]  # (a conv of length L + 1 and its ReLU; then a
+        # sigmoid plus a ReLU of the sequences)
+        xs = [torch.randn(n, 3) for n in (2, 3)]
+        assert_same(lambda x: menu.run(steps, x, False), list(menu.parameters()), xs)
+    finally:
+        torch.set_default_dtype(old)
+
+
 def test_random_programs_over_values_of_several_lengths_ran_padded_calls(monkeypatch):
     """The menu of the property test above runs as padded calls (the test is not vacuous):
     counted over the property test's examples where it ran first, and on one fixed program

@@ -841,6 +841,10 @@ class _Op:
         )
 
     def _ragged_run(self, values: list[Any]) -> tuple[Any, ...] | None:
+        # Each column of rows padded to its own longest: rows taken from a group whose
+        # other rows were longer (a ReLU of sequences and of their convolution, one padded
+        # call) keep that group's padding, which another column of the same rows lacks.
+        values = [_tight(v) if type(v) is PaddedRows else v for v in values]
         ragged = [j for j, v in enumerate(values) if type(v) is PaddedRows]
         shapes: list[Any] = [
             list(v.data.shape[1:]) if type(v) is PaddedRows else tuple(v.shape[1:]) for v in values
@@ -868,9 +872,13 @@ class _Op:
         varying, big, out_lengths = found
         how, dim = self.padding  # type: ignore[misc]
         merged = []
+        as_is = self.fn in _POSITIONWISE
         for j, v in enumerate(values):
             if type(v) is not PaddedRows:
                 merged.append(v)
+                continue
+            if as_is:  # (what lies past a row's length stays there: see _POSITIONWISE)
+                merged.append(v.data)
                 continue
             fill = _REDUCED_FILL.get(how) if j == 0 else None
             d = dim % (v.data.dim() - 1) + 1 if fill else -1
@@ -926,6 +934,14 @@ class _Op:
         merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
         out = self.per_example(*merged)
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
+
+
+def _tight(v: PaddedRows) -> PaddedRows:
+    """``v`` padded to its longest row alone (cut where it holds more padding)."""
+    n = int(v.lengths.max()) if len(v.lengths) else 0
+    if v.data.shape[v.dim] == n:
+        return v
+    return PaddedRows(v.data.narrow(v.dim, 0, n), v.dim, v.lengths, v.zero)
 
 
 def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
@@ -1076,6 +1092,28 @@ def _highest(dtype: torch.dtype) -> Any:
 # What a padded op that reduces a dim (tables._PADDED: softmax, amax and argmax; amin and
 # argmin) fills its first value's padding in that dim with: a value that never wins.
 _REDUCED_FILL = {"softmax": _lowest, "least": _highest}
+
+
+# Ops each of whose output positions is one input position's, moved or ReLU of it, and
+# whose backward hands each position's gradient to that input position alone, as it is or
+# zeroed: a group of rows of several lengths takes them padded with whatever lies past
+# each row's length (its output is cut to each row's own; a gradient of 0 there stays 0,
+# where a product with what lies there could make it nan).  Other padded ops take the
+# padding filled (zeros, or a reduction's identity), which also stops such a nan.
+_POSITIONWISE = frozenset(
+    (
+        torch.t,
+        torch.Tensor.t,
+        torch.transpose,
+        torch.Tensor.transpose,
+        torch.unsqueeze,
+        torch.Tensor.unsqueeze,
+        torch.Tensor.__getitem__,  # (padded only where it reads no padding: _index_from_start)
+        torch.relu,
+        torch.Tensor.relu,
+        F.relu,
+    )
+)
 
 
 def _pad(v: torch.Tensor, short: list[int], value: Any) -> torch.Tensor:
