@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -624,6 +625,71 @@ class Policy(nn.Module):
         return self(states, actions, rets)  # (a Categorical over the batch's rows)
 
 
+class SentenceCNN(nn.Module):
+    """A sentence classifier of convolutions over time (Kim 2014) written for one sentence,
+    as a batch of one: embeddings (1, D, L), a Conv1d per width, ReLU, max over time, a
+    Linear, the cross-entropy of the sentence's label."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 64, maps: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.convs = nn.ModuleList([nn.Conv1d(dim, maps, k) for k in (3, 4, 5)])
+        self.out = nn.Linear(3 * maps, 5)
+
+    def forward(self, words: torch.Tensor, label: torch.Tensor) -> Any:
+        e = self.emb(words).t()[None]
+        h = torch.cat([torch.relu(c(e)).max(dim=2)[0] for c in self.convs], 1)
+        return F.cross_entropy(self.out(h), label[None])
+
+    def hand(self, words: list[torch.Tensor], labels: torch.Tensor) -> Any:
+        """The sentences padded to the longest, each conv's positions past a sentence's
+        own masked out of the max: one call per layer."""
+        lengths = torch.tensor([len(w) for w in words])
+        e = self.emb(pad_sequence(words, batch_first=True)).transpose(1, 2)  # (B, D, L)
+        pooled = []
+        for c in self.convs:
+            h = torch.relu(c(e))  # (B, maps, L - k + 1)
+            valid = torch.arange(h.shape[2])[None, :] < (lengths - c.kernel_size[0] + 1)[:, None]
+            pooled.append(h.masked_fill(~valid[:, None, :], float("-inf")).max(dim=2)[0])
+        return F.cross_entropy(self.out(torch.cat(pooled, 1)), labels, reduction="none")
+
+
+def _sentence_cnn_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The sentence classifier's training step (forward and backward) over 64 sentences of
+    6-29 words as a Dataset yields them: autobatch of the module itself, the padded batch
+    by hand, eager per sentence."""
+    torch.manual_seed(0)
+    model = SentenceCNN()
+    g = torch.Generator().manual_seed(1)
+    words = [
+        torch.randint(0, 1000, (int(n),), generator=g)
+        for n in torch.randint(6, 30, (64,), generator=g)
+    ]
+    labels = list(torch.randint(0, 5, (64,), generator=g))
+    want = torch.stack([model(w, y) for w, y in zip(words, labels)])
+    torch.testing.assert_close(fold.autobatch(model, words, labels), want)
+    torch.testing.assert_close(model.hand(words, torch.stack(labels)), want)
+
+    def step(losses: Any) -> None:
+        model.zero_grad()
+        losses().sum().backward()
+
+    times = interleaved(
+        {
+            "autobatch": lambda: step(lambda: fold.autobatch(model, words, labels)),
+            "hand": lambda: step(lambda: model.hand(words, torch.stack(labels))),
+            "eager per example": lambda: step(
+                lambda: torch.stack([model(w, y) for w, y in zip(words, labels)])
+            ),
+        },
+        args.reps,
+    )
+    return [
+        {"workload": "sentence CNN step (64 sentences of 6-29 words)", **row}
+        for row in _against(times, "hand")
+    ]
+
+
 def _policy_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """The REINFORCE loss over 256 samples (state, action, return) as a Dataset yields them,
     forward and backward: autobatch, the batched loss (one Categorical over the stacked
@@ -707,7 +773,7 @@ def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     )
     for row in _against(times, "eager per example"):
         rows.append({"workload": "pointer network (64 inputs of 5-20 items)", **row})
-    return rows + _policy_rows(args)
+    return rows + _policy_rows(args) + _sentence_cnn_rows(args)
 
 
 def main() -> None:
