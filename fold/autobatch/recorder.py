@@ -299,10 +299,6 @@ _Inline.trial = False  # type: ignore[attr-defined]
 _INLINE: dict[int, Any] = {}
 
 
-# How many ops were made whose groups run under vmap (see _shapes_vary).
-_VMAPPED = [0]
-
-
 # The key of the first call of each module of the user's own recorded whole (by identity:
 # id -> (the module, the key; None: kept whole); emptied with _INLINE).
 _WHOLE: dict[int, tuple[Any, Any]] = {}
@@ -315,8 +311,8 @@ def _shapes_vary(module: nn.Module, key: Any) -> bool:
     sentences of 20 lengths: 20 groups); run through, its calls are the function's own,
     whose groups hold calls of several shapes where torch's modules allow it (padded: a
     conv over sentences of several lengths, a Linear) and run directly (20.5 against 13.4
-    ms for 64 sentences).  Where the call run through makes no op that runs under vmap, the
-    module is run through from then on (``_Recorder._run_through``); where it does (an
+    ms for 64 sentences).  Where the call run through records no call that runs under vmap,
+    the module is run through from then on (``_Recorder._trial``); where it does (an
     attention's ``scaled_dot_product_attention``: a group per length either way, and more
     ops for each), it is kept whole from then on.  Calls of one shape stay whole: one vmap
     call for the group."""
@@ -403,6 +399,8 @@ class _Recorder:
         # A Fold, or a _Trace when autobatch records once on lazy rows (see _traced).
         self.fold = Fold() if fold is None else fold
         self.example = 0
+        # The ops of the calls made while a module is run through on trial (_trial).
+        self.trial: list[_Op] | None = None
         # (the Fold's next node id, example) as each example started or resumed in this
         # round: which example recorded a node (example_of)
         self.segments: list[tuple[int, int]] = []
@@ -620,6 +618,32 @@ class _Recorder:
                     "torch.where, torch.cat)."
                 )
 
+    def _trial(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of ``module`` run through on trial (see ``_shapes_vary``): its calls taken
+        by the slow path, which notes their ops (the fast tables set aside meanwhile, and
+        given what it adds); where none runs under vmap, the module is run through from
+        then on, else it is kept whole."""
+        fast, nograd = self._fast, self._fast_nograd
+        self._fast, self._fast_nograd = {}, {}
+        outer, self.trial = self.trial, []
+        try:
+            out = _call_module(module, *args, **kwargs)
+        finally:
+            ops, self.trial = self.trial or [], outer
+            if outer is not None:  # (a trial inside a trial: its calls are the outer's too)
+                outer.extend(ops)
+            fast.update(self._fast)
+            nograd.update(self._fast_nograd)
+            self._fast, self._fast_nograd = fast, nograd
+            if self.closed:  # (its round ran while the call paused: no fast path, see close)
+                fast.clear()
+                nograd.clear()
+        if any(op.mode is _VMAP for op in ops):
+            _WHOLE[id(module)] = (module, None)
+        else:
+            self._run_through(module)
+        return out
+
     def _run_through(self, module: nn.Module) -> None:
         """Every call of ``module`` run through from now on (``_INLINE``), its calls recorded
         whole before included: their ops dropped, and the fast tables that lead to them
@@ -800,13 +824,7 @@ class _Recorder:
                 if not inline.trial:
                     _INLINE[id(fn)] = fn
                     return _call_module(fn, *args, **kwargs)
-                vmapped = _VMAPPED[0]
-                out = _call_module(fn, *args, **kwargs)
-                if _VMAPPED[0] != vmapped:  # (see _shapes_vary)
-                    _WHOLE[id(fn)] = (fn, None)
-                else:
-                    self._run_through(fn)
-                return out
+                return self._trial(fn, args, kwargs)
             op.recorded_in = mode
             if op.mode is _RNN:
                 _group_sequences(op, key, mode)
@@ -816,6 +834,8 @@ class _Recorder:
                 or op.transformer is not None
             ):
                 _group_padded(op, key, mode)
+        if self.trial is not None:
+            self.trial.append(op)
         if op.random:  # (no fast table entry: every call comes here)
             return self._logged(op, self._record_fresh(op, fargs), args)
         watched = op.random_modules
@@ -1148,8 +1168,6 @@ class _Recorder:
                 op.mode = _VMAP
         elif kind == _BATCHED:
             op.mode = _BATCHED
-        if op.mode is _VMAP:
-            _VMAPPED[0] += 1
         return op
 
     def _template(self, p: Any, counter: list[int], shared: Any) -> Any:

@@ -111,6 +111,7 @@ _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
 
 _FLATTEN = _functions("flatten", torch, torch.Tensor)
 _TRANSPOSE = _functions("transpose swapaxes swapdims", torch, torch.Tensor)
+_SQUEEZE = _functions("squeeze", torch, torch.Tensor)
 _PERMUTE = _functions("permute", torch, torch.Tensor)
 
 
@@ -311,6 +312,10 @@ def _direct_template(
         if len(shifted) != 2 or any(type(d) is not int for d in shifted.values()):
             return None
         return [args[0]], shifted
+    if fn in _SQUEEZE and len(args) == 1 and not kwargs and type(args[0]) is _Slot:
+        # squeeze() of every dim of size 1 in one example's shape (its batch dim kept)
+        shape = args[0].meta.shape
+        return [args[0], tuple([d + 1 for d, n in enumerate(shape) if n == 1])], {}
     spec = _DIM_OPS.get(fn)
     if spec is None:
         return None
