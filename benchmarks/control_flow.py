@@ -690,6 +690,96 @@ def _sentence_cnn_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     ]
 
 
+class DeepSets(nn.Module):
+    """A set function (Zaheer et al. 2017) written for one set: phi of each element, their
+    sum, rho of it, squeezed to a number."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.phi = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, width))
+        self.rho = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rho(self.phi(x).sum(0)).squeeze()
+
+    def hand(self, sets: list[torch.Tensor]) -> torch.Tensor:
+        """The sets padded with zeros, phi's padding masked out of the sum."""
+        lengths = torch.tensor([len(x) for x in sets])
+        keep = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+        h = self.phi(pad_sequence(sets, batch_first=True)) * keep[:, :, None]
+        return self.rho(h.sum(1)).squeeze(1)
+
+
+class GCN(nn.Module):
+    """Graph classification with two graph convolutions (Kipf and Welling 2017) written
+    for one graph: its normalised adjacency (n, n) and node features (n, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def forward(self, a: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> Any:
+        h = torch.relu(a @ self.l1(x))
+        h = torch.relu(a @ self.l2(h))
+        return F.cross_entropy(self.out(h.mean(0)), y)
+
+
+def _set_and_graph_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Training steps over inputs of several sizes as a Dataset yields them: a set model
+    over 128 sets of 3-39 elements (autobatch, the padded batch by hand, eager per set), a
+    graph classifier over 64 graphs of 5-29 nodes (autobatch, eager per graph)."""
+    rows = []
+    torch.manual_seed(0)
+    model = DeepSets()
+    g = torch.Generator().manual_seed(2)
+    sets = [torch.randn(int(n), 4, generator=g) for n in torch.randint(3, 40, (128,), generator=g)]
+    want = torch.stack([model(x) for x in sets])
+    torch.testing.assert_close(fold.autobatch(model, sets), want)
+    torch.testing.assert_close(model.hand(sets), want)
+
+    def step(net: nn.Module, losses: Any) -> None:
+        net.zero_grad()
+        losses().sum().backward()
+
+    times = interleaved(
+        {
+            "autobatch": lambda: step(model, lambda: fold.autobatch(model, sets)),
+            "hand": lambda: step(model, lambda: model.hand(sets)),
+            "eager per example": lambda: step(model, lambda: torch.stack([model(x) for x in sets])),
+        },
+        args.reps,
+    )
+    rows += [
+        {"workload": "set model step (128 sets of 3-39)", **row} for row in _against(times, "hand")
+    ]
+    gcn = GCN()
+    sizes = [int(n) for n in torch.randint(5, 30, (64,), generator=g)]
+    graphs = []
+    for n in sizes:
+        adj = (torch.rand(n, n, generator=g) < 0.3).float()
+        adj = ((adj + adj.t()) > 0).float() + torch.eye(n)
+        d = adj.sum(1).rsqrt()
+        graphs.append(d[:, None] * adj * d[None, :])
+    feats = [torch.randn(n, 8, generator=g) for n in sizes]
+    labels = list(torch.randint(0, 3, (64,), generator=g))
+    want = torch.stack([gcn(*x) for x in zip(graphs, feats, labels)])
+    torch.testing.assert_close(fold.autobatch(gcn, graphs, feats, labels), want)
+    times = interleaved(
+        {
+            "autobatch": lambda: step(gcn, lambda: fold.autobatch(gcn, graphs, feats, labels)),
+            "eager per example": lambda: step(
+                gcn, lambda: torch.stack([gcn(*x) for x in zip(graphs, feats, labels)])
+            ),
+        },
+        args.reps,
+    )
+    rows += [
+        {"workload": "graph classifier step (64 graphs of 5-29 nodes)", **row}
+        for row in _against(times, "eager per example")
+    ]
+    return rows
+
+
 def _policy_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """The REINFORCE loss over 256 samples (state, action, return) as a Dataset yields them,
     forward and backward: autobatch, the batched loss (one Categorical over the stacked
@@ -773,7 +863,7 @@ def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     )
     for row in _against(times, "eager per example"):
         rows.append({"workload": "pointer network (64 inputs of 5-20 items)", **row})
-    return rows + _policy_rows(args) + _sentence_cnn_rows(args)
+    return rows + _policy_rows(args) + _sentence_cnn_rows(args) + _set_and_graph_rows(args)
 
 
 def main() -> None:
