@@ -273,8 +273,8 @@ def test_the_batch_norm_patch_is_put_back_after_nested_recordings():
 
     norm = torch.nn.modules.batchnorm._BatchNorm
     torch_own = norm.__dict__["forward"]
-    with patches.norms_recorded:
-        with patches.norms_recorded:
+    with patches.recorded_calls:
+        with patches.recorded_calls:
             assert norm.__dict__["forward"] is patches._norm_forward
         assert norm.__dict__["forward"] is patches._norm_forward
     assert norm.__dict__["forward"] is torch_own

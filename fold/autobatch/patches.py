@@ -167,7 +167,7 @@ def _installed() -> Any:
                     setattr(where, name, wrapper)
         p.users += 1
     try:
-        with _apply_installed, norms_recorded:
+        with _apply_installed, recorded_calls:
             yield
     finally:
         with _PATCH_LOCK:
@@ -769,7 +769,8 @@ class RunningStats:
     def of(kind: str, mean: torch.Tensor, var: torch.Tensor) -> RunningStats:
         key = (kind, id(mean), id(var))
         stats = _RUNNING.get(key)
-        if stats is None or stats._buffers["running_mean"] is not mean:  # (an id reused)
+        held = None if stats is None else stats.tensors()
+        if held is None or held[0] is not mean or held[1] is not var:  # (an id reused)
             if len(_RUNNING) >= 4096:
                 _RUNNING.clear()
             stats = _RUNNING[key] = RunningStats(kind, mean, var)
@@ -786,8 +787,9 @@ def running_norm(
     input: Any, weight: Any, bias: Any, momentum: float, eps: float, stats: RunningStats
 ) -> Any:
     """``F.batch_norm`` in training, or ``F.instance_norm`` with ``use_input_stats``, that
-    updates ``stats``: what such a call is recorded as (``norm_rewrite``), a torch function
-    of its own (its group: tables._running_norm_group)."""
+    updates ``stats``: what such a call is recorded as (``batch_norm_rewrite``,
+    ``instance_norm_rewrite``), a torch function of its own (its group:
+    tables._running_norm_group)."""
     if torch.overrides.has_torch_function_variadic(input, weight, bias):
         return torch.overrides.handle_torch_function(
             running_norm, (input, weight, bias), input, weight, bias, momentum, eps, stats
@@ -918,7 +920,7 @@ def _users_of(fn: Any) -> list[Any]:
 # ``with recorded_calls:`` (class or module attributes that are no slots: setting each costs
 # about 0.1 us, where a ``__call__`` on the norms' base class cost 5 us, and more in the
 # calls after it).
-norms_recorded = _Installed(
+recorded_calls = _Installed(
     (_BATCH_NORM, "forward", _norm_forward),
     (_DISTRIBUTION, "_validate_sample", _validate_sample),
     modules=_users_of(_BROADCAST_ALL),

@@ -977,9 +977,8 @@ def _broadcast_group(stacked: tuple[bool, ...], rank: int, *tensors: torch.Tenso
 
 
 def _whole_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
-    """``max``/``min``/``all``/``any`` of one per-example value over all of it (``p.max() >
-    0.5``, ``mask.all()``: one number; ``max`` with a dim returns values and indices, left
-    to vmap)."""
+    """One per-example value alone: ``max``/``min``/``all``/``any`` over all of it (``p.max()
+    > 0.5``, ``mask.all()``: one number; with a dim, see _DIM_OPS), ``t()``."""
     return len(args) == 1 and not kwargs and type(args[0]) is _Slot
 
 

@@ -23,7 +23,7 @@ from fold.autobatch.common import (
     _rng_states,
 )
 from fold.autobatch.ops import _Op, _op_device, _slots
-from fold.autobatch.patches import _apply_installed, _installed, norms_recorded
+from fold.autobatch.patches import _apply_installed, _installed, recorded_calls
 from fold.autobatch.recorder import _Recorder
 from fold.autobatch.values import Known, Lazy, _Meta, _meta
 from fold.errors import describe
@@ -359,8 +359,8 @@ def _record_once(
         if modules:
             with collector_paused(), _installed():
                 out = fn(*lazies)
-        else:  # (a batch norm's forward would count its call once: see norms_recorded)
-            with collector_paused(), _apply_installed, norms_recorded:
+        else:  # (a batch norm's forward would count its call once: see recorded_calls)
+            with collector_paused(), _apply_installed, recorded_calls:
                 out = fn(*lazies)
         if not _rng_same(rng, _rng_states()):
             raise _Untraceable("the function drew random numbers while recording")
