@@ -415,3 +415,27 @@ def test_norms_of_ones_own_update_running_statistics_once_per_example(monkeypatc
         want.sum().backward()
         got.sum().backward()
         _assert_grads_equal(a, b)
+
+
+@pytest.mark.parametrize("norm", ["module", "subclass", "functional"])
+def test_an_eager_graph_through_a_batch_norm_backpropagates_after_autobatch_used_it(norm):
+    """A step that runs a batch norm in eager code and under autobatch before one backward
+    (a loss of both): autobatch updates the running statistics as torch's kernel does,
+    without bumping their version, which the eager call's graph saved and checks (its
+    backward raised "modified by an inplace operation").  Gradients equal an all-eager
+    step's."""
+    make = {
+        "module": lambda: nn.BatchNorm1d(4),
+        "subclass": lambda: _Doubled(4),
+        "functional": lambda: _OwnNorm(4),
+    }[norm]
+    a, b = _twins(make)
+    x = torch.randn(5, 4, requires_grad=True)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    want = a(x).pow(2).sum() + torch.stack([a(r).pow(2).sum() for r in xs]).sum()
+    want.backward()
+    got = b(x).pow(2).sum() + fold.autobatch(lambda r: b(r).pow(2).sum(), xs).sum()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    _assert_grads_equal(a, b)
+    _assert_state_equal(a, b)

@@ -578,7 +578,10 @@ def _update_running(
         means = means.to(running_mean.dtype)
         variances = var.to(running_var.dtype) * (count / (count - 1))
         m = momentum
-        for running, stats in ((running_mean, means), (running_var, variances)):
+        # (through .data: written as torch's kernel writes them, without a bump of their
+        # version, which a graph that saved them (an eager call's batch norm, before this
+        # one) checks in its backward)
+        for running, stats in ((running_mean.data, means), (running_var.data, variances)):
             if m is None:  # the cumulative average over every call counted
                 running.mul_(before).add_(stats.sum(0)).div_(before + k)
             else:
