@@ -815,14 +815,21 @@ class _Op:
             if several:
                 return PaddedOutputs([t if t.shape[1:] == first else t[cut] for t in out])
             return PaddedOutputs([out if tuple(out.shape[1:]) == tuple(first) else out[cut]])
-        results: list[list[torch.Tensor]] = [[] for _ in out] if several else [[]]
-        start = 0
-        for values, shape in zip(parts, outs):
-            k = values[0].shape[0]
-            cut = (slice(start, start + k), *[slice(0, n) for n in shape[0]])
-            for column, t in zip(results, out if several else (out,)):
-                column.append(t[cut])
-            start += k
+        # Each part's rows split off first, then cut to its shape: the backward of a cut of
+        # the whole output (rows and dims at once) makes a gradient of the whole output's
+        # size per part; a split's makes one for all the parts.
+        sizes = [values[0].shape[0] for values in parts]
+        results: list[list[torch.Tensor]] = []
+        for t in out if several else (out,):
+            pieces = t.split(sizes)
+            results.append(
+                [
+                    piece
+                    if piece.shape[1:] == shape[0]
+                    else piece[(slice(None), *map(slice, shape[0]))]
+                    for piece, shape in zip(pieces, outs)
+                ]
+            )
         return PaddedOutputs(results)
 
     def _ragged(self, values: list[Any]) -> tuple[Any, ...] | None:
