@@ -420,36 +420,58 @@ _WITH_MODULES: set[tuple[Any, ...]] = set()
 
 
 def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
-    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor, or a
-    list of tensors of one shape (see ``_same_rows``): the examples are the rows, so ``fn`` sees lazy rows standing for all of them (equal shapes,
-    no values it can read) and records the same calls for every example; each runs once on
-    the whole batch.  ``_MISS`` where the iterables are not all tensors, or ``fn`` cannot be
+    """``autobatch(fn, *iterables)`` by one recording, where every iterable is a tensor, a
+    list of tensors of one shape (see ``_same_rows``), or a list of samples alike, tuples or
+    dicts of such tensors (``(x, y)`` as a Dataset yields them: ``_sample_fields``, each
+    field stacked): the examples are the rows, so ``fn`` sees lazy rows standing for all of
+    them (equal shapes, no values it can read) and records the same calls for every
+    example; each runs once on the whole batch.  ``_MISS`` where the iterables are not all tensors, or ``fn`` cannot be
     recorded or run this way (it reads a row, changes one in place, returns something else
     than tensors or numbers, ...): autobatch then records per example, which gives the same
     results, or the error that names the example."""
     metas = []
+    # Per iterable: None (its examples are its rows), or the structure of its samples
+    # (tuples or dicts of tensors, as a Dataset yields (x, y)): their type and fields.
+    structure: list[Any] = []
     for it in iterables:
         if isinstance(it, torch.Tensor):
             if not it.ndim:
                 return _MISS
             metas.append(_meta(it.shape[1:], it.dtype, it.device))
-        else:
-            row = _same_rows(it)
-            if row is None:
-                return _MISS
+            structure.append(None)
+            continue
+        row = _same_rows(it)
+        if row is not None:
             metas.append(_meta(row.shape, row.dtype, row.device))
+            structure.append(None)
+            continue
+        fields = _sample_fields(it)
+        if fields is None:
+            return _MISS
+        structure.append(fields)
+        metas += [_meta(v.shape, v.dtype, v.device) for v in _field_values(it[0], fields)]
     n = min(len(t) for t in iterables)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    key = (id(fn) if code is None else code, *metas)
+    key = (id(fn) if code is None else code, *metas, *structure)
     if n == 0 or key in _UNTRACEABLE:
         return _MISS
     inputs = []
-    for t in iterables:
+    for t, fields in zip(iterables, structure):
+        if fields is not None:  # each field's values stacked
+            columns = zip(*[_field_values(sample, fields) for sample in t[:n]])
+            for column in columns:
+                stacked = _stacked(list(column))
+                if stacked is None:
+                    return _MISS
+                inputs.append(stacked)
+            continue
         if not isinstance(t, torch.Tensor):
             t = _stacked(t if len(t) == n else t[:n])
             if t is None:
                 return _MISS
         inputs.append(t if len(t) == n else t[:n])
+    if any(fields is not None for fields in structure):
+        fn = _with_samples(fn, structure)
     # First without autobatch's wrapper over nn.Module.__call__ (installing it costs ~50 us
     # and the method caches of every module class): module calls record as the torch calls
     # their forward makes.  Where one of those has no direct form (it would run under vmap:
@@ -565,6 +587,67 @@ def _partitioned(
             raise _Untraceable("groups of rows returned results of different shapes")
         out.append(torch.cat(column).index_select(0, inverse.to(first.device)))
     return out, spec
+
+
+def _sample_fields(items: Any) -> tuple[type, Any] | None:
+    """The structure of a Dataset's samples, where each is a tuple (or list) or a dict of
+    tensors and all are alike (their lengths or keys, each field's dtype): ``(their type,
+    their length or keys)``; None else.  Their shapes are checked by the ``torch.stack``
+    of each field (``_stacked``)."""
+    if type(items) not in (list, tuple) or not items:
+        return None
+    first = items[0]
+    t = type(first)
+    if t is dict:
+        keys = tuple(first)
+        values = [first[k] for k in keys]
+    elif t in (tuple, list):
+        keys, values = None, list(first)
+    else:
+        return None
+    if not values or not all(type(v) is torch.Tensor for v in values):
+        return None
+    dtypes = [v.dtype for v in values]
+    for sample in items:
+        if type(sample) is not t or len(sample) != len(dtypes):
+            return None
+        got = sample.values() if keys is not None else sample
+        if keys is not None and tuple(sample) != keys:
+            return None
+        for v, d in zip(got, dtypes):
+            if type(v) is not torch.Tensor or v.dtype is not d:
+                return None
+    return (t, keys if keys is not None else len(values))
+
+
+def _field_values(sample: Any, fields: tuple[type, Any]) -> list[Any]:
+    t, keys = fields
+    return [sample[k] for k in keys] if t is dict else list(sample)
+
+
+def _with_samples(fn: Callable[..., Any], structure: list[Any]) -> Callable[..., Any]:
+    """``fn`` taking each iterable's values as its rows: one per iterable of rows, and for an
+    iterable of samples (tuples or dicts of tensors) one per field, given to ``fn`` as the
+    sample they stand for (``(x, y)`` of lazy rows)."""
+
+    def call(*leaves: Any) -> Any:
+        args: list[Any] = []
+        i = 0
+        for fields in structure:
+            if fields is None:
+                args.append(leaves[i])
+                i += 1
+                continue
+            t, keys = fields
+            if t is dict:
+                args.append({k: leaves[i + j] for j, k in enumerate(keys)})
+                i += len(keys)
+            else:
+                args.append(t(leaves[i : i + keys]))
+                i += keys
+        return fn(*args)
+
+    return call
 
 
 def _same_rows(items: Any) -> torch.Tensor | None:
