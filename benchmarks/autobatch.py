@@ -324,15 +324,31 @@ def mnist_list_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     def eager() -> torch.Tensor:
         return F.cross_entropy(torch.stack([model(x)[0] for x in samples]), labels)
 
+    # The same step from (image, label) pairs, as a Dataset of labelled samples yields them,
+    # the loss written for one pair (a batch of one).
+    pairs = list(zip(samples, labels))
+
+    def pair_loss(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = pair
+        return F.cross_entropy(model(x), y[None])
+
+    def autobatched_pairs() -> torch.Tensor:
+        return fold.autobatch(pair_loss, pairs).mean()
+
     params = list(model.parameters())
     ref = torch.autograd.grad(eager(), params)
-    for name, fn in (("autobatch", autobatched), ("collated", collated)):
+    for name, fn in (
+        ("autobatch", autobatched),
+        ("collated", collated),
+        ("pairs", autobatched_pairs),
+    ):
         for a, b in zip(torch.autograd.grad(fn(), params), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
     times = interleaved(
         {
             "autobatch, list of samples": _step(model, autobatched),
+            "autobatch, (x, y) pairs": _step(model, autobatched_pairs),
             "DataLoader-collated batch": _step(model, collated),
             "eager per sample": _step(model, eager),
         },

@@ -648,6 +648,7 @@ def test_whole_value_max_min_all_any_run_directly_and_equal_eager(reduce, monkey
         lambda h: (torch.where((h.view(2, 2) > 0).all(1), h[:2], -h[2:]), (h > 0).any(-1)),
         lambda h: (h * 2, torch._is_all_true(h.abs() > -1), torch._is_any_true(h > 9)),
         lambda h: (h.view(1, 4, 1).squeeze() + h[None].squeeze() * h.squeeze(), h[:1].squeeze()),
+        lambda h: (h.sum()[None] * h, h[0][None, ...], h[1][...]),  # (a number's new dims)
     ],
 )
 def test_reshape_gather_logsumexp_and_broadcasts_run_directly_and_equal_eager(shaped, monkeypatch):

@@ -1150,6 +1150,9 @@ def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
     reduction = kwargs.get("reduction", "mean")
     kwargs["reduction"] = "none"
     x, target = args[0], args[1]
+    if x.dim() == 3 and x.shape[1] == 1:  # (n, 1, classes): a batch of one, the loss of one
+        x, target = x.squeeze(1), target.squeeze(1)
+        args = [x, target, *args[2:]]
     if x.dim() == 3:  # (n, N, classes): the examples' batches as one
         n = x.shape[0]
         out = fn(x.flatten(0, 1), target.flatten(0, 1), *args[2:], **kwargs).view(n, -1)

@@ -284,11 +284,13 @@ def _direct_template(
             return args, kwargs
         return None
     if fn is _GETITEM:  # x[i], x[1:3], x[..., 0], x[:, None]: the batch dim kept first
-        if len(args) != 2 or kwargs or type(args[0]) is not _Slot or not args[0].meta.ndim:
+        if len(args) != 2 or kwargs or type(args[0]) is not _Slot:
             return None
         index = args[1] if type(args[1]) is tuple else (args[1],)
         if not all(_basic_index(i) for i in index):
             return None
+        if not args[0].meta.ndim and not all(i is None or i is Ellipsis for i in index):
+            return None  # (of a number: new dims alone, y[None] of a label)
         return [args[0], (slice(None), *index)], {}
     if fn in _TRANSPOSE or fn in _PERMUTE:  # dims moved past the batch dim
         if len(slots) != 1 or type(args[0]) is not _Slot or kwargs:
