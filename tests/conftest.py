@@ -35,3 +35,26 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def recordings(monkeypatch):
+    """The count of recordings of a function on lazy rows (the per-example path records
+    none), and of examples started per example (coroutines or one after another), as
+    autobatch calls them from now on."""
+    from fold.autobatch import driver, traced
+
+    counts = {"once": 0, "per example": 0}
+    real_once, real_example = traced._record_once, driver._example
+
+    def once(*args, **kwargs):
+        counts["once"] += 1
+        return real_once(*args, **kwargs)
+
+    def example(*args, **kwargs):
+        counts["per example"] += 1
+        return real_example(*args, **kwargs)
+
+    monkeypatch.setattr(traced, "_record_once", once)
+    monkeypatch.setattr(driver, "_example", example)
+    return counts

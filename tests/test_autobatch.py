@@ -604,6 +604,15 @@ def test_tensor_rows_record_once_and_equal_eager():
     torch.testing.assert_close(per, got)
 
 
+def _vmap_calls(monkeypatch):
+    """The functions torch.func.vmap is given from now on (a group that runs under vmap),
+    as a list that grows as they come."""
+    calls = []
+    real = torch.func.vmap
+    monkeypatch.setattr(torch.func, "vmap", lambda f, *a, **k: calls.append(f) or real(f, *a, **k))
+    return calls
+
+
 @pytest.mark.parametrize(
     "reduce",
     [
@@ -621,11 +630,7 @@ def test_whole_value_max_min_all_any_run_directly_and_equal_eager(reduce, monkey
     for the sum and mean) run as one direct call on the group (not under vmap); values and
     gradients equal eager (float64), per example and recorded once."""
     lin = nn.Linear(3, 4)
-    vmapped = []
-    real = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     xs = torch.randn(6, 3) * 2
     assert_same(lambda x: reduce(lin(x)), list(lin.parameters()), xs)
     assert not vmapped
@@ -661,11 +666,7 @@ def test_reshape_gather_logsumexp_and_broadcasts_run_directly_and_equal_eager(sh
     (a policy's Categorical over samples ran 7 of its calls under vmap: 2.2 ms for 256
     samples, 1.1 now)."""
     lin = nn.Linear(3, 4)
-    vmapped = []
-    real = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     xs = torch.randn(6, 3) * 2
     assert_same(lambda x: shaped(lin(x)), list(lin.parameters()), xs)
     assert not vmapped
@@ -708,11 +709,7 @@ def test_convolutions_over_sentences_of_several_lengths_run_padded(monkeypatch):
         convs.append(tuple(x.shape))
         return real(x, *args, **kwargs)
 
-    vmapped = []
-    real_vmap = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     got = assert_same(model, list(model.parameters()), words, labels)
     assert got.shape == (6,)
     assert not vmapped
@@ -752,11 +749,7 @@ def test_a_set_model_over_sets_of_several_sizes_runs_through_and_pads(monkeypatc
     sets = [torch.randn(n, 3) for n in (4, 2, 7, 4, 5, 2)]
     fold.autobatch(model, sets)  # (recorded whole for the first size, then run through)
     padded = _spy_padded_calls(monkeypatch)
-    vmapped = []
-    real_vmap = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     assert_same(model, list(model.parameters()), sets)
     assert not vmapped
     assert "DeepSets call" not in padded and {"Sequential call", "Tensor.sum"} <= set(padded)
@@ -791,11 +784,7 @@ def test_a_loss_over_a_batch_of_the_examples_own_runs_directly(reduction, monkey
     and an example whose targets are all ignored (a mean of nothing: nan, as eager):
     one direct call for the group; values and gradients equal eager (float64)."""
     lin = nn.Linear(3, 5)
-    vmapped = []
-    real_vmap = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     xs = torch.randn(6, 4, 3)
     ys = torch.randint(0, 5, (6, 4))
     ys[1, 2] = 7
@@ -825,11 +814,7 @@ def test_max_and_min_along_a_dim_run_directly_and_equal_eager(how, monkeypatch):
     """``x.max(dim)``, ``torch.min(x, dim, keepdim=True)``: values and indices (ties: the
     first, as eager), one direct call; gradients flow to the indices taken."""
     lin = nn.Linear(3, 6)
-    vmapped = []
-    real_vmap = torch.func.vmap
-    monkeypatch.setattr(
-        torch.func, "vmap", lambda f, *a, **k: vmapped.append(f) or real_vmap(f, *a, **k)
-    )
+    vmapped = _vmap_calls(monkeypatch)
     reduce = getattr(torch, how)
 
     def fn(x):
@@ -842,29 +827,8 @@ def test_max_and_min_along_a_dim_run_directly_and_equal_eager(how, monkeypatch):
     assert not vmapped
 
 
-def _recordings(monkeypatch):
-    """The count of recordings of a function on lazy rows (the per-example path records
-    none), and of examples started per example (coroutines or one after another)."""
-    from fold.autobatch import driver, traced
-
-    counts = {"once": 0, "per example": 0}
-    real_once, real_example = traced._record_once, driver._example
-
-    def once(*args, **kwargs):
-        counts["once"] += 1
-        return real_once(*args, **kwargs)
-
-    def example(*args, **kwargs):
-        counts["per example"] += 1
-        return real_example(*args, **kwargs)
-
-    monkeypatch.setattr(traced, "_record_once", once)
-    monkeypatch.setattr(driver, "_example", example)
-    return counts
-
-
 @pytest.mark.parametrize("kind", ["tuples", "lists", "dicts"])
-def test_a_datasets_samples_of_tensors_are_recorded_once(kind, monkeypatch):
+def test_a_datasets_samples_of_tensors_are_recorded_once(kind, recordings):
     """A list of samples as a Dataset yields them, each an ``(x, y)`` tuple (a list, a
     dict) of tensors of one shape: ``fn(sample)`` recorded once for all of them, each field
     stacked, the function given the sample's structure of lazy rows; values and gradients
@@ -880,7 +844,7 @@ def test_a_datasets_samples_of_tensors_are_recorded_once(kind, monkeypatch):
         make = tuple if kind == "tuples" else list
         samples = [make((x, y)) for x, y in zip(xs, ys)]
         fn = lambda s: F.cross_entropy(model(s[0]), s[1]) + model(s[0]).sum()  # noqa: E731
-    counts = _recordings(monkeypatch)
+    counts = recordings
     got = fold.autobatch(fn, samples)
     assert counts == {"once": 1, "per example": 0}
     want = torch.stack([fn(s) for s in samples])
@@ -919,7 +883,7 @@ class _EarlyExit(nn.Module):
 
 
 @pytest.mark.parametrize("rows", ["tensor", "list"])
-def test_reads_of_tensor_rows_run_in_lockstep_split_where_rows_disagree(rows, monkeypatch):
+def test_reads_of_tensor_rows_run_in_lockstep_split_where_rows_disagree(rows, recordings):
     """Tensor rows (a tensor, or a Dataset's list of samples of one shape) whose function
     reads: recorded once for all rows, a read runs what is recorded so far and the rows go
     on in lockstep; where they read different values (an early exit taken by some), the
@@ -931,7 +895,7 @@ def test_reads_of_tensor_rows_run_in_lockstep_split_where_rows_disagree(rows, mo
     x = torch.randn(12, 6, dtype=torch.float64) * 2
     took = [bool(torch.softmax(model.head1(torch.relu(model.first(r))), -1).max() > 0.4) for r in x]
     assert 0 < sum(took) < len(took)  # (both paths taken)
-    counts = _recordings(monkeypatch)
+    counts = recordings
     xs = x if rows == "tensor" else list(x)
     got = fold.autobatch(model, xs)
     assert counts == {"once": 3, "per example": 0}  # all rows, then each group
@@ -949,7 +913,7 @@ def test_reads_of_tensor_rows_run_in_lockstep_split_where_rows_disagree(rows, mo
         torch.testing.assert_close(g, h)
 
 
-def test_lockstep_reads_that_agree_record_once_and_nested_splits_equal_eager(monkeypatch):
+def test_lockstep_reads_that_agree_record_once_and_nested_splits_equal_eager(recordings):
     """Reads every row agrees on (a flag that holds for all) cost no split; reads that split
     the rows again inside a group (an int that picks how many steps, then a sign), and
     ``.tolist()`` reads, each group recorded from what its rows read before: values and
@@ -969,13 +933,13 @@ def test_lockstep_reads_that_agree_record_once_and_nested_splits_equal_eager(mon
         first = (h[:1] > 0).tolist()
         return h * (1.0 + first[0]), h.sum()
 
-    counts = _recordings(monkeypatch)
+    counts = recordings
     assert_same(fn, list(lin.parameters()), x)
     assert counts["per example"] == 32  # (assert_same's per_example=True run alone)
     assert 1 + 2 + 4 < counts["once"] <= 1 + 16  # (splits into 2, 4, then up to 8 groups)
 
 
-def test_lockstep_gives_way_to_examples_recorded_one_by_one(monkeypatch):
+def test_lockstep_gives_way_to_examples_recorded_one_by_one(recordings):
     """Where the rows' reads split them into too many groups (a read of a float that
     differs in every row), or a call that changes a module's buffers would run before a
     read (a batch norm in training), the examples are recorded one by one as before: the
@@ -988,7 +952,7 @@ def test_lockstep_gives_way_to_examples_recorded_one_by_one(monkeypatch):
         h = lin(r)
         return h * float(h.detach().sum())  # (a Python float per row)
 
-    counts = _recordings(monkeypatch)
+    counts = recordings
     assert_same(scaled, list(lin.parameters()), x)
     assert counts["per example"] >= 16
 

@@ -81,28 +81,14 @@ def test_a_policy_and_a_gaussian_head_equal_eager(per_example):
     _check(_gaussian(net), net, xs, per_example=per_example)
 
 
-def test_the_rows_of_a_policy_are_recorded_once(monkeypatch, caplog):
+def test_the_rows_of_a_policy_are_recorded_once(recordings, caplog):
     """A Dataset's samples of one shape and their actions: the policy is recorded once for
     all rows (its validation reads agree: every row valid), the second call too, where
     its module calls are recorded whole (a call without a direct form: the broadcast of the
     distribution's parameters), and no call falls back to one per example (a logged
     warning: the lockstep's reads ran the module calls recorded whole while recording,
     which recorded their inner calls again, on the batch)."""
-    from fold.autobatch import driver, traced
-
-    counts = {"once": 0, "per example": 0}
-    real_once, real_example = traced._record_once, driver._example
-
-    def once(*args, **kwargs):
-        counts["once"] += 1
-        return real_once(*args, **kwargs)
-
-    def example(*args, **kwargs):
-        counts["per example"] += 1
-        return real_example(*args, **kwargs)
-
-    monkeypatch.setattr(traced, "_record_once", once)
-    monkeypatch.setattr(driver, "_example", example)
+    counts = recordings
     net = _net()
     xs = [torch.randn(4, dtype=torch.float64) for _ in range(16)]
     actions = [torch.tensor(i % 6) for i in range(16)]
