@@ -723,11 +723,59 @@ class GCN(nn.Module):
         h = torch.relu(a @ self.l2(h))
         return F.cross_entropy(self.out(h.mean(0)), y)
 
+    def hand(self, graphs: list[torch.Tensor], feats: list[torch.Tensor], labels: Any) -> Any:
+        """The graphs padded to the largest (adjacency with zeros in both dims), padded
+        nodes masked out of the mean: one call per layer."""
+        sizes = torch.tensor([len(x) for x in feats])
+        big = int(sizes.max())
+        a = torch.stack([F.pad(g, (0, big - len(g), 0, big - len(g))) for g in graphs])
+        h = torch.relu(a @ self.l1(pad_sequence(feats, batch_first=True)))
+        h = torch.relu(a @ self.l2(h))
+        keep = (torch.arange(big)[None, :] < sizes[:, None]).to(h.dtype)[:, :, None]
+        pooled = (h * keep).sum(1) / sizes[:, None].to(h.dtype)
+        return F.cross_entropy(self.out(pooled), labels, reduction="none")
+
+
+class SelfAttention(nn.Module):
+    """A sentence classifier of one self-attention block written for one sentence (L, 32):
+    a fused projection cut in three, scores (L, L), a residual feed-forward, a mean over
+    the words."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.width = width
+        self.qkv, self.o = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.ff, self.out = nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = torch.softmax(q @ k.t() / self.width**0.5, -1)
+        h = x + self.o(a @ v)
+        h = h + torch.relu(self.ff(h))
+        return F.cross_entropy(self.out(h.mean(0)), y)
+
+    def hand(self, xs: list[torch.Tensor], labels: Any) -> Any:
+        """The sentences padded, the keys past each length masked out of the softmax and
+        the padded words out of the mean: one call per layer."""
+        sizes = torch.tensor([len(x) for x in xs])
+        big = int(sizes.max())
+        x = pad_sequence(xs, batch_first=True)
+        keep = torch.arange(big)[None, :] < sizes[:, None]  # (B, L)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = (q @ k.transpose(1, 2) / self.width**0.5).masked_fill(
+            ~keep[:, None, :], float("-inf")
+        )
+        h = x + self.o(torch.softmax(scores, -1) @ v)
+        h = h + torch.relu(self.ff(h))
+        pooled = (h * keep[:, :, None]).sum(1) / sizes[:, None].to(h.dtype)
+        return F.cross_entropy(self.out(pooled), labels, reduction="none")
+
 
 def _set_and_graph_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Training steps over inputs of several sizes as a Dataset yields them: a set model
-    over 128 sets of 3-39 elements (autobatch, the padded batch by hand, eager per set), a
-    graph classifier over 64 graphs of 5-29 nodes (autobatch, eager per graph)."""
+    over 128 sets of 3-39 elements, a graph classifier over 64 graphs of 5-29 nodes, a
+    self-attention classifier over 64 sentences of 5-29 words (each: autobatch, the padded
+    batch by hand, eager per example)."""
     rows = []
     torch.manual_seed(0)
     model = DeepSets()
@@ -764,9 +812,11 @@ def _set_and_graph_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     labels = list(torch.randint(0, 3, (64,), generator=g))
     want = torch.stack([gcn(*x) for x in zip(graphs, feats, labels)])
     torch.testing.assert_close(fold.autobatch(gcn, graphs, feats, labels), want)
+    torch.testing.assert_close(gcn.hand(graphs, feats, torch.stack(labels)), want)
     times = interleaved(
         {
             "autobatch": lambda: step(gcn, lambda: fold.autobatch(gcn, graphs, feats, labels)),
+            "hand": lambda: step(gcn, lambda: gcn.hand(graphs, feats, torch.stack(labels))),
             "eager per example": lambda: step(
                 gcn, lambda: torch.stack([gcn(*x) for x in zip(graphs, feats, labels)])
             ),
@@ -775,7 +825,28 @@ def _set_and_graph_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     )
     rows += [
         {"workload": "graph classifier step (64 graphs of 5-29 nodes)", **row}
-        for row in _against(times, "eager per example")
+        for row in _against(times, "hand")
+    ]
+    attention = SelfAttention()
+    words = [torch.randn(int(n), 32, generator=g) for n in torch.randint(5, 30, (64,), generator=g)]
+    classes = list(torch.randint(0, 3, (64,), generator=g))
+    want = torch.stack([attention(x, y) for x, y in zip(words, classes)])
+    torch.testing.assert_close(fold.autobatch(attention, words, classes), want)
+    torch.testing.assert_close(attention.hand(words, torch.stack(classes)), want)
+    times = interleaved(
+        {
+            "autobatch": lambda: step(attention, lambda: fold.autobatch(attention, words, classes)),
+            "hand": lambda: step(attention, lambda: attention.hand(words, torch.stack(classes))),
+            "eager per example": lambda: step(
+                attention,
+                lambda: torch.stack([attention(x, y) for x, y in zip(words, classes)]),
+            ),
+        },
+        args.reps,
+    )
+    rows += [
+        {"workload": "self-attention step (64 sentences of 5-29 words)", **row}
+        for row in _against(times, "hand")
     ]
     return rows
 

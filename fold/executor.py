@@ -45,6 +45,7 @@ from fold.ops import (
     literal_value,
     op_failed,
     padded_literals,
+    padded_part,
     padded_pieces,
     padded_rows_of,
     resolve_op,
@@ -925,7 +926,7 @@ class Executor:
                     if whole is None:
                         vals[j] = self._literal(k, picked[s:e])
                     else:
-                        vals[j] = whole[s:e, : picked[s].shape[1]]
+                        vals[j] = padded_part(whole, s, e, picked[s])
             else:
                 numbers = cols[j][pos]
                 for vals, (s, e) in zip(values, spans):

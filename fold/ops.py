@@ -144,15 +144,23 @@ class PaddedRows:
     ``data[i]`` cut to ``lengths[i]`` in dim ``dim`` (of ``data``, the batch dim 0).  What
     lies past a row's length is unspecified, zeros where ``zero``; ``filled`` sets it.
 
+    ``dim`` may also be a tuple of dims that each row's length holds in all at once: a
+    graph's adjacency (n, n), self-attention's scores (L, L), padded in both; ``dims`` is
+    that tuple (one dim: ``(dim,)``) and ``dim`` its first.  An op that reads rows of one
+    ragged dim only checks ``len(dims) == 1`` and declines others.
+
     A group of a whole plan whose op takes such rows (``ragged_call``: fold.autobatch's ops
     that pad) reads and returns them: one call, no parts.  As a group's output its rows are
     read like a tensor's (``rows[i]``, ``rows.narrow(0, i, 1)``: views cut to the row's
     length)."""
 
-    __slots__ = ("_filled", "_mask", "data", "dim", "lengths", "zero")
+    __slots__ = ("_filled", "_mask", "data", "dim", "dims", "lengths", "zero")
 
-    def __init__(self, data: torch.Tensor, dim: int, lengths: Any, zero: bool = False) -> None:
-        self.data, self.dim, self.lengths, self.zero = data, dim, lengths, zero
+    def __init__(
+        self, data: torch.Tensor, dim: int | tuple[int, ...], lengths: Any, zero: bool = False
+    ) -> None:
+        self.dims = (dim,) if type(dim) is int else tuple(dim)  # type: ignore[arg-type]
+        self.data, self.dim, self.lengths, self.zero = data, self.dims[0], lengths, zero
         self._filled: tuple[Any, torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None
 
@@ -160,14 +168,19 @@ class PaddedRows:
         return self.data.shape[0]
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i].narrow(self.dim - 1, 0, int(self.lengths[i]))
+        out, n = self.data[i], int(self.lengths[i])
+        for d in self.dims:
+            out = out.narrow(d - 1, 0, n)
+        return out
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Rows ``start`` to ``start + length`` of one length (a batch-of-one row: 1)."""
         n = int(self.lengths[start])
         if dim != 0 or any(int(x) != n for x in self.lengths[start : start + length]):
             raise ValueError("PaddedRows.narrow: rows of one length in dim 0 only")
-        out = self.data.narrow(0, start, length).narrow(self.dim, 0, n)
+        out = self.data.narrow(0, start, length)
+        for d in self.dims:
+            out = out.narrow(d, 0, n)
         if out._base is None:  # (an inference tensor: its base noted, see view_base)
             base = view_base(self.data)
             setattr(out, _VIEW_OF, self.data if base is None else base)
@@ -182,48 +195,73 @@ class PaddedRows:
     def rows(self, index: Any, itensor: torch.Tensor | None) -> PaddedRows:
         """Rows ``index`` (a slice, or an int64 array whose tensor is ``itensor``)."""
         if type(index) is slice:
-            return PaddedRows(self.data[index], self.dim, self.lengths[index], self.zero)
+            return PaddedRows(self.data[index], self.dims, self.lengths[index], self.zero)
         return PaddedRows(
-            self.data.index_select(0, itensor), self.dim, self.lengths[index], self.zero
+            self.data.index_select(0, itensor), self.dims, self.lengths[index], self.zero
         )
 
+    def _past(self, dim: int) -> torch.Tensor:
+        """True past each row's length in ``dim``, shaped to broadcast against ``data``.
+        Made once per lengths, length and device of the last few (``_MASKS``): a decoder's
+        steps mask scores over the same memories round after round."""
+        data = self.data
+        big = data.shape[dim]
+        key = (self.lengths.dtype.str, self.lengths.tobytes(), big, data.device)
+        past = _MASKS.get(key)
+        if past is None:
+            lengths = torch.from_numpy(self.lengths).to(data.device)
+            past = torch.arange(big, device=data.device) >= lengths[:, None]  # (rows, big)
+            if len(_MASKS) >= 16:
+                _MASKS.clear()
+            _MASKS[key] = past
+        shape = [data.shape[0]] + [1] * (data.dim() - 1)
+        shape[dim] = big
+        return past.view(shape)
+
     def mask(self) -> torch.Tensor:
-        """True past each row's length, shaped to broadcast against ``data``.  Made once per
-        lengths, length and device of the last few (``_MASKS``): a decoder's steps mask
-        scores over the same memories round after round."""
+        """True past each row's length (in any of its ragged dims), shaped to broadcast
+        against ``data``."""
         if self._mask is None:
-            data, dim = self.data, self.dim
-            big = data.shape[dim]
-            key = (self.lengths.dtype.str, self.lengths.tobytes(), big, data.device)
-            past = _MASKS.get(key)
-            if past is None:
-                lengths = torch.from_numpy(self.lengths).to(data.device)
-                past = torch.arange(big, device=data.device) >= lengths[:, None]  # (rows, big)
-                if len(_MASKS) >= 16:
-                    _MASKS.clear()
-                _MASKS[key] = past
-            shape = [data.shape[0]] + [1] * (data.dim() - 1)
-            shape[dim] = big
-            self._mask = past.view(shape)
+            out = self._past(self.dims[0])
+            for d in self.dims[1:]:
+                out = out | self._past(d)
+            self._mask = out
         return self._mask
 
-    def filled(self, value: Any) -> torch.Tensor:
+    def filled(self, value: Any, along: int | None = None) -> torch.Tensor:
         """``data`` with ``value`` past each row's length (itself where that is zeros
-        already)."""
+        already).  With ``along``, one of several ragged dims (a softmax's over scores
+        (L, L)), ``value`` past the length in that dim and zeros past it in the others
+        alone, so that each padded line along it holds values that reduce to a number
+        (a softmax over a line of -inf alone is nan, and its backward would carry nan)."""
+        if along is not None and (len(self.dims) == 1 or value == 0):
+            along = None
         if self.zero and value == 0:
             return self.data
         last = self._filled
-        if last is not None and last[0] == value:  # (rows several groups read: three convs')
+        if last is not None and last[0] == (value, along):  # (rows several groups read)
             return last[1]
         data = self.data
+        if along is None:
+            out = self._fill(data, self.mask(), value)
+        else:
+            others = [d for d in self.dims if d != along]
+            mask = self._past(others[0])
+            for d in others[1:]:
+                mask = mask | self._past(d)
+            if not self.zero:
+                data = self._fill(data, mask, 0)
+            out = self._fill(data, self._past(along), value)
+        self._filled = ((value, along), out)
+        return out
+
+    @staticmethod
+    def _fill(data: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
         if data.is_floating_point():
             # (torch.where: 1.7x faster than masked_fill on the CPU, (64, 64, 29) floats:
             # 74 against 123 us; the same values and gradient)
-            out = torch.where(self.mask(), value, data)
-        else:
-            out = data.masked_fill(self.mask(), value)
-        self._filled = (value, out)
-        return out
+            return torch.where(mask, value, data)
+        return data.masked_fill(mask, value)
 
     def parts(self) -> tuple[list[np.ndarray], list[torch.Tensor]]:
         """The rows by length: per length, the rows' positions and their values (one
@@ -238,22 +276,25 @@ class PaddedRows:
             rows.append(pick)
             index = torch.from_numpy(np.ascontiguousarray(pick)).to(self.data.device)
             part = self.data.index_select(0, index)
-            values.append(part.narrow(self.dim, 0, int(sorted_lengths[lo])))
+            for d in self.dims:
+                part = part.narrow(d, 0, int(sorted_lengths[lo]))
+            values.append(part)
         return rows, values
 
 
 def padded_pieces(parts: list[Any]) -> PaddedRows | None:
     """Rows of several outputs, some of them ``PaddedRows``, as ONE ``PaddedRows`` (their
-    rows one part after another): each part padded with zeros to the widest along the one
-    dim the rows differ in (an embedding of sentences of several lengths, whose one-word
+    rows one part after another): each part padded with zeros to the widest along the dims
+    the rows differ in (an embedding of sentences of several lengths, whose one-word
     sentences ran as an op of their own).  Zeros past every row where each part has them
     (a tensor part has no padding).  None where the parts differ in another dim, in dtype
-    or device, or the PaddedRows parts in their ragged dim."""
+    or device, or the PaddedRows parts in their ragged dims (a tensor part's rows, of one
+    shape, must hold one length in all of them)."""
     ragged = [p for p in parts if type(p) is PaddedRows]
     if not ragged:
         return None
-    dim, first = ragged[0].dim, ragged[0].data
-    if any(p.dim != dim for p in ragged):
+    dims, first = ragged[0].dims, ragged[0].data
+    if any(p.dims != dims for p in ragged):
         return None
     datas = [p.data if type(p) is PaddedRows else p for p in parts]
     for t in datas:
@@ -261,25 +302,32 @@ def padded_pieces(parts: list[Any]) -> PaddedRows | None:
             t.dim() != first.dim()
             or t.dtype != first.dtype
             or t.device != first.device
-            or any(t.shape[k] != first.shape[k] for k in range(1, t.dim()) if k != dim)
+            or any(t.shape[k] != first.shape[k] for k in range(1, t.dim()) if k not in dims)
         ):
             return None
-    width = max(t.shape[dim] for t in datas)
+    for p in parts:
+        if type(p) is not PaddedRows and any(p.shape[d] != p.shape[dims[0]] for d in dims):
+            return None
+    widths = [max(t.shape[d] for t in datas) for d in dims]
     padded = []
     for t in datas:
-        short = width - t.shape[dim]
-        if short:
-            pad = [0, 0] * (t.dim() - 1 - dim) + [0, short]
-            t = F.pad(t, pad)
+        short = [0] * t.dim()
+        for d, width in zip(dims, widths):
+            short[d] = width - t.shape[d]
+        if any(short):
+            spec: list[int] = []
+            for n in reversed(short[1:]):  # F.pad takes the last dim first
+                spec += [0, n]
+            t = F.pad(t, spec)
         padded.append(t)
     lengths = np.concatenate(
         [
-            p.lengths if type(p) is PaddedRows else np.full(p.shape[0], p.shape[dim], np.int64)
+            p.lengths if type(p) is PaddedRows else np.full(p.shape[0], p.shape[dims[0]], np.int64)
             for p in parts
         ]
     )
     zero = all(p.zero for p in ragged)
-    return PaddedRows(torch.cat(padded, 0), dim, lengths, zero)
+    return PaddedRows(torch.cat(padded, 0), dims, lengths, zero)
 
 
 def check_outputs(op: Any, step: int, rows: int, out: Any, alone: bool) -> tuple[torch.Tensor, ...]:
@@ -405,13 +453,14 @@ def _describe_output(out: Any) -> str:
 _ZERO_PAST = "_fold_zero_past"
 
 
-def mark_zero_past(t: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
-    """Mark ``t`` (see ``_ZERO_PAST``): row i holds zeros past ``lengths[i]`` in ``dim``."""
+def mark_zero_past(t: torch.Tensor, dim: Any, lengths: list[int]) -> torch.Tensor:
+    """Mark ``t`` (see ``_ZERO_PAST``): row i holds zeros past ``lengths[i]`` in ``dim`` (or
+    in each of a tuple of dims)."""
     setattr(t, _ZERO_PAST, (dim, lengths))
     return t
 
 
-def zero_past(t: torch.Tensor) -> tuple[int, list[int]] | None:
+def zero_past(t: torch.Tensor) -> tuple[Any, list[int]] | None:
     """``(dim, lengths)`` where ``t`` is marked by ``mark_zero_past``, else None."""
     return getattr(t, _ZERO_PAST, None)
 
@@ -419,18 +468,51 @@ def zero_past(t: torch.Tensor) -> tuple[int, list[int]] | None:
 def padded_literals(column: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """Batch-of-one tensors (1, L_i, ...) that differ in dim 1 alone (each example's own
     sequence: a source's token ids) as ONE zero-padded tensor (n, max L_i, ...), marked with
-    their lengths (``mark_zero_past``); None for any other column."""
+    their lengths (``mark_zero_past``); or that differ in several dims, each tensor of one
+    length in all of them (a graph's adjacency (1, n_i, n_i)), padded in all, marked with
+    those dims; None for any other column."""
     first = column[0]
     if first.dim() < 2 or len(column) < 2:
         return None
-    rest, dtype = first.shape[2:], first.dtype
+    shape, dtype = first.shape, first.dtype
     for t in column:
-        if t.shape[0] != 1 or t.shape[2:] != rest or t.dtype != dtype:
+        if t.shape[0] != 1 or t.dim() != first.dim() or t.dtype != dtype:
             return None
-    out = pad_sequence([t[0] for t in column], batch_first=True)
+    varying = [d for d in range(1, first.dim()) if any(t.shape[d] != shape[d] for t in column)]
+    if varying and varying[0] != 1:
+        return None  # (values that differ past dim 1 alone: a call per part takes them)
+    if len(varying) <= 1:
+        out = pad_sequence([t[0] for t in column], batch_first=True)
+        dims: int | tuple[int, ...] = 1
+    elif any(t.shape[d] != t.shape[varying[0]] for t in column for d in varying):
+        return None
+    else:
+        dims = tuple(varying)
+        big = max(t.shape[varying[0]] for t in column)
+        pieces = []
+        for t in column:
+            short = [0] * t.dim()
+            for d in varying:
+                short[d] = big - t.shape[d]
+            spec: list[int] = []
+            for n in reversed(short[1:]):  # F.pad takes the last dim first
+                spec += [0, n]
+            pieces.append(F.pad(t, spec))
+        out = torch.cat(pieces, 0)
     if out.device != device:
         out = out.to(device, non_blocking=True)
-    return mark_zero_past(out, 1, [t.shape[1] for t in column])
+    return mark_zero_past(out, dims, [t.shape[varying[0] if varying else 1] for t in column])
+
+
+def padded_part(whole: torch.Tensor, start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    """Rows ``start`` to ``stop`` of ``padded_literals``' (or ``rows_of_padded``') tensor, each
+    of ``like``'s length: a view cut to that length in the dims the tensor is padded in."""
+    dims = zero_past(whole)[0]  # type: ignore[index]
+    dims = (dims,) if type(dims) is int else dims
+    out, n = whole[start:stop], like.shape[dims[0]]
+    for d in dims:
+        out = out.narrow(d, 0, n)
+    return out
 
 
 def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:
@@ -510,10 +592,17 @@ def padded_rows_of(
             return entry[3]
     found = _rows_in(column)
     if found is None:
-        t = padded_literals(column, device)
-        if t is None:
-            return None
-        return PaddedRows(t, 1, np.array(zero_past(t)[1], np.int64), zero=True)  # type: ignore[index]
+        # (one column padded once in an apply: a graph's adjacency read by each of its
+        # convolutions; the column's tensors live while the apply runs)
+        made_key = ("literals", *map(id, column))
+        got = made.get(made_key)
+        if got is None:
+            t = padded_literals(column, device)
+            if t is None:
+                return None
+            dims, lengths = zero_past(t)  # type: ignore[misc]
+            got = made[made_key] = PaddedRows(t, dims, np.array(lengths, np.int64), zero=True)
+        return got
     b, rows, lengths = found
     made_key = (id(b), rows.tobytes())  # (b lives while the column's views do)
     got = made.get(made_key)

@@ -710,7 +710,7 @@ class _Op:
     def _packed_rows(self, values: list[Any]) -> tuple[Any, ...] | None:
         args, _ = _fill((self.args, self.kwargs), values)
         x = args[0]
-        if type(x) is not PaddedRows or x.dim != 1 or x.data.dim() != 3:
+        if type(x) is not PaddedRows or x.dims != (1,) or x.data.dim() != 3:
             return None
         states = args[1] if len(args) > 1 else None
         parts = states if type(states) in (tuple, list) else (states,)
@@ -754,7 +754,7 @@ class _Op:
         padded to the largest shape (``tables._PADDED`` says with what); per part its
         outputs cut back to its shapes."""
         if self._hooked():
-            return [(self(*values),) for values in parts]
+            return [_outputs(self(*values)) for values in parts]
         return self._recorded(self._pad_run, parts, parts[0])
 
     def _pad_run(self, parts: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, ...]]:
@@ -764,15 +764,17 @@ class _Op:
         bigs = [
             [max(v.shape[d] for v in column) for d in range(column[0].dim())] for column in columns
         ]
-        # Padding that would more than double what the values hold (one memory far longer
-        # than the others) costs more than it saves: one call per part then.
         held = sum(v.numel() for column in columns for v in column)
         padded_size = sum(
             v.shape[0] * math.prod(big[1:]) for column, big in zip(columns, bigs) for v in column
         )
-        if any(o is None for o in outs) or padded_size > 2 * held + 1024:
-            return [(self._run(values),) for values in parts]
         how, dim = self.padding  # type: ignore[misc]
+        if (
+            any(o is None for o in outs)
+            or not _worth_padding(held, padded_size, len(parts))
+            or (how == "split" and _differ_in(columns[0], dim))  # (see _ragged_run)
+        ):
+            return [_outputs(self._run(values)) for values in parts]
         merged = []
         for j, (column, big) in enumerate(zip(columns, bigs)):
             fill = _REDUCED_FILL.get(how) if j == 0 and dim is not None else None
@@ -856,17 +858,23 @@ class _Op:
         shapes: list[Any] = [
             list(v.data.shape[1:]) if type(v) is PaddedRows else tuple(v.shape[1:]) for v in values
         ]
+        how, dim = self.padding  # type: ignore[misc]
+        if how == "split":  # (pieces along a dim the values differ in: not their pieces)
+            first = values[0]
+            d = dim % (first.data.dim() - 1) + 1  # type: ignore[operator]
+            if type(first) is PaddedRows and d in first.dims:
+                return None
         combos, inv = _combinations([values[j].lengths for j in ragged])
         held = padded = 0
         for j in ragged:
             v = values[j]
-            per_step = v.data[0].numel() // v.data.shape[v.dim]
-            held += int(v.lengths.sum()) * per_step
+            per_step = v.data[0].numel() // math.prod([v.data.shape[d] for d in v.dims])
+            held += int((v.lengths ** len(v.dims)).sum()) * per_step
             padded += v.data.numel()
-        if padded > 2 * held + 1024:
+        if not _worth_padding(held, padded, len(combos)):
             return None
         # Per combination its output's shape (as recorded), once per op and combinations.
-        dims = tuple([values[j].dim for j in ragged])
+        dims = tuple([values[j].dims for j in ragged])
         known = (tuple(map(tuple, shapes)), tuple(ragged), dims, tuple(combos))
         found = self.ragged_outs.get(known)
         if found is None:
@@ -877,7 +885,6 @@ class _Op:
                 self.ragged_outs.clear()
             self.ragged_outs[known] = found
         varying, big, out_lengths = found
-        how, dim = self.padding  # type: ignore[misc]
         merged = []
         as_is = self.fn in _POSITIONWISE
         for j, v in enumerate(values):
@@ -889,12 +896,14 @@ class _Op:
                 continue
             fill = _REDUCED_FILL.get(how) if j == 0 else None
             d = dim % (v.data.dim() - 1) + 1 if fill else -1
-            merged.append(v.filled(fill(v.data.dtype) if v.dim == d else 0))
+            # (several ragged dims: the reduction's fill past the length along its dim,
+            # zeros past it in the others alone; see PaddedRows.filled)
+            merged.append(v.filled(fill(v.data.dtype), d) if d in v.dims else v.filled(0))
         out = self._run(tuple(merged))
         if how == "mean":  # a mean over the padded length: rescaled to each row's own
             v = values[0]
             d = dim % (merged[0].dim() - 1) + 1  # type: ignore[operator]
-            if type(v) is PaddedRows and v.dim == d:
+            if type(v) is PaddedRows and d in v.dims:
                 scale = torch.from_numpy(v.data.shape[d] / v.lengths).to(out.device, out.dtype)
                 out = out * scale.view(-1, *[1] * (out.dim() - 1))
         several = type(out) is not torch.Tensor  # (max and min along a dim: see _pad_run)
@@ -903,20 +912,22 @@ class _Op:
         if varying is None:
             return tuple(outs)
         lengths = out_lengths[inv]
-        return tuple([PaddedRows(t, varying + 1, lengths) for t in outs])
+        return tuple([PaddedRows(t, tuple([k + 1 for k in varying]), lengths) for t in outs])
 
     def _ragged_outs(
         self, values: list[Any], ragged: list[int], shapes: list[Any], combos: list[tuple[int, ...]]
     ) -> Any:
-        """Per combination of the rows' lengths, the output's recorded shape: ``(the one dim
-        it differs in (None: none), the largest shape, per combination its length in that
-        dim)``; None where a combination was not recorded, or outputs differ in more dims."""
+        """Per combination of the rows' lengths, the output's recorded shape: ``(the dims it
+        differs in (None: none), the largest shape, per combination its length in those
+        dims)``; None where a combination was not recorded, or outputs differ in dims of
+        lengths of their own (scores of queries and keys of two lengths: (m, n))."""
         outs = []
         for combo in combos:
             key = list(shapes)
             for j, n in zip(ragged, combo):
                 s = list(shapes[j])
-                s[values[j].dim - 1] = n
+                for d in values[j].dims:
+                    s[d - 1] = n
                 key[j] = tuple(s)
             got = self.part_outs.get(tuple(key))
             if got is None:
@@ -926,13 +937,12 @@ class _Op:
         if any(len(o) != len(first) for o in outs):
             return None
         varying = [k for k in range(len(first)) if any(o[k] != first[k] for o in outs)]
-        if len(varying) > 1:
-            return None
+        if any(o[k] != o[varying[0]] for o in outs for k in varying[1:]):
+            return None  # (dims of lengths of their own: a query's and a memory's)
         big = [max(o[k] for o in outs) for k in range(len(first))]
         if not varying:
             return None, big, None
-        k = varying[0]
-        return k, big, np.array([o[k] for o in outs], np.int64)
+        return varying, big, np.array([o[varying[0]] for o in outs], np.int64)
 
     def _models(self, values: tuple[Any, ...]) -> Any:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
@@ -943,12 +953,43 @@ class _Op:
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)
 
 
+# What a call per part costs beyond its values, in elements of padding that cost as much
+# (torch's dispatch of the part's call and of its backward, fold's cut of the part and its
+# place in the output: 20-40 us a part on a CPU, where 16384 floats' ReLU takes 5-10 us).
+_PART_ELEMENTS = 16384
+
+
+def _worth_padding(held: int, padded: int, parts: int) -> bool:
+    """Whether ONE call on values padded to ``padded`` elements costs less than a call per
+    part on the ``held`` elements they hold: where the padding adds no more than the values
+    hold, plus what the calls per part would cost beyond their values.  One memory far
+    longer than the others (a few parts, mostly padding) runs per part; graphs of 5-29
+    nodes, adjacency (n, n) in 24 parts, pad (twice the values, against 24 calls)."""
+    return padded <= 2 * held + _PART_ELEMENTS * parts
+
+
+def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    """A call's output as the tuple of its tensors (pieces of a split, max's values and
+    indices: several)."""
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def _differ_in(column: list[torch.Tensor], dim: int) -> bool:
+    """Whether the per-example values of ``column`` (batch dim first) differ in their
+    ``dim``."""
+    d = dim % (column[0].dim() - 1) + 1
+    return any(v.shape[d] != column[0].shape[d] for v in column)
+
+
 def _tight(v: PaddedRows) -> PaddedRows:
     """``v`` padded to its longest row alone (cut where it holds more padding)."""
     n = int(v.lengths.max()) if len(v.lengths) else 0
-    if v.data.shape[v.dim] == n:
+    if all(v.data.shape[d] == n for d in v.dims):
         return v
-    return PaddedRows(v.data.narrow(v.dim, 0, n), v.dim, v.lengths, v.zero)
+    data = v.data
+    for d in v.dims:
+        data = data.narrow(d, 0, n)
+    return PaddedRows(data, v.dims, v.lengths, v.zero)
 
 
 def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
@@ -1119,6 +1160,12 @@ _POSITIONWISE = frozenset(
         torch.relu,
         torch.Tensor.relu,
         F.relu,
+        torch.chunk,  # (padded only along a dim the values share: see _ragged_run)
+        torch.Tensor.chunk,
+        torch.split,
+        torch.Tensor.split,
+        torch.unbind,
+        torch.Tensor.unbind,
     )
 )
 

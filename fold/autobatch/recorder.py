@@ -57,6 +57,7 @@ from fold.autobatch.tables import (
     _PACKED_RNNS,
     _PADDED,
     _REWRITES,
+    _SPLITS,
     _TWO_OUTPUTS,
     _VALUE_ARGS,
     _aligned_elementwise,
@@ -484,7 +485,9 @@ class _Recorder:
         views = self._split_rows(data)
         got = data[row] if views is None else views[row][0]
         if type(src) is PaddedRows:
-            got = got.narrow(src.dim - 1, 0, int(src.lengths[row]))
+            n = int(src.lengths[row])
+            for d in src.dims:
+                got = got.narrow(d - 1, 0, n)
         return got
 
     def _split_rows(self, src: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -1587,7 +1590,12 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     own outputs and Lazy values; the group op learns each shape's outputs here."""
     if op.mode not in (_DIRECT, _VMAP) or op.looped:
         return  # (a group under vmap runs on any sizes too)
-    if not (op.single or op.transformer or (op.fn in _TWO_OUTPUTS and len(op.outs) == 2)):
+    if not (
+        op.single
+        or op.transformer
+        or (op.fn in _TWO_OUTPUTS and len(op.outs) == 2)
+        or (op.fn in _SPLITS and len({m.shape for m in op.outs}) == 1)
+    ):
         return
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
@@ -1604,6 +1612,11 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
         if dim is None and slots[0].meta.ndim == 1 and keepdim is False:
             dim = 0  # (a value of one dim: its flat index is its index in that dim)
         if len(slots) != 1 or type(dim) is not int or type(keepdim) is not bool:
+            return
+    elif how == "split":
+        pos, name, default = _DIM_OPS[op.fn]
+        dim = op.kwargs.get(name, op.args[pos] if len(op.args) > pos else default)
+        if type(dim) is not int or len(slots) != 1 or set(op.kwargs) - {name}:
             return
     elif how not in ("zeros", "keys"):
         pos, name, _ = _DIM_OPS[op.fn]
@@ -1670,20 +1683,33 @@ def _cat_pads_last(op: _Op) -> bool:
 
 
 def _index_from_start(op: _Op) -> bool:
-    """Whether ``op`` is ``x[i]`` of a per-example value by one int i >= 0 (it reads row i,
-    never the padding past a shorter value's end), or an index of new dims and whole dims
-    alone (``x[None]``, ``x[:, None]``, ``x[..., None]``: the padding stays past each
-    value's end, a dim further on)."""
+    """Whether ``op`` is an index of a per-example value that reads no padding past a
+    shorter value's end and keeps the padding at the end: ints >= 0 (``x[i]``, row i),
+    new dims and Ellipsis (``x[None]``, ``x[..., None]``), and slices that start at 0 or
+    further on, step forward and stop anywhere (``x[:, :d]``, the query part of a fused
+    projection; ``x[1:]``, ``x[:-1]``: each value's own part of the padded value is a
+    prefix of that part of it, cut to its recorded length).  Not a slice that starts from
+    the end (``x[-2:]`` would read the padding), nor a tensor index."""
     args = op.args
     if len(args) != 2 or op.kwargs or type(args[0]) is not _Slot:
         return False
     index = args[1]
-    if type(index) is int:
-        return index >= 0
     parts = index if type(index) is tuple else (index,)
-    return any(p is None for p in parts) and all(
-        p is None or p is Ellipsis or (type(p) is slice and p == slice(None)) for p in parts
-    )
+    for p in parts:
+        if type(p) is int:
+            if p < 0:
+                return False
+        elif type(p) is slice:
+            start, stop, step = p.start, p.stop, p.step
+            if (
+                (start is not None and (type(start) is not int or start < 0))
+                or (stop is not None and type(stop) is not int)
+                or (step is not None and (type(step) is not int or step <= 0))
+            ):
+                return False
+        elif p is not None and p is not Ellipsis:
+            return False
+    return True
 
 
 def _sizeless(m: _Meta) -> tuple[Any, ...]:

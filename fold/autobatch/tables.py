@@ -158,6 +158,12 @@ _PADDED.update(
     }
 )
 _TWO_OUTPUTS = _functions("max min", torch, torch.Tensor)
+# A value cut into pieces of one shape along a dim (a fused projection's query, key and
+# value: ``qkv(x).chunk(3, -1)``): each piece of the padded value is the piece of each
+# value, where the dim cut is none the values differ in (checked when the group runs, see
+# _Op._ragged_run).  Pieces of several shapes (``split([d, 2 * d])``) stay a group per shape.
+_SPLITS = _functions("chunk split unbind", torch, torch.Tensor)
+_PADDED.update({f: "split" for f in _SPLITS})
 # A mask's padding is False: masked_fill keeps the value's padding.
 _PADDED.update({f: "zeros" for f in _functions("masked_fill", torch, torch.Tensor)})
 _PADDED.update({f: "mean" for f in _functions("mean", torch, torch.Tensor)})
