@@ -593,8 +593,15 @@ def padded_rows_of(
     found = _rows_in(column)
     if found is None:
         # (one column padded once in an apply: a graph's adjacency read by each of its
-        # convolutions; the column's tensors live while the apply runs)
-        made_key = ("literals", *map(id, column))
+        # convolutions, each call's batch of one a view of its own of the same memory; the
+        # column's tensors live while the apply runs, so no other takes their memory)
+        made_key = (
+            "literals",
+            *[
+                (t.data_ptr(), t.device, t.dtype, t.shape, t.stride(), t.requires_grad)
+                for t in column
+            ],
+        )
         got = made.get(made_key)
         if got is None:
             t = padded_literals(column, device)
