@@ -138,6 +138,29 @@ def forget_masks() -> None:
     _MASKS.clear()
 
 
+def pad_ends(v: torch.Tensor, short: list[int], value: Any = 0.0) -> torch.Tensor:
+    """``v`` padded with ``value`` at the end of each dim by ``short[d]`` (dim 0, the batch,
+    never)."""
+    if not any(short):
+        return v
+    if value != 0 and not (v.is_floating_point() or v.is_complex()):
+        # (F.pad takes its value as a float: an int64's greatest would come back its least)
+        out = v.new_full([n + k for n, k in zip(v.shape, short)], value)
+        out[tuple([slice(0, n) for n in v.shape])] = v
+        return out
+    spec: list[int] = []
+    for n in reversed(short[1:]):  # F.pad takes the last dim first
+        spec += [0, n]
+    return F.pad(v, spec, value=value)
+
+
+def cut_to(t: torch.Tensor, dims: Any, n: int) -> torch.Tensor:
+    """``t`` cut to length ``n`` in each of ``dims`` (a view)."""
+    for d in dims:
+        t = t.narrow(d, 0, n)
+    return t
+
+
 class PaddedRows:
     """Rows whose values differ in length along ONE dim (attention scores over memories of
     several lengths), held as one tensor padded to the longest: row ``i``'s value is
@@ -168,19 +191,14 @@ class PaddedRows:
         return self.data.shape[0]
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        out, n = self.data[i], int(self.lengths[i])
-        for d in self.dims:
-            out = out.narrow(d - 1, 0, n)
-        return out
+        return cut_to(self.data[i], [d - 1 for d in self.dims], int(self.lengths[i]))
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Rows ``start`` to ``start + length`` of one length (a batch-of-one row: 1)."""
         n = int(self.lengths[start])
         if dim != 0 or any(int(x) != n for x in self.lengths[start : start + length]):
             raise ValueError("PaddedRows.narrow: rows of one length in dim 0 only")
-        out = self.data.narrow(0, start, length)
-        for d in self.dims:
-            out = out.narrow(d, 0, n)
+        out = cut_to(self.data.narrow(0, start, length), self.dims, n)
         if out._base is None:  # (an inference tensor: its base noted, see view_base)
             base = view_base(self.data)
             setattr(out, _VIEW_OF, self.data if base is None else base)
@@ -218,14 +236,18 @@ class PaddedRows:
         shape[dim] = big
         return past.view(shape)
 
+    def _past_any(self, dims: Any) -> torch.Tensor:
+        """True past each row's length in any of ``dims``."""
+        out = self._past(dims[0])
+        for d in dims[1:]:
+            out = out | self._past(d)
+        return out
+
     def mask(self) -> torch.Tensor:
         """True past each row's length (in any of its ragged dims), shaped to broadcast
         against ``data``."""
         if self._mask is None:
-            out = self._past(self.dims[0])
-            for d in self.dims[1:]:
-                out = out | self._past(d)
-            self._mask = out
+            self._mask = self._past_any(self.dims)
         return self._mask
 
     def filled(self, value: Any, along: int | None = None) -> torch.Tensor:
@@ -245,12 +267,8 @@ class PaddedRows:
         if along is None:
             out = self._fill(data, self.mask(), value)
         else:
-            others = [d for d in self.dims if d != along]
-            mask = self._past(others[0])
-            for d in others[1:]:
-                mask = mask | self._past(d)
             if not self.zero:
-                data = self._fill(data, mask, 0)
+                data = self._fill(data, self._past_any([d for d in self.dims if d != along]), 0)
             out = self._fill(data, self._past(along), value)
         self._filled = ((value, along), out)
         return out
@@ -276,9 +294,7 @@ class PaddedRows:
             rows.append(pick)
             index = torch.from_numpy(np.ascontiguousarray(pick)).to(self.data.device)
             part = self.data.index_select(0, index)
-            for d in self.dims:
-                part = part.narrow(d, 0, int(sorted_lengths[lo]))
-            values.append(part)
+            values.append(cut_to(part, self.dims, int(sorted_lengths[lo])))
         return rows, values
 
 
@@ -314,12 +330,7 @@ def padded_pieces(parts: list[Any]) -> PaddedRows | None:
         short = [0] * t.dim()
         for d, width in zip(dims, widths):
             short[d] = width - t.shape[d]
-        if any(short):
-            spec: list[int] = []
-            for n in reversed(short[1:]):  # F.pad takes the last dim first
-                spec += [0, n]
-            t = F.pad(t, spec)
-        padded.append(t)
+        padded.append(pad_ends(t, short))
     lengths = np.concatenate(
         [
             p.lengths if type(p) is PaddedRows else np.full(p.shape[0], p.shape[dims[0]], np.int64)
@@ -494,10 +505,7 @@ def padded_literals(column: list[torch.Tensor], device: torch.device) -> torch.T
             short = [0] * t.dim()
             for d in varying:
                 short[d] = big - t.shape[d]
-            spec: list[int] = []
-            for n in reversed(short[1:]):  # F.pad takes the last dim first
-                spec += [0, n]
-            pieces.append(F.pad(t, spec))
+            pieces.append(pad_ends(t, short))
         out = torch.cat(pieces, 0)
     if out.device != device:
         out = out.to(device, non_blocking=True)
@@ -509,10 +517,7 @@ def padded_part(whole: torch.Tensor, start: int, stop: int, like: torch.Tensor) 
     of ``like``'s length: a view cut to that length in the dims the tensor is padded in."""
     dims = zero_past(whole)[0]  # type: ignore[index]
     dims = (dims,) if type(dims) is int else dims
-    out, n = whole[start:stop], like.shape[dims[0]]
-    for d in dims:
-        out = out.narrow(d, 0, n)
-    return out
+    return cut_to(whole[start:stop], dims, like.shape[dims[0]])
 
 
 def rows_of_padded(column: list[torch.Tensor]) -> torch.Tensor | None:

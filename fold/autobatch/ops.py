@@ -42,7 +42,15 @@ from fold.autobatch.common import (
 from fold.autobatch.patches import KEEPS_STATE, STATE_ARGS, _call_module
 from fold.autobatch.values import Lazy, _Meta
 from fold.errors import FoldError
-from fold.ops import PaddedOutputs, PaddedRows, mark_zero_past, version_of, zero_past
+from fold.ops import (
+    PaddedOutputs,
+    PaddedRows,
+    cut_to,
+    mark_zero_past,
+    pad_ends,
+    version_of,
+    zero_past,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -790,12 +798,12 @@ class _Op:
                 short = [b - n for b, n in zip(big, v.shape)]
                 if fill:
                     cut, short[d] = short[d], 0
-                    v = _pad(v, short, 0.0)
+                    v = pad_ends(v, short, 0.0)
                     short = [0] * v.dim()
                     short[d] = cut
-                    v = _pad(v, short, fill(v.dtype))
+                    v = pad_ends(v, short, fill(v.dtype))
                 else:
-                    v = _pad(v, short, 0.0)
+                    v = pad_ends(v, short, 0.0)
                 padded.append(v)
             merged.append(torch.cat(padded))
         out = self._run(tuple(merged))
@@ -986,10 +994,7 @@ def _tight(v: PaddedRows) -> PaddedRows:
     n = int(v.lengths.max()) if len(v.lengths) else 0
     if all(v.data.shape[d] == n for d in v.dims):
         return v
-    data = v.data
-    for d in v.dims:
-        data = data.narrow(d, 0, n)
-    return PaddedRows(data, v.dims, v.lengths, v.zero)
+    return PaddedRows(cut_to(v.data, v.dims, n), v.dims, v.lengths, v.zero)
 
 
 def _tiled_base(column: list[torch.Tensor], big: list[int]) -> Any:
@@ -1168,21 +1173,6 @@ _POSITIONWISE = frozenset(
         torch.Tensor.unbind,
     )
 )
-
-
-def _pad(v: torch.Tensor, short: list[int], value: Any) -> torch.Tensor:
-    """``v`` padded at the end of each dim by ``short[d]`` (dim 0, the batch, never)."""
-    if not any(short):
-        return v
-    if value != 0 and not (v.is_floating_point() or v.is_complex()):
-        # (F.pad takes its value as a float: an int64's greatest would come back its least)
-        out = v.new_full([n + k for n, k in zip(v.shape, short)], value)
-        out[tuple([slice(0, n) for n in v.shape])] = v
-        return out
-    spec: list[int] = []
-    for n in reversed(short[1:]):  # F.pad takes the last dim first
-        spec += [0, n]
-    return F.pad(v, spec, value=value)
 
 
 def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _infer)

@@ -87,7 +87,7 @@ from fold.autobatch.values import (
 from fold.errors import FoldError
 from fold.executor import ModelBatched
 from fold.graph import Fold, _Counter
-from fold.ops import PaddedRows
+from fold.ops import PaddedRows, cut_to
 from fold.ragged import Ragged
 
 # Key markers (tagged tuples in an op key; a bare tuple never appears in one).
@@ -485,9 +485,7 @@ class _Recorder:
         views = self._split_rows(data)
         got = data[row] if views is None else views[row][0]
         if type(src) is PaddedRows:
-            n = int(src.lengths[row])
-            for d in src.dims:
-                got = got.narrow(d - 1, 0, n)
+            got = cut_to(got, [d - 1 for d in src.dims], int(src.lengths[row]))
         return got
 
     def _split_rows(self, src: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
