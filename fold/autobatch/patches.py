@@ -20,7 +20,15 @@ from torch.nn import functional as _F
 
 from fold.autobatch.buffers import note_made
 from fold.autobatch.common import _C, _LOCAL, _MISS
-from fold.autobatch.values import Known, Lazy, _as_number, _eager_value, _is_count, _meta
+from fold.autobatch.values import (
+    Known,
+    Lazy,
+    RowNumber,
+    _as_number,
+    _eager_value,
+    _is_count,
+    _meta,
+)
 from fold.errors import FoldError
 
 
@@ -39,6 +47,10 @@ class _Patches:
     inner: Any = None  # what it passes through to
     tensor: Any = None  # torch.tensor as found
     as_tensor: Any = None  # torch.as_tensor as found
+    # The users of the wrappers over torch.tensor and torch.as_tensor: every user of the
+    # others (``_installed``), and a function recorded once without them whose rows hold
+    # numbers (``tensor_installed``).
+    tensor_users = 0
     # (module or class, name) -> the function as found there (_INHERITED: none, the class
     # inherits it), where a wrapper of _WRAPPERS is installed
     wrapped: dict[tuple[Any, str], Any] = {}
@@ -152,10 +164,7 @@ def _installed() -> Any:
             p.token = object()
             p.module_call = _make_module_call(p.inner, p.token)
             nn.Module.__call__ = p.module_call  # type: ignore[method-assign]
-            p.tensor = torch.tensor
-            torch.tensor = _recording_tensor
-            p.as_tensor = torch.as_tensor
-            torch.as_tensor = _recording_as_tensor
+            _tensor_enter(p)
             # (torch.Tensor inherits new_full and new_tensor from its C base: their wrappers
             # are set on torch.Tensor and deleted again, leaving the class as it was.)
             p.wrapped = {key: _install(*key, wrapper) for key, wrapper in _WRAPPERS.items()}
@@ -175,10 +184,7 @@ def _installed() -> Any:
             if p.users == 0:
                 if nn.Module.__call__ is p.module_call:
                     nn.Module.__call__ = p.inner  # type: ignore[method-assign]
-                if torch.tensor is _recording_tensor:
-                    torch.tensor = p.tensor
-                if torch.as_tensor is _recording_as_tensor:
-                    torch.as_tensor = p.as_tensor
+                _tensor_exit(p)
                 for key, found in p.wrapped.items():
                     _put_back(*key, _WRAPPERS[key], found)
                 p.wrapped = {}
@@ -186,7 +192,44 @@ def _installed() -> Any:
                     if getattr(where, name) is _DIRECT_WRAPPERS[where, name]:
                         setattr(where, name, found)
                 p.direct = {}
-                p.module_call = p.inner = p.tensor = p.as_tensor = p.token = None
+                p.module_call = p.inner = p.token = None
+
+
+def _tensor_enter(p: _Patches) -> None:
+    """Install the wrappers over torch.tensor and torch.as_tensor (held, with
+    ``_PATCH_LOCK``)."""
+    if p.tensor_users == 0:
+        p.tensor = torch.tensor
+        torch.tensor = _recording_tensor
+        p.as_tensor = torch.as_tensor
+        torch.as_tensor = _recording_as_tensor
+    p.tensor_users += 1
+
+
+def _tensor_exit(p: _Patches) -> None:
+    """The last user puts back what ``_tensor_enter`` found (held, with ``_PATCH_LOCK``)."""
+    p.tensor_users -= 1
+    if p.tensor_users == 0:
+        if torch.tensor is _recording_tensor:
+            torch.tensor = p.tensor
+        if torch.as_tensor is _recording_as_tensor:
+            torch.as_tensor = p.as_tensor
+        p.tensor = p.as_tensor = None
+
+
+@contextlib.contextmanager
+def tensor_installed() -> Any:
+    """The wrappers over torch.tensor and torch.as_tensor alone, for the length of the
+    ``with``: a function recorded once for rows that hold a number per row
+    (``values.RowNumber``: ``torch.tensor([label])``), without the other wrappers."""
+    p = _PATCHES
+    with _PATCH_LOCK:
+        _tensor_enter(p)
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _tensor_exit(p)
 
 
 # Torch functions that per-example code calls on lazy values at every step (a decoder's
@@ -339,14 +382,18 @@ def _recording_tensor(
         if t is Lazy:  # as torch.tensor copies a tensor: its values, without history
             out = data.detach()
             return out.to(dtype=dtype, device=device) if dtype or device else out.clone()
+        if t is RowNumber:  # a number per row (see values.RowNumber): the rows' values
+            return data.tensor_row(dtype, device)
         if t is Known:  # torch's own conversion must never meet a known value (_unknown)
             data = data.tensor()
         elif t in _SEQUENCES:
             known = _known_numbers(data, dtype, device)
             if known is not None:
                 return known
+            if len(data) == 1 and type(data[0]) is RowNumber:  # torch.tensor([label])
+                return data[0].tensor_row(dtype, device).unsqueeze(0)
             tensor = _PATCHES.tensor or _TORCH_TENSOR
-            data = _unknown(data)
+            data = _row_numbers(_unknown(data))
             if _holds_lazy(data):
                 return _tensor_of_lazy(tensor, data, dtype, device)
             made = tensor(data, dtype=dtype, device=device)
@@ -415,6 +462,8 @@ def _recording_as_tensor(data: Any, dtype: Any = None, device: Any = None) -> An
     t = type(data)
     if t is Lazy:
         return data.to(device=device, dtype=dtype) if dtype or device else data
+    if t is RowNumber:
+        return data.tensor_row(dtype, device)
     if t is Known:
         data = data.tensor()
     elif t in _SEQUENCES:  # a new tensor of the data, as torch.tensor makes it
@@ -448,6 +497,9 @@ def _recording_new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: A
     if type(data) is Lazy and not args and set(kwargs) <= {"dtype", "device"}:
         dtype = kwargs.get("dtype") or self.dtype
         return data.detach().to(dtype=dtype, device=kwargs.get("device") or self.device)
+    if type(data) is RowNumber and not args and set(kwargs) <= {"dtype", "device"}:
+        dtype = kwargs.get("dtype") or self.dtype
+        return data.tensor_row(dtype, kwargs.get("device") or self.device)
     return _TORCH_NEW_TENSOR(self, _unknown(data), *args, **kwargs)
 
 
@@ -650,6 +702,17 @@ _apply_installed = _Installed((_APPLY_CLASS, "apply", _RECORDING_APPLY))
 class _ThroughFunction(Exception):
     """A custom autograd.Function called on lazy values by what records a program of calls
     (see ``_apply_of``)."""
+
+
+def _row_numbers(data: Any) -> Any:
+    """``data`` (nested lists) with each number per row (``values.RowNumber``) its rows'
+    values as torch.tensor makes the number (a 0-d lazy row), for ``_tensor_of_lazy``."""
+    t = type(data)
+    if t is RowNumber:
+        return data.tensor_row(None, None)
+    if t in _SEQUENCES and any(type(x) is RowNumber or type(x) in _SEQUENCES for x in data):
+        return t(_row_numbers(x) for x in data)
+    return data
 
 
 def _holds_lazy(data: Any) -> bool:

@@ -23,9 +23,14 @@ from fold.autobatch.common import (
     _rng_states,
 )
 from fold.autobatch.ops import _Op, _op_device, _slots
-from fold.autobatch.patches import _apply_installed, _installed, recorded_calls
+from fold.autobatch.patches import (
+    _apply_installed,
+    _installed,
+    recorded_calls,
+    tensor_installed,
+)
 from fold.autobatch.recorder import _Recorder
-from fold.autobatch.values import Known, Lazy, _Meta, _meta
+from fold.autobatch.values import Known, Lazy, RowNumber, _Meta, _meta
 from fold.errors import describe
 from fold.ragged import Ragged
 from fold.run import collector_paused
@@ -304,13 +309,16 @@ def _batch_value(a: Any, values: list[Any], n: int, op: _Op, inputs: list[torch.
         )
     if isinstance(a, torch.Tensor):  # a batch of one (see _Recorder._part)
         return a.expand(n, *a.shape[1:]).contiguous()
-    raise _Untraceable(f"an argument of type {t.__name__}")
+    raise _Untraceable(f"an argument of type {t.__name__}")  # (a RowNumber: per example)
 
 
 def _trace_output(v: Any, values: list[Any], n: int, rec: _Recorder) -> Any:
     """One leaf of ``fn``'s result for all ``n`` examples, as ``_stack`` stacks it."""
     if type(v) is Lazy and v.rec is rec:
         return values[v.node.i]
+    if type(v) is RowNumber and v.lazy.rec is rec:  # (as numbers returned are stacked)
+        t = values[v.lazy.node.i]
+        return t.to(torch.get_default_dtype()) if v.type is float else t.clone()
     if isinstance(v, torch.Tensor):  # the same tensor for every example
         return v.unsqueeze(0).expand(n, *v.shape).clone()
     if v is None:
@@ -358,6 +366,9 @@ def _record_once(
     try:
         if modules:
             with collector_paused(), _installed():
+                out = fn(*lazies)
+        elif getattr(fn, "row_numbers", False):  # (torch.tensor([label]): its wrapper too)
+            with collector_paused(), _apply_installed, recorded_calls, tensor_installed():
                 out = fn(*lazies)
         else:  # (a batch norm's forward would count its call once: see recorded_calls)
             with collector_paused(), _apply_installed, recorded_calls:
@@ -445,11 +456,21 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
             metas.append(_meta(row.shape, row.dtype, row.device))
             structure.append(None)
             continue
+        kind = _number_rows(it)
+        if kind is not None:  # (a list of labels: numbers per row, see values.RowNumber)
+            metas.append(_meta((), _ROW_NUMBER_DTYPES[kind], _CPU))
+            structure.append(kind)
+            continue
         fields = _sample_fields(it)
         if fields is None:
             return _MISS
         structure.append(fields)
-        metas += [_meta(v.shape, v.dtype, v.device) for v in _field_values(it[0], fields)]
+        metas += [
+            _meta(v.shape, v.dtype, v.device)
+            if kind is None
+            else _meta((), _ROW_NUMBER_DTYPES[kind], _CPU)
+            for v, kind in zip(_field_values(it[0], fields), fields[2])
+        ]
     n = min(len(t) for t in iterables)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     key = (id(fn) if code is None else code, *metas, *structure)
@@ -457,10 +478,19 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         return _MISS
     inputs = []
     for t, fields in zip(iterables, structure):
+        if type(fields) is type:  # numbers, one per row
+            stacked = _stacked_numbers(t[:n], fields)
+            if stacked is None:
+                return _MISS
+            inputs.append(stacked)
+            continue
         if fields is not None:  # each field's values stacked
             columns = zip(*[_field_values(sample, fields) for sample in t[:n]])
-            for column in columns:
-                stacked = _stacked(list(column))
+            for column, kind in zip(columns, fields[2]):
+                if kind is None:
+                    stacked = _stacked(list(column))
+                else:
+                    stacked = _stacked_numbers(column, kind)
                 if stacked is None:
                     return _MISS
                 inputs.append(stacked)
@@ -589,11 +619,12 @@ def _partitioned(
     return out, spec
 
 
-def _sample_fields(items: Any) -> tuple[type, Any] | None:
+def _sample_fields(items: Any) -> tuple[type, Any, tuple[Any, ...]] | None:
     """The structure of a Dataset's samples, where each is a tuple (or list) or a dict of
-    tensors and all are alike (their lengths or keys, each field's dtype): ``(their type,
-    their length or keys)``; None else.  Their shapes are checked by the ``torch.stack``
-    of each field (``_stacked``)."""
+    tensors and Python numbers (a label: ``(image, 3)``) and all are alike (their lengths or
+    keys, each field's dtype, or its numbers' type): ``(their type, their length or keys,
+    per field None for tensors or the numbers' type)``; None else.  Their shapes are checked
+    by the ``torch.stack`` of each field (``_stacked``)."""
     if type(items) not in (list, tuple) or not items:
         return None
     first = items[0]
@@ -605,24 +636,67 @@ def _sample_fields(items: Any) -> tuple[type, Any] | None:
         keys, values = None, list(first)
     else:
         return None
-    if not values or not all(type(v) is torch.Tensor for v in values):
+    if not values:
         return None
-    dtypes = [v.dtype for v in values]
+    # Per field the dtype of its tensors, or the exact type of its numbers.
+    kinds = [v.dtype if type(v) is torch.Tensor else type(v) for v in values]
+    if not all(type(k) is torch.dtype or k in _ROW_NUMBER_DTYPES for k in kinds):
+        return None
+    if all(type(k) is type for k in kinds):
+        return None  # (numbers alone: no tensor to batch)
     for sample in items:
-        if type(sample) is not t or len(sample) != len(dtypes):
+        if type(sample) is not t or len(sample) != len(kinds):
             return None
         got = sample.values() if keys is not None else sample
         if keys is not None and tuple(sample) != keys:
             return None
-        for v, d in zip(got, dtypes):
-            if type(v) is not torch.Tensor or v.dtype is not d:
+        for v, k in zip(got, kinds):
+            if type(v) is torch.Tensor:
+                if v.dtype is not k:
+                    return None
+            elif type(v) is not k:
                 return None
-    return (t, keys if keys is not None else len(values))
+    numbers = tuple([k if type(k) is type else None for k in kinds])
+    return (t, keys if keys is not None else len(values), numbers)
 
 
-def _field_values(sample: Any, fields: tuple[type, Any]) -> list[Any]:
-    t, keys = fields
+def _field_values(sample: Any, fields: tuple[type, Any, Any]) -> list[Any]:
+    t, keys, _ = fields
     return [sample[k] for k in keys] if t is dict else list(sample)
+
+
+# The dtype of the rows of a number per row (``values.RowNumber``), by the numbers' type:
+# floats as float64, the bits of each Python float (torch.tensor of one, in the function,
+# converts to the default dtype as eager code's does).
+_ROW_NUMBER_DTYPES: dict[type, torch.dtype] = {
+    int: torch.long,
+    bool: torch.bool,
+    float: torch.float64,
+}
+_CPU = torch.device("cpu")
+
+
+def _number_rows(items: Any) -> type | None:
+    """The type of a list or tuple of Python numbers of one type (int, float or bool: a
+    Dataset's labels given beside the samples), else None."""
+    if type(items) not in (list, tuple) or not items:
+        return None
+    kind = type(items[0])
+    if kind not in _ROW_NUMBER_DTYPES:
+        return None
+    for x in items:
+        if type(x) is not kind:
+            return None
+    return kind
+
+
+def _stacked_numbers(column: Any, kind: type) -> torch.Tensor | None:
+    """Python numbers of one type as one tensor (``_ROW_NUMBER_DTYPES``), None where torch
+    cannot hold them (an int beyond int64)."""
+    try:
+        return torch.tensor(list(column), dtype=_ROW_NUMBER_DTYPES[kind])
+    except (OverflowError, RuntimeError):
+        return None
 
 
 def _with_samples(fn: Callable[..., Any], structure: list[Any]) -> Callable[..., Any]:
@@ -638,14 +712,23 @@ def _with_samples(fn: Callable[..., Any], structure: list[Any]) -> Callable[...,
                 args.append(leaves[i])
                 i += 1
                 continue
-            t, keys = fields
-            if t is dict:
-                args.append({k: leaves[i + j] for j, k in enumerate(keys)})
-                i += len(keys)
-            else:
-                args.append(t(leaves[i : i + keys]))
-                i += keys
+            if type(fields) is type:  # a list of numbers: a number per row
+                args.append(RowNumber(leaves[i], fields))
+                i += 1
+                continue
+            t, keys, numbers = fields
+            got = [
+                x if kind is None else RowNumber(x, kind)
+                for x, kind in zip(leaves[i : i + len(numbers)], numbers)
+            ]
+            i += len(numbers)
+            args.append(dict(zip(keys, got)) if t is dict else t(got))
         return fn(*args)
+
+    # (read by _record_once: torch.tensor's wrapper, for RowNumber, where no other is)
+    call.row_numbers = any(  # type: ignore[attr-defined]
+        type(f) is type or (f is not None and any(k is not None for k in f[2])) for f in structure
+    )
 
     return call
 

@@ -1071,6 +1071,78 @@ for _name in (
     setattr(Known, _name, _known_inplace_operator(_name))
 
 
+class RowNumber:
+    """A Python number that differs per example, where autobatch records the function once for
+    every row (``traced._traced``): a Dataset's label, ``(image, 3)``, or a list of ints given
+    beside the tensors.  ``lazy`` is the rows' numbers as a 0-d lazy row (long, bool, or
+    float64, so that a Python float keeps its bits).  ``torch.tensor(y)``,
+    ``torch.tensor([y])`` and ``torch.as_tensor(y)`` give the rows' values as torch.tensor
+    gives the number (``patches._recording_tensor``); any other use (``int(y)``, ``y == 3``,
+    ``range(y)``, an index of a list, arithmetic, ``str``) is a read: where every row holds
+    one value it is that number, else the rows are recorded again per value
+    (``traced._Lockstep``), so the function meets each row's own number, as in eager code.
+    ``isinstance(y, int)`` holds (its ``__class__``); ``type(y)`` is ``RowNumber``.  A torch
+    call given ``y`` itself (``x * y``) and a hash (a dict's key) make the batch fall back
+    to recording per example, where ``y`` is the number."""
+
+    __slots__ = ("lazy", "type")
+
+    __class__ = property(lambda self: self.type)  # type: ignore[assignment]
+
+    def __init__(self, lazy: Lazy, kind: type) -> None:
+        self.lazy, self.type = lazy, kind
+
+    def value(self) -> Any:
+        """The number every row holds (a read), while the function is recorded; anywhere
+        else (a recorded call given the number itself, run on the batch) a TypeError: the
+        batch then falls back to recording per example."""
+        x = self.lazy
+        if _LOCAL.rec is not x.rec:
+            raise TypeError(
+                "autobatch: a number per row used outside the recording of its function"
+            )
+        return x.rec.lockstep.read(x, self.type, True)
+
+    def __hash__(self) -> int:
+        # Unhashable, as a list is: no table of autobatch's (an op's key) nor of the user's
+        # may keep it; a dict lookup by it makes the batch record per example.
+        raise TypeError("autobatch: a number per row is not hashable")
+
+    def tensor_row(self, dtype: torch.dtype | None, device: Any) -> Lazy:
+        """The rows as ``torch.tensor(number, dtype=dtype, device=device)`` makes each:
+        the dtype torch infers for the number where none is given."""
+        x = self.lazy
+        meta = x.meta
+        if dtype is None:
+            dtype = torch.get_default_dtype() if self.type is float else meta.dtype
+        if device is not None and torch.device(device) != meta.device:
+            return x.to(dtype=dtype, device=device)
+        if dtype is not meta.dtype:
+            return x.to(dtype)
+        # The rows' own value, held by a lazy value of its own (no call): an in-place
+        # change of one rebinds it alone, as a change of a tensor torch.tensor made.
+        return Lazy(x.node, meta, x.rec)
+
+
+def _row_number_read(name: str) -> Callable[..., Any]:
+    def read(self: RowNumber, *args: Any) -> Any:
+        return getattr(self.value(), name)(*args)
+
+    read.__name__ = name
+    return read
+
+
+for _name in (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
+    "__floordiv__ __rfloordiv__ __mod__ __rmod__ __divmod__ __rdivmod__ __pow__ __rpow__ "
+    "__and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ "
+    "__rrshift__ __neg__ __pos__ __abs__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ "
+    "__ge__ __bool__ __int__ __float__ __complex__ __index__ __round__ __trunc__ "
+    "__floor__ __ceil__ __str__ __repr__ __format__"
+).split():
+    setattr(RowNumber, _name, _row_number_read(_name))
+
+
 if _C is not None:
     _C.configure(
         Lazy,
