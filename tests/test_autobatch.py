@@ -1061,6 +1061,39 @@ def test_numbers_per_row_of_each_type_equal_eager(recordings):
         torch.testing.assert_close(a, b)
 
 
+def test_a_function_recorded_once_records_its_next_call_through_the_fast_tables(monkeypatch):
+    """A function recorded once on lazy rows keeps its trace and the recorder's fast tables
+    (``traced._TRACES``): its next call records the same calls by the C fast path, none by
+    the slow one, and each call records what its own Python does (a scale and a branch
+    changed between calls): values and gradients equal eager on every call."""
+    lin = nn.Linear(5, 4)
+    xs = [torch.randn(5) for _ in range(7)]
+    state = {"scale": 1.0, "tanh": True}
+
+    def fn(x):
+        h = lin(x) * state["scale"]
+        return torch.tanh(h) if state["tanh"] else torch.relu(h)
+
+    slow = []
+    real = recorder._Recorder._record
+
+    def counted(self, *args, **kwargs):
+        slow.append(args[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(recorder._Recorder, "_record", counted)
+    params = list(lin.parameters())
+    counts = []
+    for scale, tanh in [(1.0, True), (1.0, True), (2.0, True), (2.0, False), (1.0, True)]:
+        state["scale"], state["tanh"] = scale, tanh
+        slow.clear()
+        got = fold.autobatch(fn, xs)
+        _grads_equal(got, torch.stack([fn(x) for x in xs]), params)
+        counts.append(len(slow))
+    if common._C is not None:  # (the fast tables are the C path's)
+        assert counts[0] > 0 and counts[1] == 0 and counts[4] == 0, counts
+
+
 def test_numbers_per_row_read_in_python_equal_eager(recordings):
     """A number per row used in Python (``if y == 2``, ``range(y)``, an index of a list, a
     dict's key, arithmetic, ``str``) is read: the rows that hold one value go on together,

@@ -55,6 +55,7 @@ from fold.autobatch.traced import (
     _call_programs,
     _flatten,
     _traced,
+    forget_traces,
 )
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, FoldOutOfMemoryError, describe
@@ -80,6 +81,7 @@ def clear_cache() -> None:
     _KW_PARTS.clear()
     _UNTRACEABLE.clear()
     _WITH_MODULES.clear()
+    forget_traces()
     _PLAIN.clear()
     facts_of(None).forget()  # the row sizes its rounds' ops measured (they key them)
     _POOL.clear()
@@ -172,6 +174,7 @@ def _take_pooled(fn: Any) -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
 
 def _forget_pools() -> None:
     _POOL.clear()
+    forget_traces()
 
 
 HOOKS.forget_pools = _forget_pools

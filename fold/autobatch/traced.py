@@ -232,20 +232,35 @@ class _Trace:
     literals made while recording) and the handle of its first output."""
 
     def __init__(self, inputs: int) -> None:
-        self.size = inputs
+        # The count of handles, in a list of one that the op recorders share: they hold it
+        # and ``calls``, not the trace (a trace kept with its tables, which hold the
+        # recorders, makes no reference cycle; see _TRACES).
+        self._size = [inputs]
         self.calls: list[tuple[_Op, tuple[Any, ...], int, int | None]] = []
+        # The fast tables of the recorder that recorded into it last (see _TRACES).
+        self.tables: tuple[dict[Any, Any], ...] | None = None
+
+    @property
+    def size(self) -> int:
+        return self._size[0]
+
+    def reset(self, inputs: int) -> None:
+        """Empty, for another recording of the same function (its op recorders, which
+        append to ``calls``, stay valid)."""
+        self._size[0] = inputs
+        self.calls.clear()
 
     def op(self, op: _Op, outputs: int | None) -> Callable[..., Any]:
         """A recorder like ``Fold.op``'s: ``record(*args)`` returns the output handle(s)."""
-        calls = self.calls
+        calls, size = self.calls, self._size
 
         def record(*args: Any) -> Any:
-            first = self.size
+            first = size[0]
             calls.append((op, args, first, outputs))
             if outputs is None:
-                self.size += 1
+                size[0] = first + 1
                 return _Handle(first)
-            self.size += outputs
+            size[0] = first + outputs
             return tuple([_Handle(first + j) for j in range(outputs)])
 
         return record
@@ -346,6 +361,7 @@ def _record_once(
     metas: list[_Meta],
     modules: bool = True,
     rows: tuple[Any, ...] | None = None,
+    pool: Any = None,
 ) -> tuple[_Recorder, _Trace, Any]:
     """``fn`` called once on lazy values of these metas, recorded into a :class:`_Trace`
     (the recording that stands for many calls: a whole batch of tensor rows, or every group
@@ -355,8 +371,14 @@ def _record_once(
     what runs ``fn`` instead draws what eager code draws.  ``modules``: module calls are
     recorded as one call each (the patches installed); without, as the torch calls their
     forward makes."""
-    trace = _Trace(len(metas))
-    rec = _Recorder(trace)
+    trace = _take_trace(pool) if pool is not None else None
+    if trace is None:
+        trace = _Trace(len(metas))
+        rec = _Recorder(trace)
+    else:  # (the calls of the last recording found in its tables: the C fast path)
+        trace.reset(len(metas))
+        rec = _Recorder(trace)
+        rec._fast, rec._fast_nograd, rec._recorders = trace.tables  # type: ignore[misc]
     if rows is not None:  # (the batch's inputs, its size, the reads answered before, ...)
         rec.lockstep = _Lockstep(trace, *rows)
     lazies = [Lazy(_Handle(i), m, rec) for i, m in enumerate(metas)]
@@ -380,8 +402,50 @@ def _record_once(
         raise
     finally:
         _LOCAL.rec = outer
+        # (kept with the trace; the closed recorder's own emptied, see _Recorder.close)
+        trace.tables = (rec._fast, rec._fast_nograd, rec._recorders)
+        rec._fast, rec._fast_nograd, rec._recorders = {}, {}, {}
         rec.close()
     return rec, trace, out
+
+
+# Per function recorded once on lazy rows (the key of _traced, and whether module calls
+# were recorded whole), traces of its earlier calls that ran, with their recorders' fast
+# tables: the next call records into one, its calls found in the tables by the C fast path
+# (about 1 us a call, where the slow path builds each op's key: 15-20 us), and runs it.  At
+# most _TRACES_MAX per function and _TRACES_FUNCTIONS functions; tables grown past
+# _TRACES_LIMIT are dropped.  Emptied by clear_cache, and where a module's calls are run
+# through from then on (HOOKS.forget_pools).
+_TRACES: dict[Any, list[_Trace]] = {}
+_TRACES_MAX = 2
+_TRACES_FUNCTIONS = 16
+_TRACES_LIMIT = 4096
+
+
+def _take_trace(pool: Any) -> _Trace | None:
+    try:
+        return _TRACES[pool].pop()
+    except (KeyError, IndexError):
+        return None
+
+
+def _give_trace(pool: Any, trace: _Trace) -> None:
+    """Keep ``trace`` (a recording that ran) for the next call of its function."""
+    tables = trace.tables
+    if tables is None or sum(map(len, tables)) > _TRACES_LIMIT:
+        return
+    traces = _TRACES.get(pool)
+    if traces is None:
+        if len(_TRACES) >= _TRACES_FUNCTIONS:
+            _TRACES.clear()
+        traces = _TRACES.setdefault(pool, [])
+    if len(traces) < _TRACES_MAX:
+        traces.append(trace)
+
+
+def forget_traces() -> None:
+    """Drop the traces kept for later calls (see ``_TRACES``)."""
+    _TRACES.clear()
 
 
 def _compile(op: _Op) -> Any:
@@ -545,8 +609,9 @@ def _rows_run(
     forward makes.  Where one of those has no direct form (it would run under vmap: an
     nn.LSTM's _VF.lstm, an op without a batching rule), the function is recorded again with
     module calls as one call each, and is remembered for the next calls."""
+    pool = (key, modules) if prefix is None else None  # (see _TRACES)
     try:
-        rec, trace, out = _record_once(fn, metas, modules, (inputs, n, list(answers), prefix))
+        rec, trace, out = _record_once(fn, metas, modules, (inputs, n, list(answers), prefix), pool)
         if not modules and any(c[0].mode is _VMAP and c[0].kind == "torch" for c in trace.calls):
             if len(_WITH_MODULES) >= _UNTRACEABLE_MAX:
                 _WITH_MODULES.clear()
@@ -562,7 +627,10 @@ def _rows_run(
     programs = any(c[0].kind is _PER_EXAMPLE for c in trace.calls)
     with _call_programs() if programs else contextlib.nullcontext():
         values = rec.lockstep.run(True)
-    return [_trace_output(v, values, n, rec) for v in leaves], spec
+    out = [_trace_output(v, values, n, rec) for v in leaves]
+    if pool is not None and pool[1] == modules:
+        _give_trace(pool, trace)
+    return out, spec
 
 
 def _partitioned(
