@@ -335,12 +335,24 @@ def mnist_list_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     def autobatched_pairs() -> torch.Tensor:
         return fold.autobatch(pair_loss, pairs).mean()
 
+    # The same pairs as torchvision's datasets yield them: the label a Python int, the loss
+    # written for one sample with torch.tensor([y]).
+    int_pairs = [(x, int(y)) for x, y in pairs]
+
+    def int_pair_loss(pair: tuple[torch.Tensor, int]) -> torch.Tensor:
+        x, y = pair
+        return F.cross_entropy(model(x), torch.tensor([y]))
+
+    def autobatched_int_pairs() -> torch.Tensor:
+        return fold.autobatch(int_pair_loss, int_pairs).mean()
+
     params = list(model.parameters())
     ref = torch.autograd.grad(eager(), params)
     for name, fn in (
         ("autobatch", autobatched),
         ("collated", collated),
         ("pairs", autobatched_pairs),
+        ("int pairs", autobatched_int_pairs),
     ):
         for a, b in zip(torch.autograd.grad(fn(), params), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
@@ -349,6 +361,7 @@ def mnist_list_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
         {
             "autobatch, list of samples": _step(model, autobatched),
             "autobatch, (x, y) pairs": _step(model, autobatched_pairs),
+            "autobatch, (x, int y) pairs": _step(model, autobatched_int_pairs),
             "DataLoader-collated batch": _step(model, collated),
             "eager per sample": _step(model, eager),
         },
