@@ -976,10 +976,10 @@ def test_a_datasets_samples_of_tensors_are_recorded_once(kind, recordings):
     odd[2] = {"x": xs[2][:4], "y": ys[2]} if kind == "dicts" else make((xs[2][:4], ys[2]))
     with pytest.raises(fold.FoldError, match="example 2"):  # (per example: its error names it)
         fold.autobatch(fn, odd)
-    mixed = [(x, int(y)) for x, y in zip(xs, ys)]  # (a tensor indexed by a label: per example)
+    mixed = [(x, int(y)) for x, y in zip(xs, ys)]  # (a tensor indexed by an int label)
     counts["once"] = counts["per example"] = 0
     got = fold.autobatch(lambda s: model(s[0])[s[1]], mixed)
-    assert counts["per example"] > 0
+    assert counts["per example"] == 0
     torch.testing.assert_close(got, torch.stack([model(x)[int(y)] for x, y in zip(xs, ys)]))
 
 
@@ -1030,7 +1030,8 @@ def test_a_datasets_int_labels_are_recorded_once(form, recordings):
 
 def test_numbers_per_row_of_each_type_equal_eager(recordings):
     """Float, bool and int numbers per row through ``torch.tensor`` (a weight, a flag, a
-    label; a dtype given; ``torch.as_tensor``; mixed with Python numbers in one list), and returned as they are (stacked as per-example results are:
+    label; a dtype given; ``torch.as_tensor``; mixed with Python numbers in one list), an
+    int as an index (``log_probs[y]``, ``out[0, y]``), and returned as they are (stacked as per-example results are:
     floats in the default dtype): recorded once, values and gradients equal eager."""
     lin = nn.Linear(4, 3)
     xs = [torch.randn(4) for _ in range(6)]
@@ -1041,6 +1042,7 @@ def test_numbers_per_row_of_each_type_equal_eager(recordings):
     def fn(x, w, flag, y):
         out = lin(x)
         score = out[torch.tensor(y)] * torch.tensor(w) + torch.as_tensor(w, dtype=torch.float32)
+        score = score - F.log_softmax(out, -1)[y] + out[None][0, y]  # (an index by the int)
         mask = torch.tensor([flag, True])
         pair = torch.tensor([y, 2.5])  # (an int beside a float: the default dtype)
         return score, mask, pair + out.sum(), w, y, flag, torch.tensor(w)
@@ -1092,6 +1094,56 @@ def test_a_function_recorded_once_records_its_next_call_through_the_fast_tables(
         counts.append(len(slow))
     if common._C is not None:  # (the fast tables are the C path's)
         assert counts[0] > 0 and counts[1] == 0 and counts[4] == 0, counts
+
+
+_LABEL_USES = ("tensor", "index", "branch", "arith", "loop", "weight", "pair")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=7),
+    st.lists(st.sampled_from(_LABEL_USES), min_size=1, max_size=4, unique=True),
+    st.sampled_from(["pairs", "lists"]),
+)
+def test_random_uses_of_labels_per_row_equal_eager(labels, uses, form):
+    """Random per-example programs over (x, int label) samples and a float weight per
+    sample, the label used as a tensor, an index, a branch, arithmetic, a loop count: the
+    same values and gradients as eager per example (float64), however the rows split at
+    the reads."""
+    torch.manual_seed(len(labels))
+    lin, head = nn.Linear(3, 4), nn.Linear(4, 4)
+    xs = [torch.randn(3) for _ in labels]
+    weights = [0.25 * y - 0.1 for y in labels]
+
+    def fn(x, y, w):
+        out = head(torch.tanh(lin(x)))
+        total = out.sum() * 0
+        if "tensor" in uses:
+            total = total + F.cross_entropy(out[None], torch.tensor([y]))
+        if "index" in uses:
+            total = total - F.log_softmax(out, -1)[y]
+        if "branch" in uses:
+            total = total + (torch.tanh(out).sum() if y > 1 else torch.relu(out).sum())
+        if "arith" in uses:
+            total = total + torch.tensor(y * 2 + 1) * out.mean()
+        if "loop" in uses:
+            h = out
+            for _ in range(y):
+                h = head(torch.tanh(h))
+            total = total + h.sum()
+        if "weight" in uses:
+            total = total * torch.tensor(w)
+        if "pair" in uses:
+            total = total + torch.tensor([y, w]).sum()
+        return total
+
+    if form == "pairs":
+        samples = list(zip(xs, labels, weights))
+        got = fold.autobatch(lambda s: fn(*s), samples)
+    else:
+        got = fold.autobatch(fn, xs, labels, weights)
+    want = torch.stack([fn(*s) for s in zip(xs, labels, weights)])
+    _grads_equal(got, want, [*lin.parameters(), *head.parameters()])
 
 
 def test_numbers_per_row_read_in_python_equal_eager(recordings):

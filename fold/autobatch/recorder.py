@@ -53,6 +53,7 @@ from fold.autobatch.tables import (
     _ARG_EXTREMES,
     _DIM_OPS,
     _ELEMENTWISE,
+    _GETITEM,
     _GROUP_CALLS,
     _PACKED_RNNS,
     _PADDED,
@@ -73,6 +74,7 @@ from fold.autobatch.values import (
     _FOREIGN,
     Known,
     Lazy,
+    RowNumber,
     _as_number,
     _eager_value,
     _foreign,
@@ -393,6 +395,26 @@ def _row_of(rec: Any, a: Any, found: list[bool]) -> Any:
     return a
 
 
+def _row_number_index(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``x[y]`` and ``x[0, y]`` of an int per row (``values.RowNumber``: a label) as the
+    index by the rows' 0-d long values, which selects as the int does (its dim dropped)."""
+    index = args[1]
+    t = type(index)
+    if t is RowNumber and index.type is int:
+        return (args[0], index.tensor_row(None, None))
+    if t is tuple and any(type(i) is RowNumber for i in index):
+        return (
+            args[0],
+            tuple(
+                [
+                    i.tensor_row(None, None) if type(i) is RowNumber and i.type is int else i
+                    for i in index
+                ]
+            ),
+        )
+    return args
+
+
 class _Recorder:
     """One autobatch call: its Fold, the example being recorded, the device."""
 
@@ -707,6 +729,8 @@ class _Recorder:
             if self.closed and self.values is not None and not current.closed:
                 # A method of a value of an earlier round: the round recording now records it.
                 return current.record(fn, kind, args, kwargs)
+        if self.lockstep is not None and fn is _GETITEM:  # (recorded once for all rows)
+            args = _row_number_index(args)
         if session is not None and session.rounds and kind == "torch":
             computed = _computed(self, args, kwargs)
             if computed is not None:  # only values of earlier rounds: eager, as they are
