@@ -164,7 +164,10 @@ How a call is recorded (the choices the contract leaves open):
   call (as iterating it gives), and each row's batched form (its batch-of-one view, or the
   Python number of a 0-dim row) is prepared with it, not per call.
 - **One recording for tensor rows.**  Where every iterable is a tensor (``autobatch(loss,
-  images, labels)``), the examples differ only in their rows' values, which the per-example
+  images, labels)``; or a list of tensors of one shape, of Python numbers of one type, or of
+  samples alike whose fields are such: ``(image, int label)``, each number per row a
+  ``values.RowNumber`` that ``torch.tensor([y])`` and ``out[y]`` take as its rows' values
+  and any other Python use reads), the examples differ only in their rows' values, which the per-example
   code cannot read without a FoldError; so it records the same calls for every example.
   autobatch then calls ``fn`` ONCE, on lazy rows standing for all examples (row shape,
   dtype, device), and runs each recorded call once on the whole batch, in the same modes
