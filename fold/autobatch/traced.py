@@ -508,6 +508,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     # Per iterable: None (its examples are its rows), or the structure of its samples
     # (tuples or dicts of tensors, as a Dataset yields (x, y)): their type and fields.
     structure: list[Any] = []
+    fields_of: dict[int, list[Any]] = {}  # per iterable of samples, its fields' values
     for it in iterables:
         if isinstance(it, torch.Tensor):
             if not it.ndim:
@@ -525,15 +526,17 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
             metas.append(_meta((), _ROW_NUMBER_DTYPES[kind], _CPU))
             structure.append(kind)
             continue
-        fields = _sample_fields(it)
-        if fields is None:
+        found = _sample_fields(it)
+        if found is None:
             return _MISS
+        fields, columns = found
         structure.append(fields)
+        fields_of[len(structure) - 1] = columns
         metas += [
-            _meta(v.shape, v.dtype, v.device)
+            _meta(c[0].shape, c[0].dtype, c[0].device)
             if kind is None
             else _meta((), _ROW_NUMBER_DTYPES[kind], _CPU)
-            for v, kind in zip(_field_values(it[0], fields), fields[2])
+            for c, kind in zip(columns, fields[2])
         ]
     n = min(len(t) for t in iterables)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
@@ -541,7 +544,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
     if n == 0 or key in _UNTRACEABLE:
         return _MISS
     inputs = []
-    for t, fields in zip(iterables, structure):
+    for j, (t, fields) in enumerate(zip(iterables, structure)):
         if type(fields) is type:  # numbers, one per row
             stacked = _stacked_numbers(t[:n], fields)
             if stacked is None:
@@ -549,10 +552,10 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
             inputs.append(stacked)
             continue
         if fields is not None:  # each field's values stacked
-            columns = zip(*[_field_values(sample, fields) for sample in t[:n]])
-            for column, kind in zip(columns, fields[2]):
+            for column, kind in zip(fields_of[j], fields[2]):
+                column = column[:n]
                 if kind is None:
-                    stacked = _stacked(list(column))
+                    stacked = _stacked(column)
                 else:
                     stacked = _stacked_numbers(column, kind)
                 if stacked is None:
@@ -687,50 +690,52 @@ def _partitioned(
     return out, spec
 
 
-def _sample_fields(items: Any) -> tuple[type, Any, tuple[Any, ...]] | None:
+def _sample_fields(items: Any) -> tuple[tuple[type, Any, tuple[Any, ...]], list[Any]] | None:
     """The structure of a Dataset's samples, where each is a tuple (or list) or a dict of
     tensors and Python numbers (a label: ``(image, 3)``) and all are alike (their lengths or
-    keys, each field's dtype, or its numbers' type): ``(their type, their length or keys,
-    per field None for tensors or the numbers' type)``; None else.  Their shapes are checked
-    by the ``torch.stack`` of each field (``_stacked``)."""
+    keys, each field's dtype, or its numbers' type): ``((their type, their length or keys,
+    per field None for tensors or the numbers' type), per field its values)``; None else.
+    Their shapes are checked by the ``torch.stack`` of each field (``_stacked``)."""
     if type(items) not in (list, tuple) or not items:
         return None
     first = items[0]
     t = type(first)
     if t is dict:
-        keys = tuple(first)
-        values = [first[k] for k in keys]
+        keys: Any = tuple(first)
+        for sample in items:
+            if type(sample) is not dict or tuple(sample) != keys:
+                return None
+        columns: list[Any] = [[sample[k] for sample in items] for k in keys]
     elif t in (tuple, list):
-        keys, values = None, list(first)
+        keys = len(first)
+        for sample in items:
+            if type(sample) is not t or len(sample) != keys:
+                return None
+        columns = list(zip(*items))
     else:
         return None
-    if not values:
+    if not columns:
         return None
-    # Per field the dtype of its tensors, or the exact type of its numbers.
-    kinds = [v.dtype if type(v) is torch.Tensor else type(v) for v in values]
-    if not all(type(k) is torch.dtype or k in _ROW_NUMBER_DTYPES for k in kinds):
-        return None
-    if all(type(k) is type for k in kinds):
-        return None  # (numbers alone: no tensor to batch)
-    for sample in items:
-        if type(sample) is not t or len(sample) != len(kinds):
-            return None
-        got = sample.values() if keys is not None else sample
-        if keys is not None and tuple(sample) != keys:
-            return None
-        for v, k in zip(got, kinds):
-            if type(v) is torch.Tensor:
-                if v.dtype is not k:
+    numbers: list[Any] = []
+    for column in columns:
+        x = column[0]
+        kind = type(x)
+        if kind is torch.Tensor:
+            dtype = x.dtype
+            for v in column:
+                if type(v) is not torch.Tensor or v.dtype is not dtype:
                     return None
-            elif type(v) is not k:
-                return None
-    numbers = tuple([k if type(k) is type else None for k in kinds])
-    return (t, keys if keys is not None else len(values), numbers)
-
-
-def _field_values(sample: Any, fields: tuple[type, Any, Any]) -> list[Any]:
-    t, keys, _ = fields
-    return [sample[k] for k in keys] if t is dict else list(sample)
+            numbers.append(None)
+        elif kind in _ROW_NUMBER_DTYPES:
+            for v in column:
+                if type(v) is not kind:
+                    return None
+            numbers.append(kind)
+        else:
+            return None
+    if None not in numbers:
+        return None  # (numbers alone: no tensor to batch)
+    return (t, keys, tuple(numbers)), columns
 
 
 # The dtype of the rows of a number per row (``values.RowNumber``), by the numbers' type:
