@@ -876,7 +876,8 @@ class _Op:
         held = padded = 0
         for j in ragged:
             v = values[j]
-            per_step = v.data[0].numel() // math.prod([v.data.shape[d] for d in v.dims])
+            shape = v.data.shape
+            per_step = math.prod(shape[1:]) // math.prod([shape[d] for d in v.dims])
             held += int((v.lengths ** len(v.dims)).sum()) * per_step
             padded += v.data.numel()
         if not _worth_padding(held, padded, len(combos)):
@@ -1105,9 +1106,16 @@ def _combinations(lengths: list[np.ndarray]) -> tuple[list[tuple[int, ...]], np.
     got = _COMBINATIONS.get(key)
     if got is not None:
         return got
-    if len(lengths) == 1:
-        uniq, inv = np.unique(lengths[0], return_inverse=True)
-        combos = [(x,) for x in uniq.tolist()]
+    first = lengths[0]
+    if first.dtype.kind in "iu" and all(
+        x is first or np.array_equal(x, first) for x in lengths[1:]
+    ):
+        # One column, or columns of the same lengths (a memory and its scores): the
+        # lengths present, by a count of each (small non-negative ints), not a sort.
+        present = np.bincount(first) > 0
+        uniq = np.flatnonzero(present)
+        inv = (np.cumsum(present) - 1)[first]
+        combos = [(x,) * len(lengths) for x in uniq.tolist()]
     else:
         stacked = np.stack(lengths)
         bound = int(stacked.max()) + 1
