@@ -25,6 +25,7 @@ from torch import nn
 
 import fold
 from fold.autobatch import Lazy, buffers, common, driver, recorder, tables, traced, values
+from fold.autobatch import ops as aops
 from fold.autobatch.recorder import _OPS
 from fold.models import ChildSumTreeLSTM, TreeLSTM
 from fold.ops import PaddedRows
@@ -6665,3 +6666,26 @@ def test_a_batchable_function_returning_python_values_is_a_fold_error():
 
     with pytest.raises(fold.FoldError, match=r"returns tuple, not tensors.*Fix: compute"):
         fold.autobatch(lambda x: scored(x * 2)[0], [torch.randn(3) for _ in range(2)])
+
+
+def test_combinations_of_lengths_equal_numpys_unique():
+    """``ops._combinations`` (a count of each length where the ragged columns share their
+    lengths) gives what ``np.unique`` of the columns' combined codes gives: the distinct
+    combinations in order and each row's index among them."""
+    rng = np.random.default_rng(0)
+    for trial in range(500):
+        n = int(rng.integers(0, 20))
+        a = rng.integers(0, 8, n)
+        b = rng.integers(0, 8, n)
+        cols = [[a], [a, a.copy()], [a, b]][trial % 3]
+        aops.forget_combinations()
+        combos, inv = aops._combinations(cols)
+        stacked = np.stack(cols) if n else np.zeros((len(cols), 0), np.int64)
+        uniq, first, want = np.unique(
+            stacked.T.tolist() if n else np.zeros((0, len(cols))),
+            axis=0,
+            return_index=True,
+            return_inverse=True,
+        )
+        assert combos == [tuple(stacked[:, i].tolist()) for i in first]
+        assert np.array_equal(np.asarray(inv).ravel(), np.asarray(want).ravel())
