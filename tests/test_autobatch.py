@@ -1177,6 +1177,10 @@ def test_numbers_per_row_read_in_python_equal_eager(recordings):
         got = fold.autobatch(fn, xs, labels)
         want = torch.stack([fn(x, y) for x, y in zip(xs, labels)])
         _grads_equal(got, want, params)
+    recordings["once"] = recordings["per example"] = 0
+    got = fold.autobatch(lambda y: lin(torch.ones(4) * y), labels)  # (numbers alone)
+    assert recordings["once"] == 0
+    _grads_equal(got, torch.stack([lin(torch.ones(4) * y) for y in labels]), params)
 
 
 class _EarlyExit(nn.Module):

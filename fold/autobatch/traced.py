@@ -538,6 +538,8 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
             else _meta((), _ROW_NUMBER_DTYPES[kind], _CPU)
             for c, kind in zip(columns, fields[2])
         ]
+    if all(type(fields) is type for fields in structure):
+        return _MISS  # (numbers alone, no tensor: per example, where each is a number)
     n = min(len(t) for t in iterables)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     key = (id(fn) if code is None else code, *metas, *structure)
