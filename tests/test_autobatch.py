@@ -1164,7 +1164,11 @@ def test_numbers_per_row_read_in_python_equal_eager(recordings):
             h = torch.tanh(h)
         for _ in range(y):
             h = lin(h)
-        return h * len(names[y]) + torch.tensor([y + 1, y * 2.0]).sum() + len(str(y))
+        mixed = [y + 1, y * 2.0, 0.5 + y, y / 4, 2**y, -y, abs(y - 1), float(y)]
+        return h * len(["a", "bb", "ccc"][y]) + torch.tensor(mixed).sum() + len(f"{y:03d}")
+
+    def looked_up(x, y):
+        return lin(x) * len(names[y])  # (a dict's key: per example)
 
     def scaled(x, y):
         return lin(x) * y  # (a torch call given the number: per example)
@@ -1173,10 +1177,12 @@ def test_numbers_per_row_read_in_python_equal_eager(recordings):
         h = lin(x)
         return h + h.new_tensor(y)  # (a method given the number: per example)
 
-    for fn in (branches, scaled, made):
+    for fn in (branches, looked_up, scaled, made):
+        recordings["per example"] = 0
         got = fold.autobatch(fn, xs, labels)
         want = torch.stack([fn(x, y) for x, y in zip(xs, labels)])
         _grads_equal(got, want, params)
+        assert (recordings["per example"] == 0) == (fn is branches), fn.__name__
     recordings["once"] = recordings["per example"] = 0
     got = fold.autobatch(lambda y: lin(torch.ones(4) * y), labels)  # (numbers alone)
     assert recordings["once"] == 0

@@ -6,6 +6,8 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import os
 import struct
 import sys
@@ -1124,23 +1126,73 @@ class RowNumber:
         return Lazy(x.node, meta, x.rec)
 
 
-def _row_number_read(name: str) -> Callable[..., Any]:
-    def read(self: RowNumber, *args: Any) -> Any:
-        return getattr(self.value(), name)(*args)
+def _row_number_binary(fn: Callable[[Any, Any], Any], reflected: bool) -> Callable[..., Any]:
+    """A binary operator of a number per row: ``fn`` of the number every row holds (a read)
+    and the other operand, through Python's own dispatch (``y + 0.5`` as ``3 + 0.5``)."""
+    if reflected:
+        return lambda self, other: fn(other, self.value())
+    return lambda self, other: fn(self.value(), other)
 
-    read.__name__ = name
-    return read
+
+def _row_number_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda self, *args: fn(self.value(), *args)
 
 
-for _name in (
-    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
-    "__floordiv__ __rfloordiv__ __mod__ __rmod__ __divmod__ __rdivmod__ __pow__ __rpow__ "
-    "__and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ "
-    "__rrshift__ __neg__ __pos__ __abs__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ "
-    "__ge__ __bool__ __int__ __float__ __complex__ __index__ __round__ __trunc__ "
-    "__floor__ __ceil__ __str__ __repr__ __format__"
-).split():
-    setattr(RowNumber, _name, _row_number_read(_name))
+for _name, _fn in (
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("divmod", divmod),
+    ("pow", operator.pow),
+    ("and", operator.and_),
+    ("or", operator.or_),
+    ("xor", operator.xor),
+    ("lshift", operator.lshift),
+    ("rshift", operator.rshift),
+):
+    setattr(RowNumber, f"__{_name}__", _row_number_binary(_fn, False))
+    setattr(RowNumber, f"__r{_name}__", _row_number_binary(_fn, True))
+for _name, _fn in (
+    ("eq", operator.eq),
+    ("ne", operator.ne),
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+):
+    setattr(RowNumber, f"__{_name}__", _row_number_binary(_fn, False))
+for _name, _fn in (
+    ("neg", operator.neg),
+    ("pos", operator.pos),
+    ("abs", abs),
+    ("invert", operator.invert),
+    ("bool", bool),
+    ("int", int),
+    ("float", float),
+    ("complex", complex),
+    ("index", operator.index),
+    ("round", round),
+    ("trunc", math.trunc),
+    ("floor", math.floor),
+    ("ceil", math.ceil),
+    ("str", str),
+    ("format", format),
+):
+    setattr(RowNumber, f"__{_name}__", _row_number_unary(_fn))
+
+
+def _row_number_repr(self: RowNumber) -> str:
+    """The number (a read) while its function is recorded; outside it (a traceback, a
+    debugger), what it is."""
+    if _LOCAL.rec is not self.lazy.rec:
+        return f"<autobatch: a {self.type.__name__} per row>"
+    return repr(self.value())
+
+
+RowNumber.__repr__ = _row_number_repr  # type: ignore[method-assign,assignment]
 
 
 if _C is not None:
