@@ -155,6 +155,30 @@ def _fn_name(fn: Any, kind: str) -> str:
 _MISS = object()
 
 
+def pool_room(pools: dict[Any, list[Any]], key: Any, keys: int, per_key: int) -> list[Any] | None:
+    """The list of ``pools`` (what a function's earlier calls left for its next ones, by
+    ``key``) that one more may go into: made for a new key (every key dropped first where
+    ``keys`` are kept already), None where it holds ``per_key`` already or the key cannot be
+    hashed (a callable without ``__hash__``)."""
+    try:
+        kept = pools.get(key)
+    except TypeError:
+        return None
+    if kept is None:
+        if len(pools) >= keys:
+            pools.clear()
+        kept = pools.setdefault(key, [])
+    return kept if len(kept) < per_key else None
+
+
+def pool_take(pools: dict[Any, list[Any]], key: Any) -> Any:
+    """One of what ``pools`` keeps for ``key`` (taken out), or None."""
+    try:
+        return pools[key].pop()
+    except (KeyError, IndexError, TypeError):  # (none kept; or an unhashable callable)
+        return None
+
+
 def _rng_states() -> list[torch.Tensor]:
     """The default generators' states: the CPU's, and the current CUDA device's once CUDA
     is initialised.  A recording made once stands for many calls; a random draw made

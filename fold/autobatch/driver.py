@@ -34,6 +34,8 @@ from fold.autobatch.common import (
     _in_mode,
     _rng_restore,
     _rng_states,
+    pool_room,
+    pool_take,
 )
 from fold.autobatch.ops import _Op, _op_device, _OpFailed, forget_combinations
 from fold.autobatch.patches import _PLAIN, _installed
@@ -166,10 +168,7 @@ def _pool_key(fn: Any) -> Any:
 
 
 def _take_pooled(fn: Any) -> tuple[Any, tuple[dict[Any, Any], ...]] | None:
-    try:
-        return _POOL[_pool_key(fn)].pop()
-    except (KeyError, IndexError, TypeError):  # (none kept; or an unhashable callable)
-        return None
+    return pool_take(_POOL, _pool_key(fn))
 
 
 def _forget_pools() -> None:
@@ -187,16 +186,8 @@ def _give_back(fn: Any, rec: _Recorder) -> None:
         return
     if len(f.signatures) > _POOL_LIMIT or sum(map(len, kept)) > _POOL_LIMIT:
         return
-    key = _pool_key(fn)
-    try:
-        folds = _POOL.get(key)
-    except TypeError:  # an unhashable callable
-        return
+    folds = pool_room(_POOL, _pool_key(fn), _POOL_FUNCTIONS, _POOL_MAX)
     if folds is None:
-        if len(_POOL) >= _POOL_FUNCTIONS:
-            _POOL.clear()
-        folds = _POOL.setdefault(key, [])
-    if len(folds) >= _POOL_MAX:
         return
     rec.kept = rec.fold = None
     f._renew()

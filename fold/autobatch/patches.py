@@ -393,7 +393,9 @@ def _recording_tensor(
             if len(data) == 1 and type(data[0]) is RowNumber:  # torch.tensor([label])
                 return data[0].tensor_row(dtype, device).unsqueeze(0)
             tensor = _PATCHES.tensor or _TORCH_TENSOR
-            data = _row_numbers(_unknown(data))
+            data = _unknown(data)
+            if rec.lockstep is not None:  # (numbers per row live in such recordings alone)
+                data = _row_numbers(data)
             if _holds_lazy(data):
                 return _tensor_of_lazy(tensor, data, dtype, device)
             made = tensor(data, dtype=dtype, device=device)

@@ -21,6 +21,8 @@ from fold.autobatch.common import (
     _rng_restore,
     _rng_same,
     _rng_states,
+    pool_room,
+    pool_take,
 )
 from fold.autobatch.ops import _Op, _op_device, _slots
 from fold.autobatch.patches import (
@@ -371,7 +373,7 @@ def _record_once(
     what runs ``fn`` instead draws what eager code draws.  ``modules``: module calls are
     recorded as one call each (the patches installed); without, as the torch calls their
     forward makes."""
-    trace = _take_trace(pool) if pool is not None else None
+    trace = pool_take(_TRACES, pool) if pool is not None else None
     if trace is None:
         trace = _Trace(len(metas))
         rec = _Recorder(trace)
@@ -422,24 +424,13 @@ _TRACES_FUNCTIONS = 16
 _TRACES_LIMIT = 4096
 
 
-def _take_trace(pool: Any) -> _Trace | None:
-    try:
-        return _TRACES[pool].pop()
-    except (KeyError, IndexError):
-        return None
-
-
 def _give_trace(pool: Any, trace: _Trace) -> None:
     """Keep ``trace`` (a recording that ran) for the next call of its function."""
     tables = trace.tables
     if tables is None or sum(map(len, tables)) > _TRACES_LIMIT:
         return
-    traces = _TRACES.get(pool)
-    if traces is None:
-        if len(_TRACES) >= _TRACES_FUNCTIONS:
-            _TRACES.clear()
-        traces = _TRACES.setdefault(pool, [])
-    if len(traces) < _TRACES_MAX:
+    traces = pool_room(_TRACES, pool, _TRACES_FUNCTIONS, _TRACES_MAX)
+    if traces is not None:
         traces.append(trace)
 
 
@@ -622,7 +613,7 @@ def _rows_run(
                 _WITH_MODULES.clear()
             _WITH_MODULES.add(key)
             if prefix is None and not rec.lockstep.reads:  # (else calls ran: kept as they are)
-                modules = True
+                modules, pool = True, None  # (the first trace not kept)
                 rec, trace, out = _record_once(fn, metas, True, (inputs, n, []))
     except _Diverged as diverged:
         return _partitioned(fn, metas, modules, key, inputs, diverged, budget)
@@ -633,7 +624,7 @@ def _rows_run(
     with _call_programs() if programs else contextlib.nullcontext():
         values = rec.lockstep.run(True)
     out = [_trace_output(v, values, n, rec) for v in leaves]
-    if pool is not None and pool[1] == modules:
+    if pool is not None:
         _give_trace(pool, trace)
     return out, spec
 
@@ -720,21 +711,13 @@ def _sample_fields(items: Any) -> tuple[tuple[type, Any, tuple[Any, ...]], list[
         return None
     numbers: list[Any] = []
     for column in columns:
-        x = column[0]
-        kind = type(x)
-        if kind is torch.Tensor:
-            dtype = x.dtype
-            for v in column:
-                if type(v) is not torch.Tensor or v.dtype is not dtype:
-                    return None
+        if _same_rows(column) is not None:  # tensors of one dtype
             numbers.append(None)
-        elif kind in _ROW_NUMBER_DTYPES:
-            for v in column:
-                if type(v) is not kind:
-                    return None
-            numbers.append(kind)
-        else:
+            continue
+        kind = _number_rows(column)  # numbers of one type
+        if kind is None:
             return None
+        numbers.append(kind)
     if None not in numbers:
         return None  # (numbers alone: no tensor to batch)
     return (t, keys, tuple(numbers)), columns
