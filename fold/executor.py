@@ -463,7 +463,9 @@ class Executor:
             flat = torch.zeros((0, *feature), dtype=dtype, device=self.device)
         if self.models > 1:
             return self._models_ragged(flat, lengths)
-        return Ragged(flat, torch.from_numpy(lengths).to(flat.device, non_blocking=True))
+        out = Ragged(flat, torch.from_numpy(lengths).to(flat.device, non_blocking=True))
+        out._host = lengths  # (its padded form and softmax read no lengths from the device)
+        return out
 
     def _plan_list(
         self, op: Any, j: int, lists: list[bytes], idx: list[np.ndarray]
@@ -471,10 +473,13 @@ class Executor:
         """The gather of a list column (the lists' memo keys, see ``list_handles``): every
         element of every list, in order, by one recipe; and the lists' lengths."""
         lengths = list_lengths(lists)
+        v = self.values
+        recipe = v.list_recipe(lists, idx)
+        if recipe is not None:
+            return recipe, lengths
         flat = list_handles(lists)
         if not len(flat):
             return None, lengths
-        v = self.values
         if self.nobatch and not self.nobatch.isdisjoint(node_id(flat).tolist()):
             raise FoldError(
                 f"apply: op {op_name(op)!r}, argument {j}: a list holds a nobatch node; list "
@@ -497,6 +502,7 @@ class Executor:
                 "elements of list arguments are concatenated, so they must agree in shape and "
                 "dtype. Fix: make the listed nodes' ops return one shape and dtype."
             )
+        v.keep_lists(lists, lengths, recipe, idx)
         return recipe, lengths
 
     def _models_ragged(self, flat: torch.Tensor, lengths: np.ndarray) -> ModelRagged:
@@ -513,8 +519,11 @@ class Executor:
         positions = np.repeat(position, m)
         t = torch.from_numpy(np.stack([segments, positions]))
         t = t.to(flat.device, non_blocking=True)
-        lists = torch.from_numpy(np.repeat(per_node, m)).to(flat.device, non_blocking=True)
-        return ModelRagged(flat, lists, t[0], t[1], m)
+        host = np.repeat(per_node, m)
+        lists = torch.from_numpy(host).to(flat.device, non_blocking=True)
+        out = ModelRagged(flat, lists, t[0], t[1], m)
+        out._host = host
+        return out
 
     def _literal(self, kind: Any, column: Any) -> torch.Tensor:
         t = literal_value(kind, column, self.device)

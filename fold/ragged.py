@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from fold.errors import FoldError
@@ -46,7 +47,7 @@ class Ragged:
     dtype=torch.float64)``); where any list has values, those arguments are ignored.
     """
 
-    __slots__ = ("values", "lengths", "_offsets", "_segments")
+    __slots__ = ("values", "lengths", "_offsets", "_segments", "_host", "_grid")
 
     def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
         if lengths.dim() != 1 or lengths.dtype != torch.long:
@@ -58,6 +59,10 @@ class Ragged:
         self.lengths = lengths
         self._offsets: torch.Tensor | None = None
         self._segments: torch.Tensor | None = None
+        # The lengths as a host int64 array where they are at hand without a device read
+        # (an apply's gathers set it; see ``_slots``), and the slots once computed.
+        self._host: np.ndarray | None = None
+        self._grid: tuple[int, torch.Tensor] | None = None
 
     @classmethod
     def from_lists(cls, lists: list[list[torch.Tensor]]) -> Ragged:
@@ -94,6 +99,7 @@ class Ragged:
             )
         out = Ragged(values, self.lengths)
         out._offsets, out._segments = self._offsets, self._segments
+        out._host, out._grid = self._host, self._grid
         return out
 
     def lists(self, start: int, length: int) -> Ragged:
@@ -120,6 +126,28 @@ class Ragged:
                 output_size=self.values.shape[0],
             )
         return self._segments
+
+    def _host_lengths(self) -> np.ndarray | None:
+        """The lengths on the host: as an apply gave them, or read from a CPU tensor; None
+        where reading them would wait for the device."""
+        if self._host is None and self.lengths.device.type == "cpu":
+            self._host = self.lengths.numpy()
+        return self._host
+
+    def _slots(self) -> tuple[int, torch.Tensor] | None:
+        """``(L, slot)``: the longest length, and each value's row in the lists padded to
+        ``L`` and flattened (list i's element k at ``i * L + k``); None where the lengths
+        are not on the host (see ``_host_lengths``)."""
+        if self._grid is None:
+            host = self._host_lengths()
+            if host is None:
+                return None
+            longest = int(host.max()) if len(host) else 0
+            starts = np.cumsum(host) - host
+            slot = np.arange(int(host.sum()), dtype=np.int64)
+            slot += np.repeat(np.arange(len(host), dtype=np.int64) * longest - starts, host)
+            self._grid = (longest, torch.from_numpy(slot).to(self.values.device))
+        return self._grid
 
     def _feature(self, feature: Any) -> tuple[int, ...]:
         if self.values.shape[0] or feature is None:
@@ -158,18 +186,31 @@ class Ragged:
     @property
     def mask(self) -> torch.Tensor:
         """``(n, L)`` bool, L the longest length: True where a list has a value."""
-        longest = int(self.lengths.max()) if len(self) else 0
+        host = self._host_lengths()
+        if host is not None:
+            longest = int(host.max()) if len(host) else 0
+        else:
+            longest = int(self.lengths.max()) if len(self) else 0
         steps = torch.arange(longest, device=self.lengths.device)
         return steps[None, :] < self.lengths[:, None]
 
     def padded(self, fill: float = 0.0, feature: Any = None, dtype: Any = None) -> torch.Tensor:
         """``(n, L, *feature)``: the lists padded with ``fill`` to the longest; see ``mask``."""
-        mask = self.mask
-        shape = (*mask.shape, *self._feature(feature))
-        out = self.values.new_full(shape, fill, dtype=self._dtype(dtype))
-        if not self.values.shape[0]:
-            return out
-        return out.index_put((mask.nonzero(as_tuple=True)), self.values)
+        grid = self._slots()
+        if grid is None:
+            mask = self.mask
+            shape = (*mask.shape, *self._feature(feature))
+            out = self.values.new_full(shape, fill, dtype=self._dtype(dtype))
+            if not self.values.shape[0]:
+                return out
+            return out.index_put((mask.nonzero(as_tuple=True)), self.values)
+        # Each value copied to its slot of the flat padded rows: one index_copy, no mask.
+        longest, slot = grid
+        feature = self._feature(feature)
+        out = self.values.new_full((len(self) * longest, *feature), fill, dtype=self._dtype(dtype))
+        if self.values.shape[0]:
+            out = out.index_copy(0, slot, self.values)
+        return out.view(len(self), longest, *feature)
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """``(total,)`` scores -> ``(total,)`` weights: a softmax within each list."""
@@ -180,6 +221,16 @@ class Ragged:
             )
         if not scores.shape[0]:
             return scores
+        grid = self._slots()
+        if grid is not None:
+            # The scores in their slots of the padded lists (-inf past each length), one
+            # softmax along the lists, the values' slots read back: four ops, where the
+            # segment form below takes seven (it reads nothing from the host).
+            longest, slot = grid
+            rest = scores.shape[1:]
+            full = scores.new_full((len(self) * longest, *rest), float("-inf"))
+            full = full.index_copy(0, slot, scores).view(len(self), longest, *rest)
+            return full.softmax(1).view(len(self) * longest, *rest).index_select(0, slot)
         seg = self.segment_ids
         index = seg.view(-1, *([1] * (scores.dim() - 1))).expand_as(scores)
         top = scores.new_full((len(self), *scores.shape[1:]), float("-inf"))
@@ -219,7 +270,20 @@ class ModelRagged(Ragged):
     def with_values(self, values: torch.Tensor) -> Ragged:
         if values.shape[:1] != self.values.shape[:1]:
             super().with_values(values)  # raises, naming the shape
-        return ModelRagged(values, self.lengths, self._segments, self._positions, self.models)
+        out = ModelRagged(values, self.lengths, self._segments, self._positions, self.models)
+        out._host, out._grid = self._host, self._grid
+        return out
+
+    def _slots(self) -> tuple[int, torch.Tensor] | None:
+        """As ``Ragged._slots``, each row's slot from its list and position."""
+        if self._grid is None:
+            host = self._host_lengths()
+            if host is None:
+                return None
+            longest = int(host.max()) if len(host) else 0
+            assert self._segments is not None
+            self._grid = (longest, self._segments * longest + self._positions)
+        return self._grid
 
     def lists(self, start: int, length: int) -> Ragged:
         """Lists ``start`` to ``start + length``: whole nodes (multiples of the models)."""

@@ -186,6 +186,10 @@ class Values:
         self.parts: list[list[Recipe]] = []  # the pieces of PIECES gathers
         self.outs_per_row: list[int] = []  # per class: outputs of it per node, last seen
         self.rows_left = rows_left  # nodes of the plan not run yet (sizes new tables)
+        # Per list argument seen (its memo key): None once seen, then ``(class, its elements'
+        # rows of the class's value table)`` once a group reads it a second time, for the
+        # groups after (see ``list_recipe``).
+        self.list_rows: dict[bytes, tuple[int, np.ndarray] | None] = {}
 
     @staticmethod
     def class_of(rows: np.ndarray) -> np.ndarray:
@@ -294,6 +298,37 @@ class Values:
             return recipe
         idx.append(self.table_rows(c, column))
         return Recipe(How.TABLE, c, 0, n, len(idx) - 1)
+
+    def list_recipe(self, lists: list[bytes], idx: list[np.ndarray]) -> Recipe | None:
+        """The table read of the elements of ``lists`` (a group's list column, by memo key)
+        where every list was read from one class's table by a group before: the rows kept
+        then, with none of ``rows`` and ``recipe``'s work (a decoder's memories, read by
+        each of its steps); else None, and ``keep_lists`` is to note the column's recipe."""
+        kept = self.list_rows
+        got = [kept.get(k) for k in lists if k]  # (an empty list reads nothing)
+        if not got or None in got:
+            return None
+        c = got[0][0]  # type: ignore[index]
+        if any(g[0] != c for g in got):  # type: ignore[index]
+            return None
+        idx.append(np.concatenate([g[1] for g in got]))  # type: ignore[index]
+        return Recipe(How.TABLE, c, 0, len(idx[-1]), len(idx) - 1)
+
+    def keep_lists(
+        self, lists: list[bytes], lengths: np.ndarray, recipe: Recipe, idx: list[np.ndarray]
+    ) -> None:
+        """Note the lists of a column just planned (``recipe``): each list's table rows where
+        it is read a second time and the column is a table read; seen, else."""
+        kept = self.list_rows
+        if recipe.how is not How.TABLE:
+            return
+        rows = np.split(idx[recipe.index], np.cumsum(lengths)[:-1])
+        c = recipe.src
+        for k, r in zip(lists, rows):
+            if k in kept:
+                kept[k] = (c, r)
+            elif k:
+                kept[k] = None
 
     def pieces(self, column: np.ndarray, idx: list[np.ndarray], one_class: bool) -> Recipe | None:
         """The gather of a column of several sources as a few pieces, each read alone, then

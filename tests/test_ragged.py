@@ -21,8 +21,15 @@ def _lists(lengths: list[int], feature: tuple[int, ...] = (3,)) -> list[torch.Te
     return [torch.randn(n, *feature, generator=g, dtype=torch.double) for n in lengths]
 
 
+@pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("lengths", [[2, 0, 3, 1], [0, 0], [1], [4, 4]])
-def test_ragged_methods_equal_per_list_loops(lengths: list[int]) -> None:
+def test_ragged_methods_equal_per_list_loops(
+    lengths: list[int], host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each method against a loop over the lists; ``host=False``: the forms that read no
+    lengths on the host (a Ragged on a device, made outside an apply)."""
+    if not host:
+        monkeypatch.setattr(fold.Ragged, "_host_lengths", lambda self: None)
     parts = _lists(lengths)
     values = torch.cat(parts) if sum(lengths) else torch.zeros(0, 3, dtype=torch.double)
     r = fold.Ragged(values, torch.tensor(lengths))
@@ -48,6 +55,24 @@ def test_ragged_methods_equal_per_list_loops(lengths: list[int]) -> None:
     weights = r.softmax(scores)
     want = [torch.softmax(p.sum(1), 0) for p in parts]
     torch.testing.assert_close(weights, torch.cat(want) if sum(lengths) else scores)
+    # Gradients of softmax and padded, against the loops' (weights that tell rows apart).
+    leaf = values.detach().clone().requires_grad_()
+    parts_leaf = list(leaf.split(lengths))
+    g = torch.Generator().manual_seed(1)
+    w_soft = torch.randn(len(scores), generator=g, dtype=torch.double)
+    w_pad = torch.randn(padded.shape, generator=g, dtype=torch.double)
+    r_leaf = fold.Ragged(leaf, torch.tensor(lengths))
+    got = torch.autograd.grad(
+        (r_leaf.softmax(leaf.sum(1) ** 2) * w_soft).sum() + (r_leaf.padded(-1.0) * w_pad).sum(),
+        leaf,
+    )[0]
+    want_total = sum(
+        (torch.softmax(p.sum(1) ** 2, 0) * w).sum() + (p * w_pad[i, : len(p)]).sum()
+        for i, (p, w) in enumerate(zip(parts_leaf, w_soft.split(lengths)))
+    )
+    if sum(lengths):
+        want_g = torch.autograd.grad(want_total, leaf)[0]
+        torch.testing.assert_close(got, want_g)
     part = r.lists(1, len(lengths) - 1)
     torch.testing.assert_close(part.sum(), r.sum()[1:])
     if sum(lengths):
@@ -347,3 +372,77 @@ def test_the_lists_of_n_models_refuse_offsets_and_nested() -> None:
     for read in (lambda: r.offsets, r.nested):
         with pytest.raises(fold.FoldError, match="not contiguous.*Fix"):
             read()
+
+
+class Attend(nn.Module):
+    """An encoder step and a decoder step attending over its example's encoder states (a
+    list argument): the memory every step of an example reads again."""
+
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.embed = nn.Parameter(torch.randn(9, hidden, generator=g, dtype=torch.double))
+        self.w = nn.Parameter(torch.randn(hidden, hidden, generator=g, dtype=torch.double) / 2)
+        self.q = nn.Parameter(torch.randn(hidden, hidden, generator=g, dtype=torch.double) / 2)
+
+    def enc(self, h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.w + self.embed[word])
+
+    def start(self, word: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.embed[word])
+
+    def dec(self, h: torch.Tensor, word: torch.Tensor, memory: fold.Ragged) -> torch.Tensor:
+        q = (h @ self.q).index_select(0, memory.segment_ids)
+        weights = memory.softmax((memory.values * q).sum(1))
+        ctx = memory.with_values(weights[:, None] * memory.values).sum()
+        return torch.tanh(h @ self.w + ctx + self.embed[word])
+
+
+def _decoders(f: Any, sources: list[int], steps: list[int], shared: bool) -> list[Any]:
+    outs = []
+    for e, (n, k) in enumerate(zip(sources, steps)):
+        h = f.add("start", e % 9)
+        memory = [h]
+        for i in range(1, n):
+            h = f.add("enc", h, (e + i) % 9)
+            memory.append(h)
+        for t in range(k):  # each step reads the example's memory (or, unshared, a part)
+            h = f.add("dec", h, (e * t) % 9, memory if shared else memory[t % n :])
+            outs.append(h)
+    return outs
+
+
+@pytest.mark.parametrize("strategy", ["depth", "agenda", "lockstep"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_memories_read_by_every_step_equal_eager(
+    strategy: str, shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoders whose steps read their example's memory (elements from several encoder
+    steps: a table read), examples dropping out at different steps: values and gradients
+    against eager per node; the memories of the later steps are read from the table rows
+    kept by the first (``Values.list_recipe``), where the lists repeat."""
+    from fold.values import Values
+
+    hits = []
+    plan = Values.list_recipe
+
+    def spy(self: Values, lists: Any, idx: Any) -> Any:
+        got = plan(self, lists, idx)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(Values, "list_recipe", spy)
+    sources, steps = [3, 5, 2, 4, 6], [4, 1, 6, 3, 5]
+    model = Attend()
+    f = fold.Fold(strategy)
+    (got,) = f.apply(model, [_decoders(f, sources, steps, shared)])
+    u = fold.Unfold(model)
+    (want,) = u.apply(model, [_decoders(u, sources, steps, shared)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    weights = torch.linspace(-1, 1, got.numel(), dtype=got.dtype).view(got.shape)
+    params = list(model.parameters())
+    g = torch.autograd.grad((got * weights).sum(), params)
+    w = torch.autograd.grad((want * weights).sum(), params)
+    for a, b in zip(g, w):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert any(hits) == shared
