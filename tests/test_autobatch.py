@@ -4350,6 +4350,50 @@ def test_attention_decoding_under_no_grad_and_inference_mode_matches_eager(mode,
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_softmax_weights_past_their_lengths_are_zero_to_their_readers(grad, monkeypatch):
+    """Attention over memories of several lengths, its weights (one padded softmax) read by
+    a product with the memory, a sum and a positionwise op: values (and, with gradients,
+    gradients) equal eager's (float64).  Outside autograd the softmax's output is marked
+    zero past each length (the product takes it as it is); under autograd it is not (the
+    fill keeps a later op's nan off the padding's gradient)."""
+    from fold.autobatch import ops
+
+    marks = []
+    real = ops._Op._ragged_run
+
+    def spy(self, values):  # the zero marks of a whole padded group's outputs
+        out = real(self, values)
+        marks.extend((self.name.split(" ")[0], x.zero) for x in out or () if type(x) is PaddedRows)
+        return out
+
+    monkeypatch.setattr(ops._Op, "_ragged_run", spy)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, 5, generator=g, dtype=torch.float64) for n in (3, 7, 1, 5, 7, 2)]
+    enc = nn.Linear(5, 5).double()
+    q = torch.randn(5, generator=g, dtype=torch.float64)
+
+    def fn(x):
+        mem = torch.tanh(enc(x))
+        weights = torch.softmax(mem @ q, 0)
+        return weights @ mem, (weights * 3 + 1).sum(), weights.sqrt().sum()
+
+    with torch.set_grad_enabled(grad):
+        want = [fn(x) for x in xs]
+        got = fold.autobatch(fn, xs, stack=False)
+    for a, b in zip(got, want):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert ("torch.softmax", not grad) in marks
+    assert ("torch.softmax", grad) not in marks
+    if grad:
+        params = list(enc.parameters())
+        gg = torch.autograd.grad(sum(sum(x.sum() for x in a) for a in got), params)
+        gw = torch.autograd.grad(sum(sum(x.sum() for x in a) for a in want), params)
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _stack_rows(enc_lin, x):
     """A parser's features: rows of an earlier round's encoding, picked by read values."""
     enc = torch.tanh(enc_lin(x))  # (n, 4)

@@ -921,7 +921,20 @@ class _Op:
         if varying is None:
             return tuple(outs)
         lengths = out_lengths[inv]
-        return tuple([PaddedRows(t, tuple([k + 1 for k in varying]), lengths) for t in outs])
+        dims_out = tuple([k + 1 for k in varying])
+        # A softmax along the one ragged dim, of rows that each hold a value, is exactly 0
+        # past each length (exp(-inf)): said so, a product with it (attention's weights @
+        # memory) takes it as it is, not filled with zeros again.  Only outside autograd:
+        # there that fill also keeps a nan of a later op's gradient off the padding.
+        zero = (
+            self.fn in _SOFTMAXES
+            and not outs[0].requires_grad
+            and len(ragged) == 1
+            and values[ragged[0]].dims == dims_out
+            and dim % (merged[0].dim() - 1) + 1 in dims_out  # type: ignore[operator]
+            and bool(lengths.min() > 0)
+        )
+        return tuple([PaddedRows(t, dims_out, lengths, zero) for t in outs])
 
     def _ragged_outs(
         self, values: list[Any], ragged: list[int], shapes: list[Any], combos: list[tuple[int, ...]]
@@ -1181,6 +1194,10 @@ _POSITIONWISE = frozenset(
         torch.Tensor.unbind,
     )
 )
+
+
+# The softmaxes (not log_softmax, nor the other reductions ``_REDUCED_FILL`` pads for).
+_SOFTMAXES = frozenset((torch.softmax, torch.Tensor.softmax, F.softmax))
 
 
 def _no_wrap(node: Any, rec: Any) -> Any:  # pragma: no cover  (replaced by _infer)
