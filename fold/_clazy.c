@@ -25,6 +25,7 @@
      Python ``_call``.
    - Method: a tensor method or operator of Lazy (``x * y``, ``x.sum()``).
    - torch_function: Lazy.__torch_function__ (``torch.tanh(x)``).
+   - Direct: torch functions that go to Lazy.__torch_function__ at once (``torch.cat([h, x])``).
 
    The fast key must never join calls the slow path keys apart (key_build says how each
    item keeps them apart); tests/test_clazy.py checks that every call the fast paths find
@@ -1906,6 +1907,185 @@ static PyTypeObject ModuleCallType = {
     .tp_members = module_call_members,
 };
 
+/* ------------------------------------------------------------------------- direct */
+
+/* Direct(fn, dispatch, modes_on, enabled, dim_second): a torch function (torch.cat,
+   torch.softmax, F.relu: patches._DIRECT_TORCH) while fold.autobatch is installed.  Where
+   its first argument is a Lazy value, or a list or tuple holding one, and no torch-function
+   mode is on (``modes_on()``) and torch functions are enabled (``enabled()``), the call goes
+   to ``dispatch(fn, (Lazy,), args, kwargs)`` (Lazy.__torch_function__) at once, without
+   torch's parse of every argument; ``f(x, dim=d)`` of a function whose second parameter is
+   dim (``dim_second``) as ``f(x, d)``, the call the recorder's fast path takes.  Every
+   other call goes to ``fn`` as it is.  What patches._direct_wrapper's Python does. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fn;
+    PyObject *dispatch;
+    PyObject *modes_on;
+    PyObject *enabled;
+    PyObject *dict;
+    int dim_second;
+} Direct;
+
+static PyObject *s_dim;
+
+static int
+holds_lazy(PyObject *a)
+{
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(a);
+    PyObject **items = PySequence_Fast_ITEMS(a);
+    for (Py_ssize_t j = 0; j < k; j++)
+        if ((PyObject *)Py_TYPE(items[j]) == g_lazy_type)
+            return 1;
+    return 0;
+}
+
+/* 1 where calling ``f()`` gives True, 0 where False, -1 on an error. */
+static int
+truth_of_call(PyObject *f)
+{
+    PyObject *v = PyObject_CallNoArgs(f);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+static PyObject *
+direct_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Direct *self = (Direct *)op;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n < 1 || g_lazy_type == NULL)
+        goto pass;
+    PyObject *a = args[0];
+    if (!((PyObject *)Py_TYPE(a) == g_lazy_type ||
+          ((PyList_CheckExact(a) || PyTuple_CheckExact(a)) && holds_lazy(a))))
+        goto pass;
+    int modes = truth_of_call(self->modes_on);
+    if (modes < 0)
+        return NULL;
+    if (modes)
+        goto pass;
+    int on = truth_of_call(self->enabled);
+    if (on < 0)
+        return NULL;
+    if (!on)
+        goto pass;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *targs, *kw;
+    if (self->dim_second && n == 1 && nkw == 1 &&
+        PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_dim) == 0) {
+        targs = PyTuple_Pack(2, a, args[1]);
+        kw = targs == NULL ? NULL : PyDict_New();
+    }
+    else {
+        targs = PyTuple_New(n);
+        if (targs != NULL)
+            for (Py_ssize_t i = 0; i < n; i++) {
+                Py_INCREF(args[i]);
+                PyTuple_SET_ITEM(targs, i, args[i]);
+            }
+        kw = targs == NULL ? NULL : kwargs_of(args + n, kwnames);
+    }
+    PyObject *types = kw == NULL ? NULL : PyTuple_Pack(1, g_lazy_type);
+    PyObject *out = NULL;
+    if (types != NULL) {
+        PyObject *call[4] = {self->fn, types, targs, kw};
+        out = PyObject_Vectorcall(self->dispatch, call, 4, NULL);
+    }
+    Py_XDECREF(types);
+    Py_XDECREF(kw);
+    Py_XDECREF(targs);
+    return out;
+pass:
+    return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+}
+
+static PyObject *
+direct_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *fn, *dispatch, *modes_on, *enabled;
+    int dim_second;
+    if (!PyArg_ParseTuple(args, "OOOOp", &fn, &dispatch, &modes_on, &enabled, &dim_second))
+        return NULL;
+    Direct *self = (Direct *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(fn);
+    Py_INCREF(dispatch);
+    Py_INCREF(modes_on);
+    Py_INCREF(enabled);
+    self->fn = fn;
+    self->dispatch = dispatch;
+    self->modes_on = modes_on;
+    self->enabled = enabled;
+    self->dict = NULL;
+    self->dim_second = dim_second;
+    self->vectorcall = direct_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+direct_traverse(Direct *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fn);
+    Py_VISIT(self->dispatch);
+    Py_VISIT(self->modes_on);
+    Py_VISIT(self->enabled);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+direct_clear(Direct *self)
+{
+    Py_CLEAR(self->fn);
+    Py_CLEAR(self->dispatch);
+    Py_CLEAR(self->modes_on);
+    Py_CLEAR(self->enabled);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+direct_dealloc(Direct *self)
+{
+    PyObject_GC_UnTrack(self);
+    direct_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyGetSetDef direct_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef direct_members[] = {
+    {"fn", T_OBJECT, offsetof(Direct, fn), READONLY, "the torch function it stands for"},
+    {NULL},
+};
+
+static PyTypeObject DirectType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.Direct",
+    .tp_doc = PyDoc_STR("Direct(fn, dispatch, modes_on, enabled, dim_second): a torch "
+                        "function while fold.autobatch is installed."),
+    .tp_basicsize = sizeof(Direct),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = direct_new,
+    .tp_dealloc = (destructor)direct_dealloc,
+    .tp_traverse = (traverseproc)direct_traverse,
+    .tp_clear = (inquiry)direct_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Direct, vectorcall),
+    .tp_dictoffset = offsetof(Direct, dict),
+    .tp_getset = direct_getset,
+    .tp_members = direct_members,
+};
+
 /* ------------------------------------------------------------------------- torch_function */
 
 /* Whether a lazy value of ``rec`` (the recorder recording on this thread) is among ``args``
@@ -2089,6 +2269,8 @@ PyInit__clazy(void)
     for (int i = 0; i < 16; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
+    if ((s_dim = PyUnicode_InternFromString("dim")) == NULL)
+        return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)
             return NULL;
@@ -2099,7 +2281,8 @@ PyInit__clazy(void)
         add_type(m, "LazyBase", &LazyBaseType) < 0 ||
         add_type(m, "BatchableBase", &BatchableBaseType) < 0 ||
         add_type(m, "Method", &MethodType) < 0 ||
-        add_type(m, "ModuleCall", &ModuleCallType) < 0) {
+        add_type(m, "ModuleCall", &ModuleCallType) < 0 ||
+        add_type(m, "Direct", &DirectType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

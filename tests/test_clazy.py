@@ -898,3 +898,69 @@ def test_a_built_c_extension_is_not_older_than_its_source(name: str) -> None:
             f"fold/{f} is older than fold/{name}.c: rebuild it (python setup.py build_ext "
             "--inplace); a build that fails keeps the old one"
         )
+
+
+@pytest.mark.skipif(C is None, reason="the C extension is not built")
+def test_direct_torch_functions_in_c_agree_with_their_python_form(monkeypatch: Any) -> None:
+    """``_C.Direct`` (torch.cat, torch.softmax, F.relu... while autobatch is installed)
+    against the Python wrapper it replaces: a call on lazy values (first, or in a list,
+    ``dim=`` as a keyword) records as in Python, values and gradients equal eager's; a call
+    of plain tensors, and any call under a torch-function mode, goes to torch as it is; the
+    wrapper looks like the function (name, signature)."""
+    import inspect
+
+    from torch.overrides import TorchFunctionMode
+
+    c_cat = patches._DIRECT_WRAPPERS[torch, "cat"]
+    assert type(c_cat) is C.Direct and c_cat.__name__ == "cat" and c_cat.__wrapped__ is torch.cat
+    relu = patches._DIRECT_WRAPPERS[torch.nn.functional, "relu"]
+    assert inspect.signature(relu) == inspect.signature(torch.nn.functional.relu)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    torch.testing.assert_close(c_cat([x, y], dim=1), torch.cat([x, y], dim=1))
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        c_cat((x, y))
+    assert seen == [torch.cat]
+
+    lin = nn.Linear(3, 3).double()
+
+    def fn(v: torch.Tensor) -> torch.Tensor:  # (2, 3) each
+        h = lin(v)
+        parts = torch.cat([h, torch.ones(2, 3, dtype=torch.float64), h.relu()], dim=1)
+        w = torch.softmax(parts, dim=1)
+        return torch.stack((torch.nn.functional.relu(h), w[:, :3] + w[:, 3:6]))
+
+    xs = [torch.randn(2, 3, dtype=torch.float64) for _ in range(5)]
+    want = torch.stack([fn(v) for v in xs])
+    params = list(lin.parameters())
+    got_c = fold.autobatch(fn, xs, per_example=True)  # (the full patches: see _installed)
+    torch.testing.assert_close(got_c, want)
+    _same_gradients(got_c, want, params)
+    # The Python form, installed in its place.
+    monkeypatch.setattr(patches, "_C", None)
+    python_form = {
+        key: patches._direct_wrapper(wrapper.__wrapped__)
+        for key, wrapper in patches._DIRECT_WRAPPERS.items()
+    }
+    monkeypatch.setattr(patches, "_DIRECT_WRAPPERS", python_form)
+    assert type(patches._DIRECT_WRAPPERS[torch, "cat"]) is not C.Direct
+    got_py = fold.autobatch(fn, xs, per_example=True)
+    torch.testing.assert_close(got_py, got_c, rtol=0, atol=0)
+    _same_gradients(got_py, torch.stack([fn(v) for v in xs]), params)
+    monkeypatch.undo()
+
+    def moded(v: torch.Tensor) -> torch.Tensor:  # a mode entered by the function itself
+        with Spy():
+            return torch.cat([lin(v), v], dim=1)
+
+    seen.clear()
+    got = fold.autobatch(moded, xs, per_example=True)
+    assert torch.cat in seen  # the mode saw the call on lazy values
+    torch.testing.assert_close(got, torch.stack([torch.cat([lin(v), v], 1) for v in xs]))

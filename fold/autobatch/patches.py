@@ -276,11 +276,18 @@ _DIM_SECOND = frozenset(("cat", "stack", "softmax", "log_softmax"))
 
 
 def _direct_wrapper(fn: Any) -> Any:
+    """``fn`` while autobatch is installed: a call whose first argument is a lazy value (or a
+    list or tuple holding one) goes to ``Lazy.__torch_function__`` at once; every other call
+    to ``fn``.  In C (``_C.Direct``) where it was built."""
     dispatch = Lazy.__torch_function__
     types = (Lazy,)
     modes_on = torch._C._is_torch_function_mode_enabled
     enabled = torch._C._is_torch_function_enabled  # (False where all are disabled, too)
     dim_second = fn.__name__ in _DIM_SECOND
+    if _C is not None:
+        direct = _C.Direct(fn, dispatch, modes_on, enabled, dim_second)
+        functools.update_wrapper(direct, fn)
+        return direct
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
