@@ -146,7 +146,7 @@ class Ragged:
             starts = np.cumsum(host) - host
             slot = np.arange(int(host.sum()), dtype=np.int64)
             slot += np.repeat(np.arange(len(host), dtype=np.int64) * longest - starts, host)
-            self._grid = (longest, torch.from_numpy(slot).to(self.values.device))
+            self._grid = (longest, torch.from_numpy(slot).to(self.values.device, non_blocking=True))
         return self._grid
 
     def _feature(self, feature: Any) -> tuple[int, ...]:
