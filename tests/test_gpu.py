@@ -149,3 +149,36 @@ def test_memory_limits_on_the_gpu_give_the_same_values_and_gradients() -> None:
         assert grads.keys() == results[0][1].keys()
         for k in grads:
             torch.testing.assert_close(grads[k], results[0][1][k], msg=k)
+
+
+def test_attention_over_list_memories_never_synchronises_and_matches_cpu() -> None:
+    """Decoders whose every step attends over its example's memory (a list argument: the
+    Ragged's softmax through its slots, the memories' table rows kept between steps) on the
+    GPU under ``set_sync_debug_mode("error")``: no host synchronisation in apply, values and
+    gradients equal the CPU's (float64).  (Written without a GPU at hand: it skips here.)"""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_ragged import Attend, _decoders
+
+    sources, steps = [3, 5, 2, 4, 6, 1], [4, 1, 6, 3, 5, 2]
+    cpu = Attend()
+    gpu = Attend().cuda()
+    f = fold.Fold()
+    outs = _decoders(f, sources, steps, True)
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        (got,) = f.apply(gpu, [outs])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    g = fold.Fold()
+    (want,) = g.apply(cpu, [_decoders(g, sources, steps, True)])
+    torch.testing.assert_close(got.cpu(), want)
+    gg = torch.autograd.grad(got.square().sum(), list(gpu.parameters()))
+    gw = torch.autograd.grad(want.square().sum(), list(cpu.parameters()))
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a.cpu(), b)
