@@ -590,12 +590,15 @@ def padded_rows_of(
     ``fold.autobatch.recorder``), so a round finds them there, unless the padded tensor was
     changed in place since (its version)."""
     key = None
+    found = None
     if kept is not None:
         key = tuple(map(id, column))
         entry = kept.get(key)
         if entry is not None and version_of(entry[1]) == entry[2]:
             return entry[3]
-    found = _rows_in(column)
+        found = _rows_kept(key, kept)
+    if found is None:
+        found = _rows_in(column)
     if found is None:
         # (one column padded once in an apply: a graph's adjacency read by each of its
         # convolutions, each call's batch of one a view of its own of the same memory; the
@@ -635,7 +638,34 @@ def padded_rows_of(
         # The column itself keeps its views alive, so that no other tensor takes their ids.
         # (b is an output of fold's own: an inference tensor's None is no change seen)
         kept[key] = (column, b, version_of(b), got)  # type: ignore[index]
+        kept[_ROWS_KEPT] = (column, b, version_of(b), rows, lengths)  # type: ignore[index]
     return got
+
+
+# The key under which a ``kept`` dict of ``padded_rows_of`` holds the last column found to
+# be rows of a marked padded tensor: (its views, that tensor, its version, their rows, their
+# lengths), whose views' rows a later column of some of them reads (see ``_rows_kept``).
+_ROWS_KEPT = "rows of the last column"
+
+
+def _rows_kept(key: tuple[int, ...], kept: dict[Any, Any]) -> tuple[Any, ...] | None:
+    """``_rows_in`` of a column (``key``: its views' ids) whose every view was a view of the
+    last column found in ``kept`` (a decoder's memories in a round after some examples
+    finished: the others' views again): their rows and lengths as found then, where the
+    padded tensor has not changed since; else None.  (The kept column holds its views, so an
+    id there is that view's.)"""
+    last = kept.get(_ROWS_KEPT)
+    if last is None or len(key) < 2:
+        return None
+    views, b, version, rows, lengths = last
+    if version_of(b) != version:
+        return None
+    where = dict(zip(map(id, views), range(len(views))))
+    at = [where.get(i) for i in key]
+    if None in at:
+        return None
+    pick = np.asarray(at, np.int64)
+    return b, rows[pick], lengths[pick]
 
 
 # The most columns a ``kept`` dict of ``padded_rows_of`` holds (emptied when full).

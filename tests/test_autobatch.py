@@ -4394,6 +4394,61 @@ def test_softmax_weights_past_their_lengths_are_zero_to_their_readers(grad, monk
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+class _LogitDecoder(_AttentionDecoder):
+    """``_AttentionDecoder`` returning its logits (differentiable) where it stops at EOS."""
+
+    def logits(self, src: torch.Tensor) -> torch.Tensor:
+        mem, h = self.enc(self.embed(src))
+        h, ctx, out = h[0], mem.mean(0), []
+        tok = 1
+        for _ in range(8):
+            h = self.dec(torch.cat([self.embed(torch.tensor(tok)), ctx]), h)
+            ctx = torch.softmax(mem @ h, 0) @ mem
+            logit = self.out(torch.cat([h, ctx]))
+            out.append(logit)
+            tok = int(logit.argmax())
+            if tok == 0:
+                break
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_memories_of_examples_still_decoding_are_found_from_the_round_before(grad, monkeypatch):
+    """A decoder's memories read by every round (views of one padded encoder output): after
+    some examples stop, the others' views are found among the last round's (``ops._rows_kept``),
+    not checked view by view again; every round batched, the logits (and, with gradients,
+    gradients) equal eager's (float64)."""
+    from fold import ops as fold_ops
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    found = []
+    real = fold_ops._rows_kept
+
+    def spy(key, kept):
+        got = real(key, kept)
+        found.append(got is not None)
+        return got
+
+    monkeypatch.setattr(fold_ops, "_rows_kept", spy)
+    torch.manual_seed(0)
+    model = _LogitDecoder().double()
+    g = torch.Generator().manual_seed(0)
+    srcs = [
+        torch.randint(1, 6, (int(n),), generator=g) for n in torch.randint(2, 9, (12,), generator=g)
+    ]
+    with torch.set_grad_enabled(grad):
+        want = [model.logits(s) for s in srcs]
+        got = fold.autobatch(lambda s: model.logits(s), srcs, stack=False)
+    assert len({len(w) for w in want}) > 4  # EOS-driven lengths
+    assert any(found)
+    if grad:
+        assert_same_lists([(x,) for x in got], [(w,) for w in want], list(model.parameters()))
+    else:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _stack_rows(enc_lin, x):
     """A parser's features: rows of an earlier round's encoding, picked by read values."""
     enc = torch.tanh(enc_lin(x))  # (n, 4)
