@@ -317,8 +317,9 @@ class Values:
     def keep_lists(
         self, lists: list[bytes], lengths: np.ndarray, recipe: Recipe, idx: list[np.ndarray]
     ) -> None:
-        """Note the lists of a column just planned (``recipe``): each list's table rows where
-        it is read a second time and the column is a table read; seen, else."""
+        """Note the lists of a column just planned as a table read (``recipe``): a list seen
+        for the first time as seen, one seen before with its elements' table rows (a column
+        of another kind notes nothing)."""
         kept = self.list_rows
         if recipe.how is not How.TABLE:
             return

@@ -931,7 +931,8 @@ class _Op:
             and not outs[0].requires_grad
             and len(ragged) == 1
             and values[ragged[0]].dims == dims_out
-            and dim % (merged[0].dim() - 1) + 1 in dims_out  # type: ignore[operator]
+            and type(dim) is int
+            and dim % (merged[0].dim() - 1) + 1 in dims_out
             and bool(lengths.min() > 0)
         )
         return tuple([PaddedRows(t, dims_out, lengths, zero) for t in outs])
