@@ -305,13 +305,21 @@ class Values:
         then, with none of ``rows`` and ``recipe``'s work (a decoder's memories, read by
         each of its steps); else None, and ``keep_lists`` is to note the column's recipe."""
         kept = self.list_rows
-        got = [kept.get(k) for k in lists if k]  # (an empty list reads nothing)
-        if not got or None in got:
+        if not kept:
             return None
-        c = got[0][0]  # type: ignore[index]
-        if any(g[0] != c for g in got):  # type: ignore[index]
+        got = []
+        for k in lists:
+            if k:  # (an empty list reads nothing)
+                g = kept.get(k)
+                if g is None:  # (a list read once at most: most lists of most graphs)
+                    return None
+                got.append(g)
+        if not got:
             return None
-        idx.append(np.concatenate([g[1] for g in got]))  # type: ignore[index]
+        c = got[0][0]
+        if any(g[0] != c for g in got):
+            return None
+        idx.append(np.concatenate([g[1] for g in got]))
         return Recipe(How.TABLE, c, 0, len(idx[-1]), len(idx) - 1)
 
     def keep_lists(
@@ -320,13 +328,19 @@ class Values:
         """Note the lists of a column just planned as a table read (``recipe``): a list seen
         for the first time as seen, one seen before with its elements' table rows (a column
         of another kind notes nothing)."""
-        kept = self.list_rows
         if recipe.how is not How.TABLE:
+            return
+        kept = self.list_rows
+        before = [k in kept for k in lists]
+        if not any(before):  # (the rows are cut per list only for lists read again)
+            for k in lists:
+                if k:
+                    kept[k] = None
             return
         rows = np.split(idx[recipe.index], np.cumsum(lengths)[:-1])
         c = recipe.src
-        for k, r in zip(lists, rows):
-            if k in kept:
+        for k, r, seen in zip(lists, rows, before):
+            if seen:
                 kept[k] = (c, r)
             elif k:
                 kept[k] = None
