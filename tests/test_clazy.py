@@ -905,8 +905,9 @@ def test_direct_torch_functions_in_c_agree_with_their_python_form(monkeypatch: A
     """``_C.Direct`` (torch.cat, torch.softmax, F.relu... while autobatch is installed)
     against the Python wrapper it replaces: a call on lazy values (first, or in a list,
     ``dim=`` as a keyword) records as in Python, values and gradients equal eager's; a call
-    of plain tensors, and any call under a torch-function mode, goes to torch as it is; the
-    wrapper looks like the function (name, signature)."""
+    of plain tensors goes to torch as it is, and a torch-function mode sees the calls made
+    under it (one the function enters itself too, its values equal eager's); the wrapper
+    looks like the function (name, signature)."""
     import inspect
 
     from torch.overrides import TorchFunctionMode
@@ -962,5 +963,5 @@ def test_direct_torch_functions_in_c_agree_with_their_python_form(monkeypatch: A
 
     seen.clear()
     got = fold.autobatch(moded, xs, per_example=True)
-    assert torch.cat in seen  # the mode saw the call on lazy values
+    assert torch.cat in seen  # (the mode saw torch.cat: recorded through it, or run eagerly)
     torch.testing.assert_close(got, torch.stack([torch.cat([lin(v), v], 1) for v in xs]))
