@@ -154,6 +154,14 @@ def pad_ends(v: torch.Tensor, short: list[int], value: Any = 0.0) -> torch.Tenso
     return F.pad(v, spec, value=value)
 
 
+def pad_dims(t: torch.Tensor, dims: Any, widths: Any) -> torch.Tensor:
+    """``t`` padded with zeros at the end of each of ``dims`` to its width in ``widths``."""
+    short = [0] * t.dim()
+    for d, width in zip(dims, widths):
+        short[d] = width - t.shape[d]
+    return pad_ends(t, short)
+
+
 def cut_to(t: torch.Tensor, dims: Any, n: int) -> torch.Tensor:
     """``t`` cut to length ``n`` in each of ``dims`` (a view)."""
     for d in dims:
@@ -325,12 +333,7 @@ def padded_pieces(parts: list[Any]) -> PaddedRows | None:
         if type(p) is not PaddedRows and any(p.shape[d] != p.shape[dims[0]] for d in dims):
             return None
     widths = [max(t.shape[d] for t in datas) for d in dims]
-    padded = []
-    for t in datas:
-        short = [0] * t.dim()
-        for d, width in zip(dims, widths):
-            short[d] = width - t.shape[d]
-        padded.append(pad_ends(t, short))
+    padded = [pad_dims(t, dims, widths) for t in datas]
     lengths = np.concatenate(
         [
             p.lengths if type(p) is PaddedRows else np.full(p.shape[0], p.shape[dims[0]], np.int64)
@@ -500,13 +503,7 @@ def padded_literals(column: list[torch.Tensor], device: torch.device) -> torch.T
     else:
         dims = tuple(varying)
         big = max(t.shape[varying[0]] for t in column)
-        pieces = []
-        for t in column:
-            short = [0] * t.dim()
-            for d in varying:
-                short[d] = big - t.shape[d]
-            pieces.append(pad_ends(t, short))
-        out = torch.cat(pieces, 0)
+        out = torch.cat([pad_dims(t, varying, [big] * len(varying)) for t in column], 0)
     if out.device != device:
         out = out.to(device, non_blocking=True)
     return mark_zero_past(out, dims, [t.shape[varying[0] if varying else 1] for t in column])

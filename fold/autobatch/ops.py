@@ -786,7 +786,7 @@ class _Op:
         merged = []
         for j, (column, big) in enumerate(zip(columns, bigs)):
             fill = _REDUCED_FILL.get(how) if j == 0 and dim is not None else None
-            d = dim % (column[0].dim() - 1) + 1 if fill else -1  # the op's dim, past the batch
+            d = _batched_dim(dim, column[0]) if fill else -1  # the op's dim, past the batch
             base = _tiled_base(column, big)
             if base is not None:  # the parts of an earlier padded call, in its order
                 if type(base) is _Padded:  # (-inf past the values along softmax's dim)
@@ -808,7 +808,7 @@ class _Op:
             merged.append(torch.cat(padded))
         out = self._run(tuple(merged))
         if how == "mean":  # a mean over the padded length: rescaled to each part's own
-            d = dim % (parts[0][0].dim() - 1) + 1  # type: ignore[operator]
+            d = _batched_dim(dim, parts[0][0])  # type: ignore[arg-type]
             scale = [
                 merged[0].shape[d] / v[0].shape[d] for v in parts for _ in range(v[0].shape[0])
             ]
@@ -816,21 +816,18 @@ class _Op:
                 -1, *[1] * (out.dim() - 1)
             )
         # (max and min along a dim: values and indices, each cut as the values are)
-        several = type(out) is not torch.Tensor
         first = outs[0][0]
         if all(shape[0] == first for shape in outs):
             # One output shape for every part (a context vector read from memories of several
             # lengths): one output of all the parts' rows.
             cut = (slice(None), *[slice(0, n) for n in first])
-            if several:
-                return PaddedOutputs([t if t.shape[1:] == first else t[cut] for t in out])
-            return PaddedOutputs([out if tuple(out.shape[1:]) == tuple(first) else out[cut]])
+            return PaddedOutputs([t if t.shape[1:] == first else t[cut] for t in _outputs(out)])
         # Each part's rows split off first, then cut to its shape: the backward of a cut of
         # the whole output (rows and dims at once) makes a gradient of the whole output's
         # size per part; a split's makes one for all the parts.
         sizes = [values[0].shape[0] for values in parts]
         results: list[list[torch.Tensor]] = []
-        for t in out if several else (out,):
+        for t in _outputs(out):
             pieces = t.split(sizes)
             results.append(
                 [
@@ -869,8 +866,7 @@ class _Op:
         how, dim = self.padding  # type: ignore[misc]
         if how == "split":  # (pieces along a dim the values differ in: not their pieces)
             first = values[0]
-            d = dim % (first.data.dim() - 1) + 1  # type: ignore[operator]
-            if type(first) is PaddedRows and d in first.dims:
+            if type(first) is PaddedRows and _batched_dim(dim, first.data) in first.dims:
                 return None
         combos, inv = _combinations([values[j].lengths for j in ragged])
         held = padded = 0
@@ -904,20 +900,19 @@ class _Op:
                 merged.append(v.data)
                 continue
             fill = _REDUCED_FILL.get(how) if j == 0 else None
-            d = dim % (v.data.dim() - 1) + 1 if fill else -1
+            d = _batched_dim(dim, v.data) if fill else -1
             # (several ragged dims: the reduction's fill past the length along its dim,
             # zeros past it in the others alone; see PaddedRows.filled)
             merged.append(v.filled(fill(v.data.dtype), d) if d in v.dims else v.filled(0))
         out = self._run(tuple(merged))
         if how == "mean":  # a mean over the padded length: rescaled to each row's own
             v = values[0]
-            d = dim % (merged[0].dim() - 1) + 1  # type: ignore[operator]
+            d = _batched_dim(dim, merged[0])  # type: ignore[arg-type]
             if type(v) is PaddedRows and d in v.dims:
                 scale = torch.from_numpy(v.data.shape[d] / v.lengths).to(out.device, out.dtype)
                 out = out * scale.view(-1, *[1] * (out.dim() - 1))
-        several = type(out) is not torch.Tensor  # (max and min along a dim: see _pad_run)
-        cut = (slice(None), *[slice(0, n) for n in big])
-        outs = [t if list(t.shape[1:]) == big else t[cut] for t in (out if several else (out,))]
+        cut = (slice(None), *[slice(0, n) for n in big])  # (max and min: values and indices)
+        outs = [t if list(t.shape[1:]) == big else t[cut] for t in _outputs(out)]
         if varying is None:
             return tuple(outs)
         lengths = out_lengths[inv]
@@ -932,7 +927,7 @@ class _Op:
             and len(ragged) == 1
             and values[ragged[0]].dims == dims_out
             and type(dim) is int
-            and dim % (merged[0].dim() - 1) + 1 in dims_out
+            and _batched_dim(dim, merged[0]) in dims_out
             and bool(lengths.min() > 0)
         )
         return tuple([PaddedRows(t, dims_out, lengths, zero) for t in outs])
@@ -1000,8 +995,14 @@ def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
 def _differ_in(column: list[torch.Tensor], dim: int) -> bool:
     """Whether the per-example values of ``column`` (batch dim first) differ in their
     ``dim``."""
-    d = dim % (column[0].dim() - 1) + 1
+    d = _batched_dim(dim, column[0])
     return any(v.shape[d] != column[0].shape[d] for v in column)
+
+
+def _batched_dim(dim: int, batched: Any) -> int:
+    """A per-example dim (negative ones counted from the end) as the dim of ``batched``, a
+    tensor of the group's values with the batch dim first."""
+    return dim % (batched.dim() - 1) + 1
 
 
 def _tight(v: PaddedRows) -> PaddedRows:

@@ -503,12 +503,13 @@ def _unknown(data: Any, counts: bool = False) -> Any:
 def _recording_new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> Any:
     """``Tensor.new_tensor`` while autobatch runs: of a lazy value, its values converted
     without history (as of a tensor); known values their tensors (see ``_unknown``)."""
-    if type(data) is Lazy and not args and set(kwargs) <= {"dtype", "device"}:
+    t = type(data)
+    if (t is Lazy or t is RowNumber) and not args and set(kwargs) <= {"dtype", "device"}:
         dtype = kwargs.get("dtype") or self.dtype
-        return data.detach().to(dtype=dtype, device=kwargs.get("device") or self.device)
-    if type(data) is RowNumber and not args and set(kwargs) <= {"dtype", "device"}:
-        dtype = kwargs.get("dtype") or self.dtype
-        return data.tensor_row(dtype, kwargs.get("device") or self.device)
+        device = kwargs.get("device") or self.device
+        if t is RowNumber:  # (a number per row: its rows' values)
+            return data.tensor_row(dtype, device)
+        return data.detach().to(dtype=dtype, device=device)
     return _TORCH_NEW_TENSOR(self, _unknown(data), *args, **kwargs)
 
 

@@ -514,7 +514,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
             continue
         kind = _number_rows(it)
         if kind is not None:  # (a list of labels: numbers per row, see values.RowNumber)
-            metas.append(_meta((), _ROW_NUMBER_DTYPES[kind], _CPU))
+            metas.append(_number_meta(kind))
             structure.append(kind)
             continue
         found = _sample_fields(it)
@@ -524,9 +524,7 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         structure.append(fields)
         fields_of[len(structure) - 1] = columns
         metas += [
-            _meta(c[0].shape, c[0].dtype, c[0].device)
-            if kind is None
-            else _meta((), _ROW_NUMBER_DTYPES[kind], _CPU)
+            _meta(c[0].shape, c[0].dtype, c[0].device) if kind is None else _number_meta(kind)
             for c, kind in zip(columns, fields[2])
         ]
     if all(type(fields) is type for fields in structure):
@@ -538,19 +536,11 @@ def _traced(fn: Callable[..., Any], iterables: tuple[Any, ...]) -> Any:
         return _MISS
     inputs = []
     for j, (t, fields) in enumerate(zip(iterables, structure)):
-        if type(fields) is type:  # numbers, one per row
-            stacked = _stacked_numbers(t[:n], fields)
-            if stacked is None:
-                return _MISS
-            inputs.append(stacked)
-            continue
-        if fields is not None:  # each field's values stacked
-            for column, kind in zip(fields_of[j], fields[2]):
+        if fields is not None:  # numbers, one per row; or each field's values
+            columns = [(t, fields)] if type(fields) is type else zip(fields_of[j], fields[2])
+            for column, kind in columns:
                 column = column[:n]
-                if kind is None:
-                    stacked = _stacked(column)
-                else:
-                    stacked = _stacked_numbers(column, kind)
+                stacked = _stacked(column) if kind is None else _stacked_numbers(column, kind)
                 if stacked is None:
                     return _MISS
                 inputs.append(stacked)
@@ -732,6 +722,11 @@ _ROW_NUMBER_DTYPES: dict[type, torch.dtype] = {
     float: torch.float64,
 }
 _CPU = torch.device("cpu")
+
+
+def _number_meta(kind: type) -> _Meta:
+    """The meta of the rows of a number per row of Python type ``kind``."""
+    return _meta((), _ROW_NUMBER_DTYPES[kind], _CPU)
 
 
 def _number_rows(items: Any) -> type | None:
