@@ -2109,6 +2109,39 @@ records_among(PyObject *rec, PyObject *const *args, Py_ssize_t n)
     return found;
 }
 
+static PyObject *g_kw_defaults; /* fold.autobatch.values._KW_DEFAULTS (configure_defaults) */
+
+/* 1 where every keyword argument in dict ``kw`` passes its parameter's default for
+   ``func``, as values._KW_DEFAULTS holds them (``F.relu(x)`` reaches here with
+   inplace=False): the call is the call without them (what values._given drops); 0 where
+   not (or ``func`` not seen yet: the slow path fills its entry), -1 on error. */
+static int
+defaults_only(PyObject *func, PyObject *kw)
+{
+    if (g_kw_defaults == NULL)
+        return 0;
+    PyObject *defaults = PyDict_GetItemWithError(g_kw_defaults, func); /* borrowed */
+    if (defaults == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyDict_CheckExact(defaults))
+        return 0;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(kw, &pos, &k, &v)) {
+        PyObject *d = PyDict_GetItemWithError(defaults, k); /* borrowed */
+        if (d == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        if (v == d)
+            continue;
+        if (Py_TYPE(v) != Py_TYPE(d))
+            return 0;
+        int eq = PyObject_RichCompareBool(v, d, Py_EQ);
+        if (eq <= 0)
+            return eq;
+    }
+    return 1;
+}
+
 /* torch_function(cls, func, types, args=(), kwargs=None): Lazy.__torch_function__. */
 static PyObject *
 torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -2116,9 +2149,18 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (!configured())
         return NULL;
-    if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3]) &&
-        (nargs == 4 || args[4] == Py_None ||
-         (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))) {
+    int plain = 0; /* no keyword arguments, or their defaults alone */
+    if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3])) {
+        if (nargs == 4 || args[4] == Py_None ||
+            (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))
+            plain = 1;
+        else if (PyDict_Check(args[4])) {
+            plain = defaults_only(args[1], args[4]);
+            if (plain < 0)
+                return NULL;
+        }
+    }
+    if (plain) {
         PyObject *const *call = &PyTuple_GET_ITEM(args[3], 0);
         Py_ssize_t n = PyTuple_GET_SIZE(args[3]);
         PyObject *rec = current_recorder();
@@ -2203,7 +2245,21 @@ configure_memo(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+configure_defaults(PyObject *module, PyObject *defaults)
+{
+    if (!PyDict_CheckExact(defaults)) {
+        PyErr_SetString(PyExc_TypeError, "configure_defaults: a dict");
+        return NULL;
+    }
+    Py_INCREF(defaults);
+    Py_XSETREF(g_kw_defaults, defaults);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
+    {"configure_defaults", configure_defaults, METH_O,
+     PyDoc_STR("configure_defaults(values._KW_DEFAULTS): keyword defaults a call may drop")},
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
     {"configure_memo", configure_memo, METH_VARARGS,

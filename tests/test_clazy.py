@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 import fold
 from fold._encoding import low_bits
@@ -508,6 +509,7 @@ def test_the_fast_key_is_taken_from_the_arguments_as_given() -> None:
 _GC_SCRIPT = r"""
 import gc, torch, fold
 from torch import nn
+from torch.nn import functional as F
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 lin, emb = nn.Linear(4, 4), nn.Embedding(10, 4)
@@ -965,3 +967,92 @@ def test_direct_torch_functions_in_c_agree_with_their_python_form(monkeypatch: A
     got = fold.autobatch(moded, xs, per_example=True)
     assert torch.cat in seen  # (the mode saw torch.cat: recorded through it, or run eagerly)
     torch.testing.assert_close(got, torch.stack([torch.cat([lin(v), v], 1) for v in xs]))
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+@pytest.mark.parametrize("per_example", [False, True], ids=["rows", "per example"])
+def test_functional_calls_with_default_keywords_take_the_fast_path(
+    per_example: bool, monkeypatch: Any
+) -> None:
+    """torch.nn.functional's Python functions reach ``__torch_function__`` with keyword
+    arguments (``F.relu(x)`` as ``relu(x, inplace=False)``, ``F.cross_entropy(y, t)`` with
+    its six defaults, ``F.softmax(x, dim=0)`` with ``dim``): the defaults dropped and a
+    number named right after the positional arguments passed by position, the calls find
+    the fast table after their first recording, and values and gradients equal eager
+    (float64).  A keyword that is no default (``reduction="sum"``) stays, and the call its
+    slow path, with eager's values too."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)  # each call its own Fold and tables
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+    entered: list[Any] = []
+    found: list[Any] = []
+    record, fast_path = recorder._Recorder._record, recorder._fast_path
+
+    def counted(self: Any, fn: Any, kind: str, args: Any, kwargs: Any) -> Any:
+        entered.append(fn)
+        return record(self, fn, kind, args, kwargs)
+
+    def hit(rec: Any, fn: Any, kind: str, args: Any) -> Any:
+        out = fast_path(rec, fn, kind, args)
+        if out is not common._MISS:
+            found.append(fn)
+        return out
+
+    def loss(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        y = F.relu(lin(x))
+        w = F.softmax(y, dim=0)
+        return F.cross_entropy(y[None] * w, t[None]) + F.cross_entropy(
+            y[None], t[None], reduction="sum"
+        )
+
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(5)]
+    ts = [torch.tensor(i % 3) for i in range(5)]
+    want = torch.stack([loss(x, t) for x, t in zip(xs, ts)])
+    grads = torch.autograd.grad(want.sum(), list(lin.parameters()))
+    first = fold.autobatch(loss, xs, ts, per_example=per_example)
+    monkeypatch.setattr(recorder._Recorder, "_record", counted)
+    monkeypatch.setattr(recorder, "_fast_path", hit)
+    got = fold.autobatch(loss, xs, ts, per_example=per_example)
+    monkeypatch.undo()
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), list(lin.parameters())), grads):
+        torch.testing.assert_close(a, b)
+    # Recorded once for all rows, the second call's recording finds the first's tables:
+    # the C path takes relu and the first cross_entropy at once (their keywords all
+    # defaults), softmax comes to the recorder (dim is no default: passed by position
+    # there) and finds the table.  Per example (autobatch's wrappers of F.relu and
+    # F.softmax installed), the first example records each call, the others find the
+    # table.  The cross_entropy given reduction="sum" goes the slow path every time.
+    if per_example:
+        assert entered.count(F.relu) == entered.count(F.softmax) == 1
+        assert entered.count(F.cross_entropy) == 1 + len(xs)
+    else:
+        assert entered.count(F.relu) == 0
+        assert entered.count(F.softmax) == found.count(F.softmax) == 1
+        assert entered.count(F.cross_entropy) == 1
+    assert F.cross_entropy not in found
+
+
+def test_given_drops_defaults_and_passes_numbers_by_position() -> None:
+    """``values._given``: a keyword passing its default is dropped (type and value alike:
+    ``inplace=0`` is no default of ``inplace=False``, passed by position), numbers named right after the
+    positional arguments move to their positions, a tensor or any keyword after a gap
+    stays a keyword, and a builtin's keywords stay as given."""
+    x = torch.randn(3)
+    assert values._given(F.relu, (x,), {"inplace": False}) == ((x,), {})
+    assert values._given(F.relu, (x,), {"inplace": 0}) == ((x, 0), {})
+    assert values._given(F.softmax, (x,), {"dim": 0, "_stacklevel": 3, "dtype": None}) == (
+        (x, 0),
+        {},
+    )
+    args, kwargs = values._given(
+        F.cross_entropy, (x, x), {"weight": None, "ignore_index": -100, "reduction": "sum"}
+    )
+    assert args == (x, x) and kwargs == {"reduction": "sum"}
+    w = torch.ones(3)
+    args, kwargs = values._given(F.cross_entropy, (x, x), {"weight": w, "reduction": "mean"})
+    assert args == (x, x) and kwargs == {"weight": w}
+    assert values._given(torch.sum, (x,), {"dim": 0}) == ((x,), {"dim": 0})

@@ -6,6 +6,7 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
@@ -96,7 +97,84 @@ def _torch_function(
         )
     if func is _AUTOGRAD_GRAD:
         return _autograd_grad(rec, args, kwargs or {})
+    if kwargs:
+        args, kwargs = _given(func, args, kwargs)
     return rec.record(func, "torch", args, kwargs or {})
+
+
+def _given(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call of a Python torch function (``torch.nn.functional``'s) with keyword arguments
+    as the recorder's fast path takes it, which takes calls without keywords alone: the
+    keywords that pass their parameter's default dropped (``F.relu(x)`` reaches
+    ``__torch_function__`` as ``relu(x, inplace=False)``, ``F.cross_entropy(y, t)`` with
+    its six defaults), and those left that name the parameters right after the positional
+    arguments, in order, passed by position (``F.softmax(x, dim=-1)`` as ``softmax(x,
+    -1)``), as Python binds them, where they are numbers, strings or None (a tensor
+    passed by keyword stays so: the recorder looks at some by name, a norm's running
+    statistics).  The same call."""
+    found = _KW_DEFAULTS.get(func, _MISS)
+    if found is _MISS:
+        found = _signature_of(func)
+        if len(_KW_DEFAULTS) >= 512:
+            _KW_DEFAULTS.clear()
+            _POSITIONAL.clear()
+        _KW_DEFAULTS[func] = None if found is None else found[0]
+        _POSITIONAL[func] = None if found is None else found[1]
+    defaults = _KW_DEFAULTS[func]
+    if defaults is None:
+        return args, kwargs
+    given = {}
+    for k, v in kwargs.items():
+        d = defaults.get(k, _MISS)
+        if type(v) is not type(d) or v != d:  # (-0.0 for 0.0 behaves alike)
+            given[k] = v
+    names = _POSITIONAL[func]
+    if given and names is not None:
+        more = []
+        for name in names[len(args) :]:
+            if name not in given or type(given[name]) not in _CONSTANT_TYPES:
+                break
+            more.append(given.pop(name))
+        if given:  # (some keyword left: kept as keywords, all of them)
+            given.update(zip(names[len(args) :], more))
+        else:
+            args = (*args, *more)
+    return args, given
+
+
+def _signature_of(func: Any) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """For a Python function, the defaults of its parameters that are None, bools, ints,
+    floats or strings, and the names of its parameters that may be passed by position, in
+    order; None for a builtin, whose signature Python cannot read."""
+    if getattr(func, "__code__", None) is None:
+        return None
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    defaults = {
+        p.name: p.default
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and type(p.default) in _CONSTANT_TYPES
+    }
+    positional = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        positional.append(p.name)
+    return defaults, tuple(positional)
+
+
+# Per torch function that reached ``__torch_function__`` with keyword arguments (see
+# ``_given``): the defaults of its parameters a call may pass, name -> default, read by the
+# C path too; and the names of its parameters that may be passed by position.  None for a
+# builtin.
+_KW_DEFAULTS: dict[Any, dict[str, Any] | None] = {}
+_POSITIONAL: dict[Any, tuple[str, ...] | None] = {}
+_CONSTANT_TYPES = frozenset((type(None), bool, int, float, str))
 
 
 _AUTOGRAD_GRAD = torch.autograd.grad
@@ -1214,3 +1292,4 @@ if _C is not None:
         Known,
     )
     _C.configure_memo(_PURE_METHODS, _memo_wrap, torch.is_inference_mode_enabled)
+    _C.configure_defaults(_KW_DEFAULTS)
