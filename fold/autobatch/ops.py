@@ -1228,9 +1228,13 @@ def _loss(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
     out = fn(*args, **kwargs)
     if reduction != "mean":
         return out  # a sum over nothing is 0, as 'none' gives an ignored target
-    ignore = kwargs.get("ignore_index", -100)
-    # One example whose target is ignored averages nothing: nan, as eager gives.
-    return torch.where(target == ignore, float("nan"), out)
+    # One example whose target is ignored averages nothing: nan, as eager gives.  (On the
+    # CPU the targets are read at no cost: where none is ignored, the loss as it is, with
+    # no fill in forward nor backward.)
+    ignored = target == kwargs.get("ignore_index", -100)
+    if target.device.type == "cpu" and not ignored.any():
+        return out
+    return out.masked_fill(ignored, float("nan"))
 
 
 def _wrapper(
