@@ -1575,6 +1575,97 @@ done:
     return out;
 }
 
+static PyObject *g_kw_defaults; /* fold.autobatch.values._KW_DEFAULTS (configure_defaults) */
+static PyObject *g_positional;  /* fold.autobatch.values._POSITIONAL (configure_defaults) */
+
+/* A number, a string, None or a bool: a keyword value that may be passed by position. */
+static inline int
+constant_value(PyObject *v)
+{
+    return v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+           PyUnicode_CheckExact(v);
+}
+
+/* The call ``func(*args, **{names[i]: values[i]})`` as the fast path takes it, without
+   keywords, as values._given makes it: each keyword that passes its parameter's default
+   (values._KW_DEFAULTS) dropped, and the others, numbers, strings or None, put after
+   ``args`` where they name the parameters right after them, in order
+   (values._POSITIONAL): ``F.relu(x)`` reaches here with inplace=False, ``x.sum(dim=0)``
+   as ``sum(x, dim=0)``.  ``out`` gets ``args`` and those (borrowed); the count, or 0
+   where some keyword stays one (or ``func`` was not seen yet: the slow path fills its
+   entries), -1 on error. */
+static Py_ssize_t
+positional_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *const *names,
+                PyObject *const *values, Py_ssize_t nkw, PyObject **out)
+{
+    if (g_kw_defaults == NULL || g_positional == NULL || nkw > MAX_FAST || n > MAX_FAST)
+        return 0;
+    PyObject *defaults = PyDict_GetItemWithError(g_kw_defaults, func); /* borrowed */
+    if (defaults == NULL || !PyDict_CheckExact(defaults))
+        return PyErr_Occurred() ? -1 : 0;
+    int kept[MAX_FAST];
+    Py_ssize_t left = 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *d = PyDict_GetItemWithError(defaults, names[j]); /* borrowed */
+        if (d == NULL && PyErr_Occurred())
+            return -1;
+        int dropped = 0;
+        if (d != NULL) {
+            if (values[j] == d)
+                dropped = 1;
+            else if (Py_TYPE(values[j]) == Py_TYPE(d)) {
+                dropped = PyObject_RichCompareBool(values[j], d, Py_EQ);
+                if (dropped < 0)
+                    return -1;
+            }
+        }
+        kept[j] = !dropped;
+        left += !dropped;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = args[i];
+    Py_ssize_t m = n;
+    if (left) {
+        PyObject *order = PyDict_GetItemWithError(g_positional, func); /* borrowed */
+        if (order == NULL || !PyTuple_CheckExact(order))
+            return PyErr_Occurred() ? -1 : 0;
+        for (Py_ssize_t i = n; i < PyTuple_GET_SIZE(order) && left; i++) {
+            PyObject *name = PyTuple_GET_ITEM(order, i);
+            Py_ssize_t at = -1;
+            for (Py_ssize_t j = 0; j < nkw && at < 0; j++)
+                if (kept[j] && (names[j] == name ||
+                                PyUnicode_Compare(names[j], name) == 0))
+                    at = j;
+            if (at < 0 || !constant_value(values[at]) || m >= MAX_FAST)
+                break;
+            kept[at] = 0;
+            left--;
+            out[m++] = values[at];
+        }
+    }
+    return left ? 0 : m;
+}
+
+/* positional_call of a call whose keywords are a dict. */
+static Py_ssize_t
+positional_dict(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *kw,
+                PyObject **out)
+{
+    Py_ssize_t nkw = PyDict_GET_SIZE(kw);
+    if (nkw > MAX_FAST)
+        return 0;
+    PyObject *names[MAX_FAST], *values[MAX_FAST];
+    Py_ssize_t pos = 0, j = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(kw, &pos, &k, &v)) {
+        if (!PyUnicode_Check(k))
+            return 0;
+        names[j] = k;
+        values[j++] = v;
+    }
+    return positional_call(func, args, n, names, values, nkw, out);
+}
+
 static PyObject *
 method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1582,8 +1673,25 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     if (!configured())
         return NULL;
-    if (kwnames == NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
+    PyObject *const *call = kwnames == NULL ? args : NULL;
+    Py_ssize_t m = n;
+    PyObject *given[2 * MAX_FAST];
+    if (kwnames != NULL && n >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
         LAZY(args[0])->rec != NULL) {
+        /* x.sum(dim=0) as x.sum(0) (see positional_call) */
+        m = positional_call(self->func, args, n, &PyTuple_GET_ITEM(kwnames, 0), args + n,
+                            PyTuple_GET_SIZE(kwnames), given);
+        if (m < 0)
+            return NULL;
+        if (m > 0)
+            call = given;
+    }
+    PyObject *const *given_args = args; /* (the slow path below takes the call as given) */
+    Py_ssize_t given_n = n;
+    if (call != NULL && m >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
+        LAZY(args[0])->rec != NULL) {
+        args = call;
+        n = m;
         PyObject *out = earlier_method(self->func, args, n);
         if (out != g_miss)
             return out;
@@ -1611,6 +1719,8 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         if (out != g_miss)
             return out;
         Py_DECREF(out);
+        args = given_args;
+        n = given_n;
     }
     PyObject *targs = PyTuple_New(n);
     if (targs == NULL)
@@ -2109,39 +2219,6 @@ records_among(PyObject *rec, PyObject *const *args, Py_ssize_t n)
     return found;
 }
 
-static PyObject *g_kw_defaults; /* fold.autobatch.values._KW_DEFAULTS (configure_defaults) */
-
-/* 1 where every keyword argument in dict ``kw`` passes its parameter's default for
-   ``func``, as values._KW_DEFAULTS holds them (``F.relu(x)`` reaches here with
-   inplace=False): the call is the call without them (what values._given drops); 0 where
-   not (or ``func`` not seen yet: the slow path fills its entry), -1 on error. */
-static int
-defaults_only(PyObject *func, PyObject *kw)
-{
-    if (g_kw_defaults == NULL)
-        return 0;
-    PyObject *defaults = PyDict_GetItemWithError(g_kw_defaults, func); /* borrowed */
-    if (defaults == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    if (!PyDict_CheckExact(defaults))
-        return 0;
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(kw, &pos, &k, &v)) {
-        PyObject *d = PyDict_GetItemWithError(defaults, k); /* borrowed */
-        if (d == NULL)
-            return PyErr_Occurred() ? -1 : 0;
-        if (v == d)
-            continue;
-        if (Py_TYPE(v) != Py_TYPE(d))
-            return 0;
-        int eq = PyObject_RichCompareBool(v, d, Py_EQ);
-        if (eq <= 0)
-            return eq;
-    }
-    return 1;
-}
-
 /* torch_function(cls, func, types, args=(), kwargs=None): Lazy.__torch_function__. */
 static PyObject *
 torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -2149,20 +2226,26 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (!configured())
         return NULL;
-    int plain = 0; /* no keyword arguments, or their defaults alone */
+    /* The call without keywords: as given, or as positional_call makes it. */
+    PyObject *given[2 * MAX_FAST];
+    PyObject *const *call = NULL;
+    Py_ssize_t n = 0;
     if (kwnames == NULL && nargs >= 4 && nargs <= 5 && PyTuple_Check(args[3])) {
         if (nargs == 4 || args[4] == Py_None ||
-            (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0))
-            plain = 1;
-        else if (PyDict_Check(args[4])) {
-            plain = defaults_only(args[1], args[4]);
-            if (plain < 0)
+            (PyDict_Check(args[4]) && PyDict_GET_SIZE(args[4]) == 0)) {
+            call = &PyTuple_GET_ITEM(args[3], 0);
+            n = PyTuple_GET_SIZE(args[3]);
+        }
+        else if (PyDict_CheckExact(args[4])) {
+            n = positional_dict(args[1], &PyTuple_GET_ITEM(args[3], 0),
+                                PyTuple_GET_SIZE(args[3]), args[4], given);
+            if (n < 0)
                 return NULL;
+            if (n > 0)
+                call = given;
         }
     }
-    if (plain) {
-        PyObject *const *call = &PyTuple_GET_ITEM(args[3], 0);
-        Py_ssize_t n = PyTuple_GET_SIZE(args[3]);
+    if (call != NULL) {
         PyObject *rec = current_recorder();
         if (rec == NULL && PyErr_Occurred())
             return NULL;
@@ -2246,20 +2329,22 @@ configure_memo(PyObject *module, PyObject *args)
 }
 
 static PyObject *
-configure_defaults(PyObject *module, PyObject *defaults)
+configure_defaults(PyObject *module, PyObject *args)
 {
-    if (!PyDict_CheckExact(defaults)) {
-        PyErr_SetString(PyExc_TypeError, "configure_defaults: a dict");
+    PyObject *defaults, *positional;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &defaults, &PyDict_Type, &positional))
         return NULL;
-    }
     Py_INCREF(defaults);
     Py_XSETREF(g_kw_defaults, defaults);
+    Py_INCREF(positional);
+    Py_XSETREF(g_positional, positional);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef functions[] = {
-    {"configure_defaults", configure_defaults, METH_O,
-     PyDoc_STR("configure_defaults(values._KW_DEFAULTS): keyword defaults a call may drop")},
+    {"configure_defaults", configure_defaults, METH_VARARGS,
+     PyDoc_STR("configure_defaults(values._KW_DEFAULTS, values._POSITIONAL): keywords a "
+               "call may drop or pass by position")},
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
     {"configure_memo", configure_memo, METH_VARARGS,

@@ -6798,3 +6798,56 @@ def test_combinations_of_lengths_equal_numpys_unique():
         )
         assert combos == [tuple(stacked[:, i].tolist()) for i in first]
         assert np.array_equal(np.asarray(inv).ravel(), np.asarray(want).ravel())
+
+
+# Calls whose arguments after the tensor are passed by keyword, each the same call by
+# position (values._BUILTIN_POSITIONAL, values._given): method and function forms.
+_KEYWORD_CALLS = {
+    "sum": lambda h: h.sum(dim=1, keepdim=True) + torch.sum(h, dim=0),
+    "mean": lambda h: h.mean(dim=1, keepdim=True) + torch.mean(h, keepdim=False, dim=0),
+    "prod": lambda h: h.prod(dim=1, keepdim=True) + torch.prod(h, dim=0),
+    "amax, amin": lambda h: h.amax(dim=1, keepdim=True) - torch.amin(h, dim=0),
+    "logsumexp": lambda h: h.logsumexp(dim=1, keepdim=True) + torch.logsumexp(h, dim=0),
+    "argmax, argmin": lambda h: h * h.argmax(dim=1, keepdim=True) + torch.argmin(h, dim=0),
+    "all, any": lambda h: h * (h > 0).all(dim=1, keepdim=True) + torch.any(h > 1, dim=0),
+    "max, min": lambda h: h.max(dim=1, keepdim=True).values + torch.min(h, dim=0)[0],
+    "softmax": lambda h: h.softmax(dim=1) + torch.log_softmax(h, dim=0) + F.softmax(h, dim=1),
+    "cumsum": lambda h: h.cumsum(dim=1) + torch.cumsum(h, dim=0),
+    "squeeze, unsqueeze": lambda h: (
+        h[:1].squeeze(dim=0).unsqueeze(dim=0) + torch.squeeze(h[:, :1], dim=1).unsqueeze(dim=1)
+    ),
+    "flatten": lambda h: h.flatten(start_dim=0, end_dim=1) + torch.flatten(h, end_dim=-1),
+    "transpose": lambda h: (
+        h.transpose(dim0=0, dim1=1).sum(1) + torch.transpose(h, 1, dim1=0).sum(1)
+    ),
+    "narrow, select": lambda h: (
+        h.narrow(dim=1, start=1, length=2).sum(1) + torch.select(h, dim=1, index=0)
+    ),
+    "index_select, gather": lambda h: (
+        h.index_select(dim=1, index=torch.tensor([2, 0]))
+        + torch.gather(h, dim=1, index=torch.tensor([[1, 1], [0, 2], [3, 0]]))
+    ),
+    "topk": lambda h: h.topk(k=2, dim=1, largest=False).values + torch.topk(h, 2, dim=1)[0],
+    "sort, argsort": lambda h: (
+        h.sort(dim=1, descending=True).values + h * torch.argsort(h, dim=1, descending=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_KEYWORD_CALLS))
+def test_calls_with_keyword_arguments_equal_eager(name):
+    """Tensor methods and torch functions given their dims (and the like) by keyword, as
+    people write them (``h.sum(dim=1, keepdim=True)``, ``h.argmax(dim=-1)``,
+    ``F.softmax(h, dim=1)``): recorded as the same calls by position, where the fast path
+    takes them; values and gradients equal eager, per example and recorded once for all
+    rows, twice (the second call from the first's tables)."""
+    lin = nn.Linear(4, 12).double()
+    call = _KEYWORD_CALLS[name]
+
+    def fn(x):
+        return call(lin(x).view(3, 4))
+
+    xs = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(2):
+        assert_same(fn, list(lin.parameters()), xs)
+        assert_same(fn, list(lin.parameters()), list(xs))

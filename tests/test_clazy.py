@@ -976,11 +976,12 @@ def test_functional_calls_with_default_keywords_take_the_fast_path(
 ) -> None:
     """torch.nn.functional's Python functions reach ``__torch_function__`` with keyword
     arguments (``F.relu(x)`` as ``relu(x, inplace=False)``, ``F.cross_entropy(y, t)`` with
-    its six defaults, ``F.softmax(x, dim=0)`` with ``dim``): the defaults dropped and a
-    number named right after the positional arguments passed by position, the calls find
-    the fast table after their first recording, and values and gradients equal eager
-    (float64).  A keyword that is no default (``reduction="sum"``) stays, and the call its
-    slow path, with eager's values too."""
+    its six defaults, ``F.softmax(x, dim=0)`` with ``dim``), and tensor methods given dims
+    by keyword (``y.sum(dim=0)``): the defaults dropped and numbers named right after the
+    positional arguments passed by position, the calls find the fast table after their
+    first recording, and values and gradients equal eager (float64).  A keyword that is no
+    default (``reduction="sum"``) stays, and the call its slow path, with eager's values
+    too."""
     from fold.autobatch import driver
 
     monkeypatch.setattr(driver, "_POOL_MAX", 0)  # each call its own Fold and tables
@@ -1002,7 +1003,7 @@ def test_functional_calls_with_default_keywords_take_the_fast_path(
 
     def loss(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         y = F.relu(lin(x))
-        w = F.softmax(y, dim=0)
+        w = F.softmax(y, dim=0) + y.cumsum(dim=0) / y.sum(keepdim=True, dim=0)
         return F.cross_entropy(y[None] * w, t[None]) + F.cross_entropy(
             y[None], t[None], reduction="sum"
         )
@@ -1021,17 +1022,18 @@ def test_functional_calls_with_default_keywords_take_the_fast_path(
     for a, b in zip(torch.autograd.grad(got.sum(), list(lin.parameters())), grads):
         torch.testing.assert_close(a, b)
     # Recorded once for all rows, the second call's recording finds the first's tables:
-    # the C path takes relu and the first cross_entropy at once (their keywords all
-    # defaults), softmax comes to the recorder (dim is no default: passed by position
-    # there) and finds the table.  Per example (autobatch's wrappers of F.relu and
-    # F.softmax installed), the first example records each call, the others find the
-    # table.  The cross_entropy given reduction="sum" goes the slow path every time.
+    # the C path takes relu, softmax and the first cross_entropy at once (their keywords
+    # defaults, or dim by position), and y.cumsum(dim=0), y.sum(keepdim=True, dim=0) as
+    # cumsum(y, 0), sum(y, 0, True).  Per example (autobatch's wrappers of F.relu and
+    # F.softmax installed), the first example records each call, the others find the table.
+    # The cross_entropy given reduction="sum" goes the slow path every time.
+    methods = (torch.Tensor.cumsum, torch.Tensor.sum)
     if per_example:
         assert entered.count(F.relu) == entered.count(F.softmax) == 1
         assert entered.count(F.cross_entropy) == 1 + len(xs)
+        assert all(entered.count(f) == 1 for f in methods)
     else:
-        assert entered.count(F.relu) == 0
-        assert entered.count(F.softmax) == found.count(F.softmax) == 1
+        assert not any(f in entered for f in (F.relu, F.softmax, *methods))
         assert entered.count(F.cross_entropy) == 1
     assert F.cross_entropy not in found
 
@@ -1055,4 +1057,15 @@ def test_given_drops_defaults_and_passes_numbers_by_position() -> None:
     w = torch.ones(3)
     args, kwargs = values._given(F.cross_entropy, (x, x), {"weight": w, "reduction": "mean"})
     assert args == (x, x) and kwargs == {"weight": w}
-    assert values._given(torch.sum, (x,), {"dim": 0}) == ((x,), {"dim": 0})
+    # Builtins Python cannot read: those of values._BUILTIN_POSITIONAL by their names there,
+    # method or function; others as given.
+    assert values._given(torch.Tensor.sum, (x,), {"keepdim": True, "dim": 0}) == ((x, 0, True), {})
+    assert values._given(torch.sum, (x,), {"dim": 0}) == ((x, 0), {})
+    assert values._given(torch.Tensor.sum, (x,), {"dtype": torch.float64, "dim": 0}) == (
+        (x,),
+        {"dtype": torch.float64, "dim": 0},
+    )
+    assert values._given(torch.Tensor.std, (x,), {"dim": 0, "keepdim": True}) == (
+        (x,),
+        {"dim": 0, "keepdim": True},
+    )

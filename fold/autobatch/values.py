@@ -147,9 +147,16 @@ def _given(
 def _signature_of(func: Any) -> tuple[dict[str, Any], tuple[str, ...]] | None:
     """For a Python function, the defaults of its parameters that are None, bools, ints,
     floats or strings, and the names of its parameters that may be passed by position, in
-    order; None for a builtin, whose signature Python cannot read."""
+    order; for a builtin of ``_BUILTIN_POSITIONAL``, no defaults and the names it lists;
+    None for any other builtin, whose signature Python cannot read."""
     if getattr(func, "__code__", None) is None:
-        return None
+        names = _BUILTIN_POSITIONAL.get(getattr(func, "__name__", None))
+        if names is None or not (
+            getattr(torch, func.__name__, None) is func
+            or getattr(torch.Tensor, func.__name__, None) is func
+        ):
+            return None
+        return {}, ("input", *names)
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
@@ -174,6 +181,29 @@ def _signature_of(func: Any) -> tuple[dict[str, Any], tuple[str, ...]] | None:
 # builtin.
 _KW_DEFAULTS: dict[Any, dict[str, Any] | None] = {}
 _POSITIONAL: dict[Any, tuple[str, ...] | None] = {}
+
+# torch functions and Tensor methods written in C (no signature Python can read) whose
+# parameters after the tensor, in this order, may be passed by position in every overload
+# that names them: ``x.sum(dim=0)`` is ``x.sum(0)``, ``h.argmax(dim=-1)`` ``h.argmax(-1)``.
+# (Not std or var: their positional overload puts ``unbiased`` before ``keepdim``; not norm:
+# ``p`` comes first.)
+_BUILTIN_POSITIONAL: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("sum", "mean", "prod", "argmax", "argmin", "amax", "amin", "logsumexp", "all", "any"),
+        ("dim", "keepdim"),
+    ),
+    **dict.fromkeys(("max", "min"), ("dim", "keepdim")),
+    **dict.fromkeys(("softmax", "log_softmax", "cumsum", "squeeze", "unsqueeze"), ("dim",)),
+    "flatten": ("start_dim", "end_dim"),
+    "transpose": ("dim0", "dim1"),
+    "narrow": ("dim", "start", "length"),
+    "select": ("dim", "index"),
+    "index_select": ("dim", "index"),
+    "gather": ("dim", "index"),
+    "topk": ("k", "dim", "largest", "sorted"),
+    "sort": ("dim", "descending"),
+    "argsort": ("dim", "descending"),
+}
 _CONSTANT_TYPES = frozenset((type(None), bool, int, float, str))
 
 
@@ -699,6 +729,8 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     rec = getattr(args[0], "rec", None)
     if rec is None:
         raise _unfilled(_fn_name(func, "torch"))
+    if kwargs:
+        args, kwargs = _given(func, args, kwargs)
     if rec.values is not None and not kwargs:  # (in-place methods never come here)
         session = rec.session
         cur = session.current if session is not None else None
@@ -1292,4 +1324,4 @@ if _C is not None:
         Known,
     )
     _C.configure_memo(_PURE_METHODS, _memo_wrap, torch.is_inference_mode_enabled)
-    _C.configure_defaults(_KW_DEFAULTS)
+    _C.configure_defaults(_KW_DEFAULTS, _POSITIONAL)
