@@ -396,8 +396,26 @@ def recording_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
             y = y.view(4, 4)[0:4].reshape(16) * 0.5
         return y
 
+    # Dims given by position and by keyword, as people write both: the same calls.
+    def positional(x: torch.Tensor, ops: int) -> torch.Tensor:
+        y = lin(x)
+        for _ in range(ops):
+            y = y.softmax(0) * y.sum(0, True) + F.softmax(y, 0)
+        return y
+
+    def keywords(x: torch.Tensor, ops: int) -> torch.Tensor:
+        y = lin(x)
+        for _ in range(ops):
+            y = y.softmax(dim=0) * y.sum(dim=0, keepdim=True) + F.softmax(y, dim=0)
+        return y
+
     rows = []
-    for fn, per, name in ((chain, 2, "tanh, * 0.5"), (views, 4, "3 views, * 0.5")):
+    for fn, per, name in (
+        (chain, 2, "tanh, * 0.5"),
+        (views, 4, "3 views, * 0.5"),
+        (positional, 5, "dims by position: softmax, sum, F.softmax, *, +"),
+        (keywords, 5, "dims by keyword: the same"),
+    ):
         for ops in (10, 100, 1000, 10000) if fn is chain else (10, 1000):
             examples = [torch.randn(16) for _ in range(max(1, 20000 // ops))]
             n_ops = (per * ops + 1) * len(examples)
