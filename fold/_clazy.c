@@ -820,7 +820,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
         else if ((PyObject *)t == g_tensor_type) {
             /* A 0-dim tensor that needs no gradient, of a dtype that travels as a Python
                number (fold.autobatch.recorder._as_number: long, bool, the default dtype):
-               alone or after a module, (dtype, device) and its .item(); else a row. */
+               as the last argument, (dtype, device) and its .item(); else a row. */
             int ok = number_tensor(a);
             if (ok < 0)
                 return -1;
@@ -844,11 +844,14 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                     return ok;
                 continue;
             }
-            if (!(n == 1 || (n == 2 && i == 1 && !PyObject_TypeCheck(args[0], &LazyBaseType) &&
-                             PyObject_TypeCheck(args[0], (PyTypeObject *)g_module_type)))) {
+            /* Its .item() is the last node, taken once the entry is found: the last
+               argument alone (a module's, a loss's target), after a marker. */
+            if (i != n - 1 || k->number != NULL || k->nk + 3 > MAX_ITEMS ||
+                k->nn >= MAX_NODES) {
                 Py_DECREF(dtype);
                 return 0;
             }
+            key_item(k, s_item);
             k->items[k->nk++] = dtype; /* owned */
             PyObject *device = PyObject_GetAttr(a, s_device);
             if (device == NULL)

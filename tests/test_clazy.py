@@ -1069,3 +1069,35 @@ def test_given_drops_defaults_and_passes_numbers_by_position() -> None:
         (x,),
         {"dim": 0, "keepdim": True},
     )
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_a_number_tensor_as_the_last_argument_takes_the_fast_path(monkeypatch: Any) -> None:
+    """An example's own 0-dim label tensor as a loss's target (``F.cross_entropy(out, y)``,
+    the last argument after a lazy value) takes the C fast path after the first example: its
+    ``.item()`` is the last node.  Values and gradients equal eager (float64), labels
+    differing between examples; a number tensor before a lazy value (``y * h``) still
+    gives eager's values."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)
+    lin = nn.Linear(4, 3).double()
+    keyed: list[Any] = []
+    real = C.fast_key
+    monkeypatch.setattr(C, "fast_key", lambda *a: keyed.append(a[1]) or real(*a))
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = lin(x.mean(0))
+        return F.cross_entropy(h, y) + (y.double() * h).sum()
+
+    xs = [torch.randn(3 + i % 4, 4, dtype=torch.float64) for i in range(7)]  # (per example)
+    ys = [torch.tensor(i % 3) for i in range(7)]
+    got = fold.autobatch(loss, xs, ys)
+    want = torch.stack([loss(x, y) for x, y in zip(xs, ys)])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), list(lin.parameters())),
+        torch.autograd.grad(want.sum(), list(lin.parameters())),
+    ):
+        torch.testing.assert_close(a, b)
+    assert keyed.count(F.cross_entropy) == 1
