@@ -1579,6 +1579,7 @@ done:
 }
 
 static PyObject *g_kw_defaults; /* fold.autobatch.values._KW_DEFAULTS (configure_defaults) */
+static PyObject *g_inline;      /* fold.autobatch.recorder._INLINE (configure_inline) */
 static PyObject *g_positional;  /* fold.autobatch.values._POSITIONAL (configure_defaults) */
 
 /* A number, a string, None or a bool: a keyword value that may be passed by position. */
@@ -1900,6 +1901,21 @@ module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObj
         return PyObject_Vectorcall(self->eager_call, args, nargsf, kwnames);
     }
     Py_DECREF(session);
+    if (g_inline != NULL && PyDict_GET_SIZE(g_inline)) {
+        /* A module whose calls are run through (recorder._INLINE: its forward's calls
+           recorded, as the slow path's _record runs it at once): no key to build. */
+        PyObject *id = PyLong_FromVoidPtr(args[0]);
+        PyObject *found = id == NULL ? NULL : PyDict_GetItemWithError(g_inline, id);
+        Py_XDECREF(id);
+        if (found == NULL && PyErr_Occurred()) {
+            Py_DECREF(rec);
+            return NULL;
+        }
+        if (found == args[0]) {
+            Py_DECREF(rec);
+            goto pass;
+        }
+    }
     if (kwnames == NULL && n - 1 > 0 && n - 1 <= MAX_FAST) {
         PyObject *out = fast_now(rec, args[0], s_module_kind, args + 1, n - 1);
         if (out != g_miss) {
@@ -2344,7 +2360,21 @@ configure_defaults(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+configure_inline(PyObject *module, PyObject *inline_)
+{
+    if (!PyDict_CheckExact(inline_)) {
+        PyErr_SetString(PyExc_TypeError, "configure_inline: a dict");
+        return NULL;
+    }
+    Py_INCREF(inline_);
+    Py_XSETREF(g_inline, inline_);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
+    {"configure_inline", configure_inline, METH_O,
+     PyDoc_STR("configure_inline(recorder._INLINE): the modules whose calls run through")},
     {"configure_defaults", configure_defaults, METH_VARARGS,
      PyDoc_STR("configure_defaults(values._KW_DEFAULTS, values._POSITIONAL): keywords a "
                "call may drop or pass by position")},

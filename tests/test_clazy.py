@@ -1101,3 +1101,43 @@ def test_a_number_tensor_as_the_last_argument_takes_the_fast_path(monkeypatch: A
     ):
         torch.testing.assert_close(a, b)
     assert keyed.count(F.cross_entropy) == 1
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_a_module_run_through_skips_the_recorder_in_c(monkeypatch: Any) -> None:
+    """A module of one's own whose calls are run through (recorder._INLINE: a set model over
+    sets of several sizes, after its first call) goes from the C module wrapper straight to
+    its forward, as the slow path runs it, with no key built nor the recorder entered:
+    values and gradients equal eager (float64)."""
+
+    class Sets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.phi, self.rho = nn.Linear(3, 8), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rho(torch.relu(self.phi(x)).sum(0)).squeeze()
+
+    torch.manual_seed(0)
+    model = Sets().double()
+    sets = [torch.randn(n, 3, dtype=torch.float64) for n in (4, 2, 7, 4, 5, 2)]
+    fold.autobatch(model, sets)  # (recorded whole for the first size, then run through)
+    assert recorder._INLINE.get(id(model)) is model
+    entered: list[Any] = []
+    record = recorder._Recorder.record
+
+    def counted(self: Any, fn: Any, kind: str, args: Any, kwargs: Any) -> Any:
+        entered.append(fn)
+        return record(self, fn, kind, args, kwargs)
+
+    monkeypatch.setattr(recorder._Recorder, "record", counted)
+    got = fold.autobatch(model, sets)
+    monkeypatch.undo()
+    want = torch.stack([model(x) for x in sets])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), list(model.parameters())),
+        torch.autograd.grad(want.sum(), list(model.parameters())),
+    ):
+        torch.testing.assert_close(a, b)
+    assert model not in entered

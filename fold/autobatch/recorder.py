@@ -300,6 +300,8 @@ _Inline.trial = False  # type: ignore[attr-defined]
 # Such modules, by identity (id -> the module; emptied by clear_cache): every call of one
 # is run through at once, before its arguments are keyed.
 _INLINE: dict[int, Any] = {}
+if _C is not None:  # (the C module wrapper runs their calls through at once too)
+    _C.configure_inline(_INLINE)
 
 
 # The key of the first call of each module of the user's own recorded whole (by identity:
