@@ -690,6 +690,15 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
             key_item(k, (PyObject *)t);
             key_item(k, a);
         }
+        else if (t == &PyFloat_Type) {
+            /* A zero (``masked_fill(m, 0.0)``): its sign after it, since -0.0 == 0.0 for
+               the table, and the two are other constants for the op. */
+            if (k->nk + 3 > MAX_ITEMS)
+                return 0;
+            key_item(k, (PyObject *)t);
+            key_item(k, a);
+            key_item(k, signbit(PyFloat_AS_DOUBLE(a)) ? Py_True : Py_False);
+        }
         else if (a == Py_None) {
             key_item(k, a);
         }
@@ -1581,6 +1590,7 @@ done:
 static PyObject *g_kw_defaults; /* fold.autobatch.values._KW_DEFAULTS (configure_defaults) */
 static PyObject *g_inline;      /* fold.autobatch.recorder._INLINE (configure_inline) */
 static PyObject *g_positional;  /* fold.autobatch.values._POSITIONAL (configure_defaults) */
+static PyObject *g_fills;       /* fold.autobatch.values._FILLS (configure_defaults) */
 
 /* A number, a string, None or a bool: a keyword value that may be passed by position. */
 static inline int
@@ -1593,16 +1603,17 @@ constant_value(PyObject *v)
 /* The call ``func(*args, **{names[i]: values[i]})`` as the fast path takes it, without
    keywords, as values._given makes it: each keyword that passes its parameter's default
    (values._KW_DEFAULTS) dropped, and the others, numbers, strings or None, put after
-   ``args`` where they name the parameters right after them, in order
-   (values._POSITIONAL): ``F.relu(x)`` reaches here with inplace=False, ``x.sum(dim=0)``
-   as ``sum(x, dim=0)``.  ``out`` gets ``args`` and those (borrowed); the count, or 0
+   ``args`` at their parameters' places (values._POSITIONAL), each parameter between them
+   given its default (values._FILLS): ``F.relu(x)`` reaches here with inplace=False,
+   ``x.sum(dim=0)`` as ``sum(x, dim=0)``, ``x.clamp(max=1)`` as ``clamp(x, max=1)``.  ``out`` gets ``args`` and those (borrowed); the count, or 0
    where some keyword stays one (or ``func`` was not seen yet: the slow path fills its
    entries), -1 on error. */
 static Py_ssize_t
 positional_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *const *names,
                 PyObject *const *values, Py_ssize_t nkw, PyObject **out)
 {
-    if (g_kw_defaults == NULL || g_positional == NULL || nkw > MAX_FAST || n > MAX_FAST)
+    if (g_kw_defaults == NULL || g_positional == NULL || g_fills == NULL || nkw > MAX_FAST ||
+        n > MAX_FAST)
         return 0;
     PyObject *defaults = PyDict_GetItemWithError(g_kw_defaults, func); /* borrowed */
     if (defaults == NULL || !PyDict_CheckExact(defaults))
@@ -1633,19 +1644,32 @@ positional_call(PyObject *func, PyObject *const *args, Py_ssize_t n, PyObject *c
         PyObject *order = PyDict_GetItemWithError(g_positional, func); /* borrowed */
         if (order == NULL || !PyTuple_CheckExact(order))
             return PyErr_Occurred() ? -1 : 0;
-        for (Py_ssize_t i = n; i < PyTuple_GET_SIZE(order) && left; i++) {
+        PyObject *fills = PyDict_GetItemWithError(g_fills, func); /* borrowed */
+        if (fills == NULL || !PyDict_CheckExact(fills))
+            return PyErr_Occurred() ? -1 : 0;
+        for (Py_ssize_t i = n; i < PyTuple_GET_SIZE(order) && left && m < MAX_FAST; i++) {
             PyObject *name = PyTuple_GET_ITEM(order, i);
             Py_ssize_t at = -1;
             for (Py_ssize_t j = 0; j < nkw && at < 0; j++)
-                if (kept[j] && (names[j] == name ||
-                                PyUnicode_Compare(names[j], name) == 0))
+                if (kept[j] && (names[j] == name || PyUnicode_Compare(names[j], name) == 0))
                     at = j;
-            if (at < 0 || !constant_value(values[at]) || m >= MAX_FAST)
+            if (at >= 0) {
+                if (!constant_value(values[at]))
+                    break;
+                kept[at] = 0;
+                left--;
+                out[m++] = values[at];
+                continue;
+            }
+            /* Not given (or given as its default): its default, for a later one given,
+               where values._FILLS has it. */
+            PyObject *d = PyDict_GetItemWithError(fills, name); /* borrowed */
+            if (d == NULL)
                 break;
-            kept[at] = 0;
-            left--;
-            out[m++] = values[at];
+            out[m++] = d;
         }
+        if (PyErr_Occurred())
+            return -1;
     }
     return left ? 0 : m;
 }
@@ -2350,13 +2374,16 @@ configure_memo(PyObject *module, PyObject *args)
 static PyObject *
 configure_defaults(PyObject *module, PyObject *args)
 {
-    PyObject *defaults, *positional;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &defaults, &PyDict_Type, &positional))
+    PyObject *defaults, *positional, *fills;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyDict_Type, &defaults, &PyDict_Type, &positional,
+                          &PyDict_Type, &fills))
         return NULL;
     Py_INCREF(defaults);
     Py_XSETREF(g_kw_defaults, defaults);
     Py_INCREF(positional);
     Py_XSETREF(g_positional, positional);
+    Py_INCREF(fills);
+    Py_XSETREF(g_fills, fills);
     Py_RETURN_NONE;
 }
 
@@ -2376,8 +2403,8 @@ static PyMethodDef functions[] = {
     {"configure_inline", configure_inline, METH_O,
      PyDoc_STR("configure_inline(recorder._INLINE): the modules whose calls run through")},
     {"configure_defaults", configure_defaults, METH_VARARGS,
-     PyDoc_STR("configure_defaults(values._KW_DEFAULTS, values._POSITIONAL): keywords a "
-               "call may drop or pass by position")},
+     PyDoc_STR("configure_defaults(values._KW_DEFAULTS, values._POSITIONAL, values._FILLS): "
+               "keywords a call may drop or pass by position")},
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
     {"configure_memo", configure_memo, METH_VARARGS,

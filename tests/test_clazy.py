@@ -322,11 +322,10 @@ def test_every_recorded_call_is_a_hit_in_both_paths() -> None:
             # its calls make no op of their own, on either path; see recorder._shapes_vary)
             assert _outcome(C.fast, w.rec, fn, kind, args) == "miss"
             continue
-        # Zeros are keyed by the slow path alone (-0.0 apart from 0.0).  A float64 number
-        # tensor travels as a tensor row (not the default dtype), which the C path takes too.
-        slow = any(type(a) is float and a == 0 for a in args)
-        assert _check(w, fn, kind, args) >= (0 if slow else 1), (fn, kind, args)
-        assert (_outcome(C.fast, w.rec, fn, kind, args) == "miss") == slow
+        # (Zeros are keyed with their sign: -0.0 apart from 0.0.  A float64 number tensor
+        # travels as a tensor row (not the default dtype), which the C path takes too.)
+        assert _check(w, fn, kind, args) >= 1, (fn, kind, args)
+        assert _outcome(C.fast, w.rec, fn, kind, args) != "miss"
     structures = {fn: _outcome(C.fast, w.rec, fn, kind, args)[0] for fn, kind, args in w.calls}
     assert structures[_pair] is tuple and structures[_nested] is dict
     assert structures[torch.tanh] is values.Lazy
@@ -1069,6 +1068,13 @@ def test_given_drops_defaults_and_passes_numbers_by_position() -> None:
         (x,),
         {"dim": 0, "keepdim": True},
     )
+    # A parameter between the positional arguments and a keyword given its default: a
+    # number of a Python function's (F.normalize's p), any the table lists for a builtin;
+    # never a None or string default of a Python function (a loss's weight, reduction).
+    assert values._given(F.normalize, (x,), {"dim": 0}) == ((x, 2.0, 0), {})
+    assert values._given(torch.Tensor.clamp, (x,), {"max": 1.0}) == ((x, None, 1.0), {})
+    assert values._given(torch.Tensor.topk, (x, 2), {"largest": False}) == ((x, 2, -1, False), {})
+    assert values._given(F.nll_loss, (x, x), {"reduction": "sum"}) == ((x, x), {"reduction": "sum"})
 
 
 @pytest.mark.skipif(C is None, reason="fold._clazy not built")
@@ -1141,3 +1147,37 @@ def test_a_module_run_through_skips_the_recorder_in_c(monkeypatch: Any) -> None:
     ):
         torch.testing.assert_close(a, b)
     assert model not in entered
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_zeros_of_either_sign_take_the_fast_path_apart(monkeypatch: Any) -> None:
+    """A zero constant (``h.masked_fill(m, 0.0)``, ``h * -0.0``) takes the C fast path
+    after the first example, keyed with its sign: ``h * 0.0`` and ``h * -0.0`` are other
+    ops (their zeros' signs differ, which ``copysign`` reads), and each equals eager."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)
+    lin = nn.Linear(3, 3).double()
+    keyed: list[Any] = []
+    real = C.fast_key
+    monkeypatch.setattr(C, "fast_key", lambda *a: keyed.append((a[1], a[3][1:])) or real(*a))
+
+    def fn(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        one = torch.ones(3, dtype=torch.float64)
+        return (
+            h.masked_fill(m, 0.0) + torch.copysign(one, h * 0.0) * 2 + torch.copysign(one, h * -0.0)
+        )
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    ms = [torch.rand(3) > 0.5 for _ in range(6)]
+    got = fold.autobatch(fn, xs, ms, per_example=True)
+    want = torch.stack([fn(x, m) for x, m in zip(xs, ms)])
+    torch.testing.assert_close(got, want)
+    # (h * 0.0, h * -0.0 and the copysign * 2: each keyed once, by the first example)
+    assert sorted(str(k[1]) for k in keyed if k[0] is torch.Tensor.__mul__) == [
+        "(-0.0,)",
+        "(0.0,)",
+        "(2,)",
+    ]
+    assert len([k for k in keyed if k[0] is torch.Tensor.masked_fill]) == 1

@@ -796,7 +796,14 @@ class _Recorder:
                     return out
         # The fast key is taken from the arguments as given, before the call: shape inference
         # runs the function, which may change a list argument in place.
-        fast_key = _C.fast_key(self, fn, kind, args) if fast and _C is not None else None
+        # (No fast key for a call with arguments that are part of its op by value, a packed
+        # RNN's batch sizes: the C key holds a tensor's shape, not its values.)
+        by_value = _VALUE_ARGS.get(fn) if kind == "torch" else None
+        fast_key = (
+            _C.fast_key(self, fn, kind, args)
+            if fast and _C is not None and by_value is None
+            else None
+        )
         fargs: list[Any] = []
         shared: list[torch.Tensor] = []
         parts: list[Any] = [fn, kind]
@@ -805,7 +812,6 @@ class _Recorder:
         append = parts.append
         lazies = 0
         self._calling = (fn, kind)  # (for check_aliases, as _part notes a tensor)
-        by_value = _VALUE_ARGS.get(fn) if kind == "torch" else None
         for i, a in enumerate(args):
             if type(a) is Lazy and a.rec is self:
                 fargs.append(a.node)

@@ -109,10 +109,11 @@ def _given(
     as the recorder's fast path takes it, which takes calls without keywords alone: the
     keywords that pass their parameter's default dropped (``F.relu(x)`` reaches
     ``__torch_function__`` as ``relu(x, inplace=False)``, ``F.cross_entropy(y, t)`` with
-    its six defaults), and those left that name the parameters right after the positional
-    arguments, in order, passed by position (``F.softmax(x, dim=-1)`` as ``softmax(x,
-    -1)``), as Python binds them, where they are numbers, strings or None (a tensor
-    passed by keyword stays so: the recorder looks at some by name, a norm's running
+    its six defaults), and those left passed by position where they are numbers, strings
+    or None, each parameter between them given its default where ``_FILLS`` has it
+    (``F.softmax(x, dim=-1)`` as ``softmax(x, -1)``, ``F.normalize(x, dim=0)`` as
+    ``normalize(x, 2.0, 0)``), as Python binds them.  A tensor passed by keyword stays so,
+    and every keyword with it (the recorder looks at some by name: a norm's running
     statistics).  The same call."""
     found = _KW_DEFAULTS.get(func, _MISS)
     if found is _MISS:
@@ -120,8 +121,10 @@ def _given(
         if len(_KW_DEFAULTS) >= 512:
             _KW_DEFAULTS.clear()
             _POSITIONAL.clear()
+            _FILLS.clear()
         _KW_DEFAULTS[func] = None if found is None else found[0]
         _POSITIONAL[func] = None if found is None else found[1]
+        _FILLS[func] = None if found is None else found[2]
     defaults = _KW_DEFAULTS[func]
     if defaults is None:
         return args, kwargs
@@ -130,33 +133,50 @@ def _given(
         d = defaults.get(k, _MISS)
         if type(v) is not type(d) or v != d:  # (-0.0 for 0.0 behaves alike)
             given[k] = v
-    names = _POSITIONAL[func]
+    names, fills = _POSITIONAL[func], _FILLS[func]
     if given and names is not None:
-        more = []
+        more: list[Any] = []
+        filled: list[Any] = []  # defaults of parameters before the next one given
+        taken = 0
         for name in names[len(args) :]:
-            if name not in given or type(given[name]) not in _CONSTANT_TYPES:
+            if name in given:
+                if type(given[name]) not in _CONSTANT_TYPES:
+                    break
+                more += filled
+                filled = []
+                more.append(given[name])
+                taken += 1
+                if taken == len(given):
+                    break
+            elif name in fills:  # (not given, or given as its default)
+                filled.append(fills[name])
+            else:
                 break
-            more.append(given.pop(name))
-        if given:  # (some keyword left: kept as keywords, all of them)
-            given.update(zip(names[len(args) :], more))
-        else:
-            args = (*args, *more)
+        if taken == len(given):  # (else some keyword stays one: all of them stay)
+            args, given = (*args, *more), {}
     return args, given
 
 
-def _signature_of(func: Any) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+def _signature_of(
+    func: Any,
+) -> tuple[dict[str, Any], tuple[str, ...], dict[str, Any]] | None:
     """For a Python function, the defaults of its parameters that are None, bools, ints,
-    floats or strings, and the names of its parameters that may be passed by position, in
-    order; for a builtin of ``_BUILTIN_POSITIONAL``, no defaults and the names it lists;
-    None for any other builtin, whose signature Python cannot read."""
+    floats or strings, the names of its parameters that may be passed by position, in
+    order, and the defaults ``_given`` may pass for a parameter not given: numbers alone
+    (a None or a string may stand for "not given", which fold's own rules for some
+    functions read by name: a loss's ``weight`` and ``reduction``); for a builtin of
+    ``_BUILTIN_POSITIONAL``, the names and defaults it lists; None for any other builtin,
+    whose signature Python cannot read."""
     if getattr(func, "__code__", None) is None:
-        names = _BUILTIN_POSITIONAL.get(getattr(func, "__name__", None))
-        if names is None or not (
+        params = _BUILTIN_POSITIONAL.get(getattr(func, "__name__", None))
+        if params is None or not (
             getattr(torch, func.__name__, None) is func
             or getattr(torch.Tensor, func.__name__, None) is func
         ):
             return None
-        return {}, ("input", *names)
+        names = ("input", *[p if type(p) is str else p[0] for p in params])
+        listed = {p[0]: p[1] for p in params if type(p) is tuple}
+        return listed, names, listed
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
@@ -172,37 +192,42 @@ def _signature_of(func: Any) -> tuple[dict[str, Any], tuple[str, ...]] | None:
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             break
         positional.append(p.name)
-    return defaults, tuple(positional)
+    fills = {k: v for k, v in defaults.items() if type(v) in (bool, int, float)}
+    return defaults, tuple(positional), fills
 
 
 # Per torch function that reached ``__torch_function__`` with keyword arguments (see
-# ``_given``): the defaults of its parameters a call may pass, name -> default, read by the
-# C path too; and the names of its parameters that may be passed by position.  None for a
-# builtin.
+# ``_given``; the C path reads all three): the defaults of its parameters a call may pass,
+# name -> default; the names of its parameters that may be passed by position; the defaults
+# passed for a parameter not given.  None for a builtin Python cannot read.
 _KW_DEFAULTS: dict[Any, dict[str, Any] | None] = {}
 _POSITIONAL: dict[Any, tuple[str, ...] | None] = {}
+_FILLS: dict[Any, dict[str, Any] | None] = {}
 
 # torch functions and Tensor methods written in C (no signature Python can read) whose
 # parameters after the tensor, in this order, may be passed by position in every overload
-# that names them: ``x.sum(dim=0)`` is ``x.sum(0)``, ``h.argmax(dim=-1)`` ``h.argmax(-1)``.
-# (Not std or var: their positional overload puts ``unbiased`` before ``keepdim``; not norm:
-# ``p`` comes first.)
-_BUILTIN_POSITIONAL: dict[str, tuple[str, ...]] = {
+# that names them: ``x.sum(dim=0)`` is ``x.sum(0)``, ``h.argmax(dim=-1)`` ``h.argmax(-1)``;
+# (name, default) where a parameter's default may be passed for it (``h.clamp(max=1)`` is
+# ``h.clamp(None, 1)``).  (Not std or var: their positional overload puts ``unbiased``
+# before ``keepdim``; not norm: ``p`` comes first.)
+_KEEPDIM = ("dim", ("keepdim", False))
+_BUILTIN_POSITIONAL: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
         ("sum", "mean", "prod", "argmax", "argmin", "amax", "amin", "logsumexp", "all", "any"),
-        ("dim", "keepdim"),
+        _KEEPDIM,
     ),
-    **dict.fromkeys(("max", "min"), ("dim", "keepdim")),
+    **dict.fromkeys(("max", "min"), _KEEPDIM),
     **dict.fromkeys(("softmax", "log_softmax", "cumsum", "squeeze", "unsqueeze"), ("dim",)),
-    "flatten": ("start_dim", "end_dim"),
+    "flatten": (("start_dim", 0), ("end_dim", -1)),
     "transpose": ("dim0", "dim1"),
     "narrow": ("dim", "start", "length"),
     "select": ("dim", "index"),
     "index_select": ("dim", "index"),
     "gather": ("dim", "index"),
-    "topk": ("k", "dim", "largest", "sorted"),
-    "sort": ("dim", "descending"),
-    "argsort": ("dim", "descending"),
+    "topk": ("k", ("dim", -1), ("largest", True), ("sorted", True)),
+    "sort": (("dim", -1), ("descending", False)),
+    "argsort": (("dim", -1), ("descending", False)),
+    "clamp": (("min", None), ("max", None)),
 }
 _CONSTANT_TYPES = frozenset((type(None), bool, int, float, str))
 
@@ -1324,4 +1349,4 @@ if _C is not None:
         Known,
     )
     _C.configure_memo(_PURE_METHODS, _memo_wrap, torch.is_inference_mode_enabled)
-    _C.configure_defaults(_KW_DEFAULTS, _POSITIONAL)
+    _C.configure_defaults(_KW_DEFAULTS, _POSITIONAL, _FILLS)
