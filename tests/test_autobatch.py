@@ -6812,7 +6812,13 @@ _KEYWORD_CALLS = {
     "all, any": lambda h: h * (h > 0).all(dim=1, keepdim=True) + torch.any(h > 1, dim=0),
     "max, min": lambda h: h.max(dim=1, keepdim=True).values + torch.min(h, dim=0)[0],
     "softmax": lambda h: h.softmax(dim=1) + torch.log_softmax(h, dim=0) + F.softmax(h, dim=1),
-    "cumsum": lambda h: h.cumsum(dim=1) + torch.cumsum(h, dim=0),
+    "cumsum, cumprod": lambda h: h.cumsum(dim=1) + torch.cumsum(h, dim=0) + h.cumprod(dim=1),
+    "nansum, median": lambda h: (
+        h.nansum(dim=1, keepdim=True) + torch.median(h, dim=0, keepdim=False).values
+    ),
+    "chunk, unbind": lambda h: (
+        torch.cat(h.chunk(2, dim=1), 1) + torch.stack(torch.unbind(h, dim=0))
+    ),
     "squeeze, unsqueeze": lambda h: (
         h[:1].squeeze(dim=0).unsqueeze(dim=0) + torch.squeeze(h[:, :1], dim=1).unsqueeze(dim=1)
     ),

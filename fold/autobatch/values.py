@@ -217,7 +217,12 @@ _BUILTIN_POSITIONAL: dict[str, tuple[Any, ...]] = {
         _KEEPDIM,
     ),
     **dict.fromkeys(("max", "min"), _KEEPDIM),
-    **dict.fromkeys(("softmax", "log_softmax", "cumsum", "squeeze", "unsqueeze"), ("dim",)),
+    **dict.fromkeys(("nansum", "median"), _KEEPDIM),
+    **dict.fromkeys(
+        ("softmax", "log_softmax", "cumsum", "cumprod", "squeeze", "unsqueeze"), ("dim",)
+    ),
+    "chunk": ("chunks", ("dim", 0)),
+    "unbind": (("dim", 0),),
     "flatten": (("start_dim", 0), ("end_dim", -1)),
     "transpose": ("dim0", "dim1"),
     "narrow": ("dim", "start", "length"),
