@@ -133,15 +133,21 @@ How a call is recorded (the choices the contract leaves open):
   per function, sixteen functions), so that call's first round finds its ops' entries; a
   call that raised keeps nothing.
 - **Recording in C.**  A call seen before in this autobatch call, with the same function,
-  kind, modules, lazy arguments' metas and constant arguments (ints, bools, nonzero floats,
-  None; lists or tuples of lazy values), is found by one lookup in the recorder's ``_fast``
+  kind, modules, lazy arguments' metas and constant arguments (ints, bools, floats with a
+  zero's sign, None; lists or tuples of lazy values; a 0-dim number tensor as the last
+  argument, a loss's target), is found by one lookup in the recorder's ``_fast``
   table (a lazy value of an earlier round counts as its row there, alone or in a list: a
   decoder's memory at every step): where ``fold/_clazy.c`` is built that lookup, the
   node's recording and the Lazy outputs run in C, from the ``batchable`` call, a Lazy
   method or ``__torch_function__``
-  (``_C.fast``; ``_C.fast_key`` builds the key the slow path files each op under).  Every
-  other call (keywords, another grad or autocast mode, a zero float, a new key) takes the
-  Python slow path, ``_Recorder.record``, which alone builds op keys and raises errors.
+  (``_C.fast``; ``_C.fast_key`` builds the key the slow path files each op under).  A call
+  with keyword arguments is taken as the same call by position where it can be
+  (``values._given``, in C too): keywords passing their defaults dropped (``F.relu(x)``
+  reaches ``__torch_function__`` as ``relu(x, inplace=False)``), numbers, strings or None
+  put at their parameters' places (``h.sum(dim=1, keepdim=True)``, ``F.softmax(h,
+  dim=-1)``; builtins by ``values._BUILTIN_POSITIONAL``).  Every other call (a tensor by
+  keyword, another grad or autocast mode, a new key) takes the Python slow path,
+  ``_Recorder.record``, which alone builds op keys and raises errors.
   Without the extension (or with ``FOLD_RECORDER=python``) generated Python functions
   (``_fast_source``) do the lookup for lazy arguments, a module first, or a number tensor.
 - **Module calls.**  For the length of an ``autobatch`` call (and only then),
