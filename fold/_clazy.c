@@ -702,6 +702,12 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
         else if (a == Py_None) {
             key_item(k, a);
         }
+        else if (t == &PyUnicode_Type || (g_long != NULL && t == Py_TYPE(g_long))) {
+            /* A string (einsum's equation, a mode) or a torch.dtype (``h.to(torch.half)``):
+               a constant, after its type. */
+            key_item(k, (PyObject *)t);
+            key_item(k, a);
+        }
         else if (t == &PySlice_Type || a == Py_Ellipsis) {
             if (!index_items(k, a))
                 return 0;

@@ -1181,3 +1181,35 @@ def test_zeros_of_either_sign_take_the_fast_path_apart(monkeypatch: Any) -> None
         "(2,)",
     ]
     assert len([k for k in keyed if k[0] is torch.Tensor.masked_fill]) == 1
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_strings_and_dtypes_are_constants_of_the_fast_key(monkeypatch: Any) -> None:
+    """An einsum's equation and a dtype (``h.to(torch.float32)``) are constants of the C
+    fast key, by value: two equations, or two dtypes, are two ops, each keyed once by the
+    first example; values and gradients equal eager."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)
+    lin = nn.Linear(3, 3).double()
+    w = torch.randn(3, 3, dtype=torch.float64)
+    keyed: list[Any] = []
+    real = C.fast_key
+    monkeypatch.setattr(C, "fast_key", lambda *a: keyed.append((a[1], a[3])) or real(*a))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        a = torch.einsum("ij,j->i", w, h) + torch.einsum("ji,j->i", w, h)
+        return a + h.to(torch.float32).to(torch.float64) * h.to(torch.float16).double()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    got = fold.autobatch(fn, xs, per_example=True)
+    want = torch.stack([fn(x) for x in xs])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), list(lin.parameters())),
+        torch.autograd.grad(want.sum(), list(lin.parameters())),
+    ):
+        torch.testing.assert_close(a, b)
+    assert sorted(k[1][0] for k in keyed if k[0] is torch.einsum) == ["ij,j->i", "ji,j->i"]
+    assert len([k for k in keyed if k[0] is torch.Tensor.to]) == 3  # (float32, 64, 16)
