@@ -1077,6 +1077,17 @@ def test_given_drops_defaults_and_passes_numbers_by_position() -> None:
     assert values._given(F.nll_loss, (x, x), {"reduction": "sum"}) == ((x, x), {"reduction": "sum"})
 
 
+def _same_values_and_grads(got: torch.Tensor, want: torch.Tensor, module: nn.Module) -> None:
+    """autobatch's results equal eager's, and so do the gradients of their sums with
+    respect to ``module``'s parameters."""
+    torch.testing.assert_close(got, want)
+    params = list(module.parameters())
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)
+    ):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.skipif(C is None, reason="fold._clazy not built")
 def test_a_number_tensor_as_the_last_argument_takes_the_fast_path(monkeypatch: Any) -> None:
     """An example's own 0-dim label tensor as a loss's target (``F.cross_entropy(out, y)``,
@@ -1100,12 +1111,7 @@ def test_a_number_tensor_as_the_last_argument_takes_the_fast_path(monkeypatch: A
     ys = [torch.tensor(i % 3) for i in range(7)]
     got = fold.autobatch(loss, xs, ys)
     want = torch.stack([loss(x, y) for x, y in zip(xs, ys)])
-    torch.testing.assert_close(got, want)
-    for a, b in zip(
-        torch.autograd.grad(got.sum(), list(lin.parameters())),
-        torch.autograd.grad(want.sum(), list(lin.parameters())),
-    ):
-        torch.testing.assert_close(a, b)
+    _same_values_and_grads(got, want, lin)
     assert keyed.count(F.cross_entropy) == 1
 
 
@@ -1140,12 +1146,7 @@ def test_a_module_run_through_skips_the_recorder_in_c(monkeypatch: Any) -> None:
     got = fold.autobatch(model, sets)
     monkeypatch.undo()
     want = torch.stack([model(x) for x in sets])
-    torch.testing.assert_close(got, want)
-    for a, b in zip(
-        torch.autograd.grad(got.sum(), list(model.parameters())),
-        torch.autograd.grad(want.sum(), list(model.parameters())),
-    ):
-        torch.testing.assert_close(a, b)
+    _same_values_and_grads(got, want, model)
     assert model not in entered
 
 
@@ -1205,11 +1206,6 @@ def test_strings_and_dtypes_are_constants_of_the_fast_key(monkeypatch: Any) -> N
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
     got = fold.autobatch(fn, xs, per_example=True)
     want = torch.stack([fn(x) for x in xs])
-    torch.testing.assert_close(got, want)
-    for a, b in zip(
-        torch.autograd.grad(got.sum(), list(lin.parameters())),
-        torch.autograd.grad(want.sum(), list(lin.parameters())),
-    ):
-        torch.testing.assert_close(a, b)
+    _same_values_and_grads(got, want, lin)
     assert sorted(k[1][0] for k in keyed if k[0] is torch.einsum) == ["ij,j->i", "ji,j->i"]
     assert len([k for k in keyed if k[0] is torch.Tensor.to]) == 3  # (float32, 64, 16)
