@@ -1611,7 +1611,8 @@ constant_value(PyObject *v)
    (values._KW_DEFAULTS) dropped, and the others, numbers, strings or None, put after
    ``args`` at their parameters' places (values._POSITIONAL), each parameter between them
    given its default (values._FILLS): ``F.relu(x)`` reaches here with inplace=False,
-   ``x.sum(dim=0)`` as ``sum(x, dim=0)``, ``x.clamp(max=1)`` as ``clamp(x, max=1)``.  ``out`` gets ``args`` and those (borrowed); the count, or 0
+   ``x.sum(dim=0)`` as ``sum(x, dim=0)``, made ``sum(x, 0)``; ``x.clamp(max=1)`` made
+   ``clamp(x, None, 1)``.  ``out`` gets ``args`` and those (borrowed); the count, or 0
    where some keyword stays one (or ``func`` was not seen yet: the slow path fills its
    entries), -1 on error. */
 static Py_ssize_t
@@ -1720,8 +1721,8 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         if (m > 0)
             call = given;
     }
-    PyObject *const *given_args = args; /* (the slow path below takes the call as given) */
-    Py_ssize_t given_n = n;
+    PyObject *const *as_called = args; /* (the slow path below takes the call as made) */
+    Py_ssize_t n_called = n;
     if (call != NULL && m >= 1 && PyObject_TypeCheck(args[0], &LazyBaseType) &&
         LAZY(args[0])->rec != NULL) {
         args = call;
@@ -1753,8 +1754,8 @@ method_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
         if (out != g_miss)
             return out;
         Py_DECREF(out);
-        args = given_args;
-        n = given_n;
+        args = as_called;
+        n = n_called;
     }
     PyObject *targs = PyTuple_New(n);
     if (targs == NULL)

@@ -105,16 +105,18 @@ def _torch_function(
 def _given(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A call of a Python torch function (``torch.nn.functional``'s) with keyword arguments
-    as the recorder's fast path takes it, which takes calls without keywords alone: the
-    keywords that pass their parameter's default dropped (``F.relu(x)`` reaches
-    ``__torch_function__`` as ``relu(x, inplace=False)``, ``F.cross_entropy(y, t)`` with
-    its six defaults), and those left passed by position where they are numbers, strings
-    or None, each parameter between them given its default where ``_FILLS`` has it
-    (``F.softmax(x, dim=-1)`` as ``softmax(x, -1)``, ``F.normalize(x, dim=0)`` as
-    ``normalize(x, 2.0, 0)``), as Python binds them.  A tensor passed by keyword stays so,
-    and every keyword with it (the recorder looks at some by name: a norm's running
-    statistics).  The same call."""
+    """A call with keyword arguments of a torch function or Tensor method (of one written in
+    Python by its signature, torch.nn.functional's; of a builtin by
+    ``_BUILTIN_POSITIONAL``) as the recorder's fast path takes it, which takes calls
+    without keywords alone: the keywords that pass their parameter's default dropped
+    (``F.relu(x)`` reaches ``__torch_function__`` as ``relu(x, inplace=False)``,
+    ``F.cross_entropy(y, t)`` with its six defaults), and those left passed by position
+    where they are numbers, strings or None, each parameter between them given its default
+    where ``_FILLS`` has it (``F.softmax(x, dim=-1)`` as ``softmax(x, -1)``,
+    ``F.normalize(x, dim=0)`` as ``normalize(x, 2.0, 0)``, ``h.sum(dim=0)`` as
+    ``h.sum(0)``), as Python binds them.  A tensor passed by keyword stays so, and every
+    keyword with it (the recorder looks at some by name: a norm's running statistics).
+    The same call."""
     found = _KW_DEFAULTS.get(func, _MISS)
     if found is _MISS:
         found = _signature_of(func)
