@@ -4,6 +4,7 @@ example (values and gradients, float64), and the errors it gives for bad use."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import logging
@@ -6857,3 +6858,29 @@ def test_calls_with_keyword_arguments_equal_eager(name):
     for _ in range(2):
         assert_same(fn, list(lin.parameters()), xs)
         assert_same(fn, list(lin.parameters()), list(xs))
+
+
+@pytest.mark.parametrize("method", [False, True], ids=["function", "method"])
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_argmax_over_all_with_keepdim_keeps_every_dim(name, method):
+    """``torch.argmax(h, keepdim=True)`` over all of a per-example matrix keeps both dims
+    as 1, as eager does ((1, 1)); torch's vmap gives one dim, so the group runs directly.
+    Per example, from stacked rows, and with a dim."""
+    lin = nn.Linear(4, 12)
+
+    def fn(x):
+        h = lin(x).view(3, 4)
+        call = getattr(h, name) if method else functools.partial(getattr(torch, name), h)
+        return call(keepdim=True), call(None, True), call(1, keepdim=True)
+
+    xs = torch.randn(5, 4)
+    want = eager_stack(fn, xs)
+    assert want[0].shape == (5, 1, 1)
+    for got in (
+        fold.autobatch(fn, xs),
+        fold.autobatch(fn, list(xs)),
+        fold.autobatch(fn, xs, per_example=True),
+    ):
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w)

@@ -1209,3 +1209,96 @@ def test_strings_and_dtypes_are_constants_of_the_fast_key(monkeypatch: Any) -> N
     _same_values_and_grads(got, want, lin)
     assert sorted(k[1][0] for k in keyed if k[0] is torch.einsum) == ["ij,j->i", "ji,j->i"]
     assert len([k for k in keyed if k[0] is torch.Tensor.to]) == 3  # (float32, 64, 16)
+
+
+# Per entry of values._BUILTIN_POSITIONAL a call of it on a (3, 4) tensor: positional
+# arguments, and keyword values each parameter may take.
+_KEYWORD_SPACE: dict[str, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {
+    "sum": ((), {"dim": [0, 1, -1], "keepdim": [False, True]}),
+    "mean": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "prod": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "argmax": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "amax": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "logsumexp": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "max": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "median": ((), {"dim": [0, 1], "keepdim": [False, True]}),
+    "softmax": ((), {"dim": [0, 1]}),
+    "cumsum": ((), {"dim": [0, 1]}),
+    "unsqueeze": ((), {"dim": [0, 2]}),
+    "chunk": ((2,), {"dim": [0, 1]}),
+    "unbind": ((), {"dim": [0, 1]}),
+    "flatten": ((), {"start_dim": [0, 1], "end_dim": [1, -1]}),
+    "transpose": ((), {"dim0": [0, 1], "dim1": [1, 0]}),
+    "narrow": ((), {"dim": [1], "start": [0, 1], "length": [2]}),
+    "select": ((), {"dim": [0, 1], "index": [0, 2]}),
+    "topk": ((), {"k": [1, 2], "dim": [1, -1], "largest": [True, False], "sorted": [True]}),
+    "sort": ((), {"dim": [0, 1], "descending": [False, True]}),
+    "argsort": ((), {"dim": [0, 1], "descending": [False, True]}),
+    "clamp": ((), {"min": [None, -0.5], "max": [None, 0.5, 1.0]}),
+}
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_given_calls_equal_the_calls_as_written(data: st.DataObject) -> None:
+    """``values._given`` of a builtin's call with random keywords (a random subset, in a
+    random order, each a value the parameter takes), method or function form: the call it
+    makes gives what the call as written gives, or the same error."""
+    name = data.draw(st.sampled_from(sorted(_KEYWORD_SPACE)))
+    positional, space = _KEYWORD_SPACE[name]
+    names = data.draw(st.permutations(list(space)))
+    names = names[: data.draw(st.integers(0, len(names)))]
+    kwargs = {k: data.draw(st.sampled_from(space[k])) for k in names}
+    func = data.draw(st.sampled_from([getattr(torch.Tensor, name), getattr(torch, name)]))
+    x = torch.arange(12.0).view(3, 4).sin()
+
+    def run(args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        try:
+            return func(*args, **kw)
+        except (RuntimeError, TypeError, IndexError, ValueError) as err:
+            return type(err)
+
+    args, kw = values._given(func, (x, *positional), dict(kwargs))
+    want, got = run((x, *positional), kwargs), run(args, kw)
+    if isinstance(want, type):
+        assert got is want, (name, kwargs, args[1:], kw)
+        return
+    for a, b in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)):
+        torch.testing.assert_close(a, b, msg=f"{name} {kwargs} -> {args[1:]} {kw}")
+
+
+@given(st.data())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_builtin_calls_with_random_keywords_equal_eager(data: st.DataObject) -> None:
+    """The same random calls recorded by autobatch on each example's lazy value (per
+    example, twice: the second call's examples through the C path's positional_call where
+    it is built): values equal eager's, or both raise."""
+    name = data.draw(st.sampled_from(sorted(_KEYWORD_SPACE)))
+    positional, space = _KEYWORD_SPACE[name]
+    names = data.draw(st.permutations(list(space)))
+    names = names[: data.draw(st.integers(0, len(names)))]
+    kwargs = {k: data.draw(st.sampled_from(space[k])) for k in names}
+    method = data.draw(st.booleans())
+    lin = nn.Linear(4, 4).double()
+
+    def fn(x: torch.Tensor) -> Any:
+        h = lin(x)
+        if method:
+            return getattr(h, name)(*positional, **kwargs)
+        return getattr(torch, name)(h, *positional, **kwargs)
+
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(3)]
+    try:
+        want = [fn(x) for x in xs]
+    except (RuntimeError, TypeError, IndexError, ValueError):
+        with pytest.raises(Exception):  # noqa: B017  (torch's error, or fold's naming it)
+            fold.autobatch(fn, xs, stack=False, per_example=True)
+        return
+    for _ in range(2):
+        got = fold.autobatch(fn, xs, stack=False, per_example=True)
+        for g, w in zip(got, want):
+            flat_g = torch.utils._pytree.tree_leaves(g)
+            flat_w = torch.utils._pytree.tree_leaves(w)
+            assert len(flat_g) == len(flat_w)
+            for a, b in zip(flat_g, flat_w):
+                torch.testing.assert_close(a, b)

@@ -918,13 +918,15 @@ def _two_batched_stacks(args: list[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def _arg_extreme_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
-    """``argmax``/``argmin`` of one per-example value, over all of it or along an int dim
-    (keepdim only with a dim, as torch means it)."""
+    """``argmax``/``argmin`` of one per-example value, over all of it or along an int dim,
+    with or without keepdim (over all of it, keepdim keeps every dim as 1: torch's vmap
+    returns one dim there, ``(n, 1)`` for values of two, where eager per example gives
+    ``(1, 1)``; so the direct call takes these)."""
     if len(args) > 3 or not args or type(args[0]) is not _Slot or set(kwargs) - {"dim", "keepdim"}:
         return False
     given = dict(zip(("dim", "keepdim"), args[1:]), **kwargs)
     dim, keepdim = given.get("dim"), given.get("keepdim", False)
-    return (dim is None and keepdim is False) or (type(dim) is int and type(keepdim) is bool)
+    return (dim is None or type(dim) is int) and type(keepdim) is bool
 
 
 def _extreme_group(fn: Any) -> Any:
@@ -935,7 +937,8 @@ def _extreme_group(fn: Any) -> Any:
 
     def run(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
         if dim is None:
-            return fn(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)
+            out = fn(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)
+            return out.view(x.shape[0], *[1] * (x.dim() - 1)) if keepdim else out
         return fn(x, dim + 1 if dim >= 0 else dim, keepdim)
 
     return run

@@ -167,8 +167,8 @@ def _signature_of(
     order, and the defaults ``_given`` may pass for a parameter not given: numbers alone
     (a None or a string may stand for "not given", which fold's own rules for some
     functions read by name: a loss's ``weight`` and ``reduction``); for a builtin of
-    ``_BUILTIN_POSITIONAL``, the names and defaults it lists; None for any other builtin,
-    whose signature Python cannot read."""
+    ``_BUILTIN_POSITIONAL``, no defaults to drop, its names, and the defaults it lists to
+    pass; None for any other builtin, whose signature Python cannot read."""
     if getattr(func, "__code__", None) is None:
         params = _BUILTIN_POSITIONAL.get(getattr(func, "__name__", None))
         if params is None or not (
@@ -176,9 +176,11 @@ def _signature_of(
             or getattr(torch.Tensor, func.__name__, None) is func
         ):
             return None
+        # (No default dropped: where overloads differ, a keyword given as its default can
+        # pick the overload, ``x.max(keepdim=False)`` is a TypeError where ``x.max()`` is
+        # not; the listed ones only fill a gap before a parameter given.)
         names = ("input", *[p if type(p) is str else p[0] for p in params])
-        listed = {p[0]: p[1] for p in params if type(p) is tuple}
-        return listed, names, listed
+        return {}, names, {p[0]: p[1] for p in params if type(p) is tuple}
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
