@@ -6884,3 +6884,29 @@ def test_argmax_over_all_with_keepdim_keeps_every_dim(name, method):
         for g, w in zip(got, want):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w)
+
+
+def test_a_vmap_batching_rule_giving_other_shapes_is_caught(caplog):
+    """A module whose forward torch's vmap runs with a batching rule that gives another
+    shape than one call (``torch.argmax(h, keepdim=True)``: ``(n, 1)`` for per-example
+    matrices, where one call gives ``(1, 1)``): the op's first group is checked against one
+    call of it, and its groups run one call per example, said in a warning; values equal
+    eager (they came back as ``(n, 1)`` before)."""
+
+    class Peak(nn.Module):
+        def forward(self, h):
+            return torch.argmax(h, keepdim=True) + h.sum()
+
+    peak, lin = Peak(), nn.Linear(4, 12)
+
+    def fn(x):
+        return peak(lin(x).view(3, 4))
+
+    xs = [torch.randn(4) for _ in range(5)]
+    with caplog.at_level(logging.WARNING, logger="fold"):
+        got = fold.autobatch(fn, xs, per_example=True)
+    want = torch.stack([fn(x) for x in xs])
+    assert got.shape == want.shape == (5, 1, 1)
+    torch.testing.assert_close(got, want)
+    assert "other shapes than one call" in caplog.text
+    torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)  # (looped)

@@ -443,6 +443,7 @@ class _Op:
         # (buffers.write_lazy).
         self.aliases = False
         self._variant: _Op | None = None
+        self.vmap_checked = False  # (see _vmap_holds)
 
     def variant(self) -> _Op:
         """A copy of this op, grouped apart from it (fold groups ops by identity), made
@@ -549,7 +550,17 @@ class _Op:
         try:
             with vmap_quietly():
                 if self._state is None:
-                    return self._vmapped(*values)
+                    out = self._vmapped(*values)
+                    if self.vmap_checked or self._vmap_holds(values, out):
+                        return out
+                    out = self._loop(values)
+                    self._looped()
+                    _LOG.warning(
+                        "autobatch: %s under torch.func.vmap gives outputs of other shapes "
+                        "than one call of it; its groups run one call per example",
+                        self,
+                    )
+                    return out
                 return self._state.guarded(self, self._vmapped, *values)
         except _Changed as changed:
             return self._changes(values, changed)
@@ -586,6 +597,29 @@ class _Op:
                 str(err).split("\n")[0],
             )
             return out
+
+    def _vmap_holds(self, values: tuple[Any, ...], out: Any) -> bool:
+        """Whether ``out``, the op's first group's result under vmap, has the shapes and
+        dtypes of one call of it on the group's first example (checked once per op, but for
+        random ops, whose extra call would draw numbers): a batching rule of torch's that
+        gives another shape (``torch.argmax(h, keepdim=True)`` gave ``(n, 1)`` for per-example
+        matrices, where one call gives ``(1, 1)``) would be a silent wrong result."""
+        self.vmap_checked = True
+        if self.random or self.random_modules:
+            return True
+        try:
+            with torch.no_grad():
+                one = self.per_example(*[v[0] for v in values])
+        except Exception:  # (vmap ran it: its values stand)
+            return True
+        mine, theirs = pytree.tree_leaves(out), pytree.tree_leaves(one)
+        return len(mine) == len(theirs) and all(
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape[1:] == b.shape
+            and a.dtype == b.dtype
+            for a, b in zip(mine, theirs)
+        )
 
     def buffers(self) -> _Buffers | None:
         """The buffers the op's calls may change (``_Buffers``; None: none), found once."""
