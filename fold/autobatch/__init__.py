@@ -60,7 +60,11 @@ How a call is recorded (the choices the contract leaves open):
   runs once on the group's batch, in its own mode; a function that cannot be recorded so
   (it reads or changes a value, draws random numbers eagerly, returns one that depends on
   no argument) runs under vmap.  Every other call runs under ``torch.func.vmap``
-  (``randomness="different"``), which gives vmap's semantics.
+  (``randomness="different"``), which gives vmap's semantics.  An op's first group under
+  vmap is checked against one call of it on the group's first example (shapes and dtypes,
+  not for random ops): a batching rule of torch's that gives another shape
+  (``torch.argmax(h, keepdim=True)`` of a matrix: ``(n, 1)`` against one call's ``(1, 1)``)
+  makes the op's groups run one call per example, with a warning.
   ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
   (an explicit fold op): it runs directly, and a ``list`` of Lazy values it is given becomes a
   :class:`fold.Ragged` (lists may differ in length across the group).
