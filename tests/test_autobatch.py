@@ -6808,6 +6808,7 @@ _KEYWORD_CALLS = {
     "mean": lambda h: h.mean(dim=1, keepdim=True) + torch.mean(h, keepdim=False, dim=0),
     "prod": lambda h: h.prod(dim=1, keepdim=True) + torch.prod(h, dim=0),
     "amax, amin": lambda h: h.amax(dim=1, keepdim=True) - torch.amin(h, dim=0),
+    "amax of no dims": lambda h: h * torch.amax(h, dim=(), keepdim=True) + torch.amin(h, ()),
     "logsumexp": lambda h: h.logsumexp(dim=1, keepdim=True) + torch.logsumexp(h, dim=0),
     "argmax, argmin": lambda h: h * h.argmax(dim=1, keepdim=True) + torch.argmin(h, dim=0),
     "all, any": lambda h: h * (h > 0).all(dim=1, keepdim=True) + torch.any(h > 1, dim=0),

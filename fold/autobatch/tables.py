@@ -196,9 +196,12 @@ _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
 def _shift_dim(d: Any) -> Any:
+    """A per-example dim (or dims) as the dim past the batch dim; _MISSING for anything
+    else, and for no dims at all (``torch.amax(h, ())`` reduces every dim, which past the
+    batch dim would reduce the batch too)."""
     if type(d) is int:
         return d + 1 if d >= 0 else d
-    if type(d) in (tuple, list) and all(type(x) is int for x in d):
+    if type(d) in (tuple, list) and d and all(type(x) is int for x in d):
         return type(d)(_shift_dim(x) for x in d)
     return _MISSING
 
