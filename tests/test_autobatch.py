@@ -6802,13 +6802,15 @@ def test_combinations_of_lengths_equal_numpys_unique():
 
 
 # Calls whose arguments after the tensor are passed by keyword, each the same call by
-# position (values._BUILTIN_POSITIONAL, values._given): method and function forms.
+# position (values._BUILTIN_POSITIONAL, values._given): method and function forms; and
+# dims given otherwise than as one int (none: ``amax(h, ())``; one by one: ``flip(0, 1)``).
 _KEYWORD_CALLS = {
     "sum": lambda h: h.sum(dim=1, keepdim=True) + torch.sum(h, dim=0),
     "mean": lambda h: h.mean(dim=1, keepdim=True) + torch.mean(h, keepdim=False, dim=0),
     "prod": lambda h: h.prod(dim=1, keepdim=True) + torch.prod(h, dim=0),
     "amax, amin": lambda h: h.amax(dim=1, keepdim=True) - torch.amin(h, dim=0),
     "amax of no dims": lambda h: h * torch.amax(h, dim=(), keepdim=True) + torch.amin(h, ()),
+    "flip": lambda h: h.flip(0, 1) + h.flip([1]) + torch.flip(h, dims=(0,)),
     "logsumexp": lambda h: h.logsumexp(dim=1, keepdim=True) + torch.logsumexp(h, dim=0),
     "argmax, argmin": lambda h: h * h.argmax(dim=1, keepdim=True) + torch.argmin(h, dim=0),
     "all, any": lambda h: h * (h > 0).all(dim=1, keepdim=True) + torch.any(h > 1, dim=0),

@@ -341,10 +341,11 @@ def _direct_template(
             return None
         kwargs[name] = d
     elif len(args) > pos:
-        d = _shift_dim(args[pos])
-        if d is _MISSING:
+        # (flip's dims may be given one by one, ``h.flip(0, 1)``: each moved)
+        shifted = [_shift_dim(d) for d in args[pos:]] if name == "dims" else [_shift_dim(args[pos])]
+        if _MISSING in shifted:
             return None
-        args[pos] = d
+        args[pos : pos + len(shifted)] = shifted
     elif default is not None:
         kwargs[name] = default + 1
     elif fn in _WHOLE_REDUCTIONS and ndims != {0}:  # (x.sum(): over all of each example)
