@@ -62,7 +62,8 @@ How a call is recorded (the choices the contract leaves open):
   no argument) runs under vmap.  Every other call runs under ``torch.func.vmap``
   (``randomness="different"``), which gives vmap's semantics.  An op's first group under
   vmap is checked against one call of it on the group's first example (shapes and dtypes,
-  not for random ops): a batching rule of torch's that gives another shape
+  not for random ops; a module's forward runs once more then, under no_grad): a batching
+  rule of torch's that gives another shape
   (``torch.argmax(h, keepdim=True)`` of a matrix: ``(n, 1)`` against one call's ``(1, 1)``)
   makes the op's groups run one call per example, with a warning.
   ``@batchable(batched=True)`` declares a function already written for a batch in dim 0
