@@ -1302,3 +1302,21 @@ def test_builtin_calls_with_random_keywords_equal_eager(data: st.DataObject) -> 
             assert len(flat_g) == len(flat_w)
             for a, b in zip(flat_g, flat_w):
                 torch.testing.assert_close(a, b)
+
+
+def test_keyword_calls_past_the_table_bound_equal_eager(monkeypatch: Any) -> None:
+    """Past the number of functions ``values._given`` keeps entries for (none kept here),
+    a call's entry is made anew each time (never dropped: the C path holds its values
+    borrowed), and the calls give eager's values."""
+    monkeypatch.setattr(values, "_KW_FUNCTIONS", 0)
+    monkeypatch.setattr(values, "_KW_DEFAULTS", {})
+    lin = nn.Linear(4, 4).double()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        return F.normalize(h, dim=0) + h.cumsum(dim=0) + torch.clamp(h, max=0.5)
+
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(4)]
+    got = fold.autobatch(fn, xs, per_example=True)
+    _same_values_and_grads(got, torch.stack([fn(x) for x in xs]), lin)
+    assert values._KW_DEFAULTS == {}

@@ -117,17 +117,20 @@ def _given(
     ``h.sum(0)``), as Python binds them.  A tensor passed by keyword stays so, and every
     keyword with it (the recorder looks at some by name: a norm's running statistics).
     The same call."""
-    found = _KW_DEFAULTS.get(func, _MISS)
-    if found is _MISS:
+    defaults = _KW_DEFAULTS.get(func, _MISS)
+    if defaults is _MISS:
         found = _signature_of(func)
-        if len(_KW_DEFAULTS) >= 512:
-            _KW_DEFAULTS.clear()
-            _POSITIONAL.clear()
-            _FILLS.clear()
-        _KW_DEFAULTS[func] = None if found is None else found[0]
-        _POSITIONAL[func] = None if found is None else found[1]
-        _FILLS[func] = None if found is None else found[2]
-    defaults = _KW_DEFAULTS[func]
+        if found is None:
+            defaults = names = fills = None
+        else:
+            defaults, names, fills = found
+        # (Entries are never dropped, nor replaced: the C path holds their values
+        # borrowed while it makes a call.  Past the bound, a function's entry is made
+        # anew at each call.)
+        if len(_KW_DEFAULTS) < _KW_FUNCTIONS:
+            _KW_DEFAULTS[func], _POSITIONAL[func], _FILLS[func] = defaults, names, fills
+    else:
+        names, fills = _POSITIONAL[func], _FILLS[func]
     if defaults is None:
         return args, kwargs
     given = {}
@@ -135,7 +138,6 @@ def _given(
         d = defaults.get(k, _MISS)
         if type(v) is not type(d) or v != d:  # (-0.0 for 0.0 behaves alike)
             given[k] = v
-    names, fills = _POSITIONAL[func], _FILLS[func]
     if given and names is not None:
         more: list[Any] = []
         filled: list[Any] = []  # defaults of parameters before the next one given
@@ -207,6 +209,7 @@ def _signature_of(
 _KW_DEFAULTS: dict[Any, dict[str, Any] | None] = {}
 _POSITIONAL: dict[Any, tuple[str, ...] | None] = {}
 _FILLS: dict[Any, dict[str, Any] | None] = {}
+_KW_FUNCTIONS = 1024  # (the most functions they hold)
 
 # torch functions and Tensor methods written in C (no signature Python can read) whose
 # parameters after the tensor, in this order, may be passed by position in every overload
