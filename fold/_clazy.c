@@ -724,6 +724,35 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                 if (!index_items(k, PyTuple_GET_ITEM(a, j)))
                     return 0;
         }
+        else if (t == &PyList_Type && kind == g_batched_kind) {
+            /* A list of lazy values of this round, of one meta, given to a batched function
+               (a fold.Ragged there, one op for every length): (list, BATCHED, the meta),
+               its nodes as one list argument, as the slow path's _ragged passes them.  Any
+               other list (empty, of several metas, holding other values) takes the slow
+               path. */
+            Py_ssize_t m = PyList_GET_SIZE(a);
+            if (m == 0 || k->nn >= MAX_NODES || k->nk + 3 > MAX_ITEMS)
+                return 0;
+            PyObject *meta = NULL;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                PyObject *x = PyList_GET_ITEM(a, j);
+                if (!is_lazy_of(x, rec) || (meta != NULL && LAZY(x)->meta != meta))
+                    return 0;
+                meta = LAZY(x)->meta;
+            }
+            PyObject *nodes = PyList_New(m);
+            if (nodes == NULL)
+                return -1;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                PyObject *node = LAZY(PyList_GET_ITEM(a, j))->node;
+                Py_INCREF(node);
+                PyList_SET_ITEM(nodes, j, node);
+            }
+            key_item(k, (PyObject *)t);
+            key_item(k, g_batched_kind);
+            key_item(k, meta);
+            k->nodes[k->nn++] = nodes; /* owned */
+        }
         else if ((t == &PyList_Type || t == &PyTuple_Type) && kind != g_batched_kind) {
             Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
             PyObject **el = PySequence_Fast_ITEMS(a);

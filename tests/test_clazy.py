@@ -1320,3 +1320,40 @@ def test_keyword_calls_past_the_table_bound_equal_eager(monkeypatch: Any) -> Non
     got = fold.autobatch(fn, xs, per_example=True)
     _same_values_and_grads(got, torch.stack([fn(x) for x in xs]), lin)
     assert values._KW_DEFAULTS == {}
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+def test_a_batched_function_given_lists_takes_the_fast_path(monkeypatch: Any) -> None:
+    """A ``batchable(batched=True)`` function given a list of lazy values (a Ragged there:
+    one op for every length; a tree's losses, ``examples/autobatch_tree_lstm.py``) takes the
+    C fast path after its first recording, lists of any length (100 here: the other kinds'
+    list keys stop at 63).  Values and gradients equal eager (float64)."""
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "_POOL_MAX", 0)
+
+    @fold.batchable(batched=True)
+    def total(items: fold.Ragged) -> torch.Tensor:
+        return items.sum()
+
+    lin = nn.Linear(3, 3).double()
+    entered: list[Any] = []
+    record = recorder._Recorder._record
+
+    def counted(self: Any, fn: Any, kind: str, args: Any, kwargs: Any) -> Any:
+        entered.append(fn)
+        return record(self, fn, kind, args, kwargs)
+
+    def fn(x: torch.Tensor, n: int) -> torch.Tensor:
+        return total([torch.tanh(lin(x * (k + 1))) for k in range(n)])
+
+    def eager(x: torch.Tensor, n: int) -> torch.Tensor:
+        return sum((torch.tanh(lin(x * (k + 1))) for k in range(n)), torch.zeros(3, dtype=x.dtype))
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    ns = [3, 100, 1, 3, 70, 5]
+    monkeypatch.setattr(recorder._Recorder, "_record", counted)
+    got = fold.autobatch(fn, xs, ns)
+    monkeypatch.undo()
+    _same_values_and_grads(got, torch.stack([eager(x, n) for x, n in zip(xs, ns)]), lin)
+    assert sum(1 for f in entered if getattr(f, "__name__", None) == "total") == 1
