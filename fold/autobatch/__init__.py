@@ -139,8 +139,9 @@ How a call is recorded (the choices the contract leaves open):
   call that raised keeps nothing.
 - **Recording in C.**  A call seen before in this autobatch call, with the same function,
   kind, modules, lazy arguments' metas and constant arguments (ints, bools, floats with a
-  zero's sign, None; lists or tuples of lazy values; a 0-dim number tensor as the last
-  argument, a loss's target), is found by one lookup in the recorder's ``_fast``
+  zero's sign, None, strings, dtypes; lists or tuples of lazy values, and a batched
+  function's list of any length; a 0-dim number tensor as the last argument, a loss's
+  target), is found by one lookup in the recorder's ``_fast``
   table (a lazy value of an earlier round counts as its row there, alone or in a list: a
   decoder's memory at every step): where ``fold/_clazy.c`` is built that lookup, the
   node's recording and the Lazy outputs run in C, from the ``batchable`` call, a Lazy
