@@ -154,6 +154,10 @@ def _fn_name(fn: Any, kind: str) -> str:
 
 _MISS = object()
 
+# The types of constant arguments: numbers, strings, None (a keyword argument's value the
+# recorder keys as it is, see recorder._KW_PARTS; one values._given may pass by position).
+_CONSTANTS = frozenset({int, float, bool, str, type(None)})
+
 
 def pool_room(pools: dict[Any, list[Any]], key: Any, keys: int, per_key: int) -> list[Any] | None:
     """The list of ``pools`` (what a function's earlier calls left for its next ones, by

@@ -22,6 +22,7 @@ from fold.autobatch.buffers import _Written
 from fold.autobatch.common import (
     _BATCHED,
     _C,
+    _CONSTANTS,
     _DIRECT,
     _INPLACE,
     _LOCAL,
@@ -124,12 +125,9 @@ _OPS: dict[Any, _Op] = {}
 _MODE_OPS: dict[tuple[Any, ...], dict[Any, _Op]] = {}
 
 
-# Keyword arguments that are constants only (numbers, strings, None), as F.cross_entropy's
-# defaults: (names, ids of the values) -> (the values, their key part), made once (see
-# _Recorder.record).
-_CONSTANTS = frozenset({int, float, bool, str, type(None)})
-
-
+# Keyword arguments that are constants only (numbers, strings, None: _CONSTANTS), as
+# F.cross_entropy's defaults: (names, ids of the values) -> (the values, their key part),
+# made once (see _Recorder.record).
 _KW_PARTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the recorder uses this module: names for annotations only
 from fold.autobatch.common import (
     _BATCHED,
     _C,
+    _CONSTANTS,
     _LOCAL,
     _MISS,
     _any_autocast,
@@ -144,7 +145,7 @@ def _given(
         taken = 0
         for name in names[len(args) :]:
             if name in given:
-                if type(given[name]) not in _CONSTANT_TYPES:
+                if type(given[name]) not in _CONSTANTS:
                     break
                 more += filled
                 filled = []
@@ -190,8 +191,7 @@ def _signature_of(
     defaults = {
         p.name: p.default
         for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and type(p.default) in _CONSTANT_TYPES
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and type(p.default) in _CONSTANTS
     }
     positional = []
     for p in params:
@@ -241,7 +241,6 @@ _BUILTIN_POSITIONAL: dict[str, tuple[Any, ...]] = {
     "argsort": (("dim", -1), ("descending", False)),
     "clamp": (("min", None), ("max", None)),
 }
-_CONSTANT_TYPES = frozenset((type(None), bool, int, float, str))
 
 
 _AUTOGRAD_GRAD = torch.autograd.grad
