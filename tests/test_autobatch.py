@@ -6913,3 +6913,84 @@ def test_a_vmap_batching_rule_giving_other_shapes_is_caught(caplog):
     torch.testing.assert_close(got, want)
     assert "other shapes than one call" in caplog.text
     torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)  # (looped)
+
+
+# Calls with a dim on a per-example number (a 0-dim value): torch takes dim 0 or -1 of one
+# number as the number itself (a softmax of it is 1, a cumsum or flip gives it back); stacked,
+# dim -1 is the batch dim, and such calls ran over the batch (silently wrong values).
+_NUMBER_DIMS = {
+    "softmax": lambda s: torch.softmax(s, -1) + torch.log_softmax(s, dim=-1) + s.softmax(0),
+    "cumsum": lambda s: torch.cumsum(s, -1) * s.cumprod(0) + s.logcumsumexp(-1),
+    "flip, squeeze": lambda s: s.flip(-1) + s.squeeze(-1) * 2,
+    "unsqueeze, stack": lambda s: (s.unsqueeze(-1) * torch.stack([s, s * 2], -1)).sum(-1),
+    "sum, amax, mean": lambda s: s.sum(-1) + s.amax(0) * s.mean(dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", list(_NUMBER_DIMS))
+def test_dims_of_a_number_per_example_equal_eager(name):
+    """A dim op on a per-example number (``torch.softmax(score, -1)``, ``s.cumsum(-1)``):
+    values and gradients equal eager, per example and from rows; ops that add a dim
+    (``unsqueeze``, ``stack``) keep running directly."""
+    lin = nn.Linear(4, 3).double()
+    call = _NUMBER_DIMS[name]
+
+    def fn(x):
+        h = lin(x)
+        return call(h.sum()) * h
+
+    xs = torch.randn(5, 4, dtype=torch.float64)
+    driver.clear_cache()  # (the ops below are this test's alone)
+    with warnings.catch_warnings():  # (flip and squeeze of a number: vmap cannot, a loop)
+        warnings.filterwarnings("ignore", message=".*does not run under torch.func.vmap")
+        assert_same(fn, list(lin.parameters()), xs)
+        assert_same(fn, list(lin.parameters()), list(xs))
+    if name == "unsqueeze, stack":
+        ups = [op for op in _OPS.values() if op.fn in tables._RANK_UP]
+        assert ups and all(op.mode is common._DIRECT for op in ups)
+
+
+# Dim ops run directly on the stacked values (their dim moved past the batch dim), where
+# they ran under vmap: a decoder's ``logits.topk(1)`` at every step, sorts, cumulative ops.
+_DIRECT_DIM_CALLS = {
+    "topk": lambda h: (
+        h.topk(2).values.sum(1, keepdim=True) * torch.topk(h, 1, 0)[1] + h.topk(k=1, dim=-1)[0]
+    ),
+    "kthvalue": lambda h: h.kthvalue(2).values[:, None] + torch.kthvalue(h, 1, 0, True).values,
+    "sort": lambda h: h.sort().values * torch.sort(h, 0, descending=True).indices,
+    "argsort": lambda h: h * h.argsort() + h * torch.argsort(h, 0, descending=True),
+    "mode": lambda h: h * h.round().mode().values[:, None] + torch.mode(h.round(), 0).values,
+    "median": lambda h: h.median(-1).values[:, None] * torch.median(h, 0, keepdim=True).values,
+    "cumprod, cummax, cummin": lambda h: (
+        h.cumprod(0) * h.cummax(-1).values + torch.cummin(h, dim=0).indices
+    ),
+    "logcumsumexp": lambda h: h.logcumsumexp(0) + torch.logcumsumexp(h, -1),
+    "nansum, nanmean": lambda h: h * h.nansum() + h.nansum(0) + torch.nanmean(h, -1, True),
+    "count_nonzero": lambda h: h * (h > 0).count_nonzero() + torch.count_nonzero(h > 0, -1)[:, None],
+    "glu": lambda h: F.glu(h).repeat(1, 2) + F.glu(torch.cat([h, h.flip(0)]), 0),
+    "diff": lambda h: h.diff()[:, :2] * torch.diff(h, 1, 0)[:, :2].sum() + h.diff(n=2, dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", list(_DIRECT_DIM_CALLS))
+def test_dim_calls_run_directly_and_equal_eager(name):
+    """``topk``, ``sort``, ``argsort``, ``kthvalue``, ``mode``, ``median``, the cumulative
+    ops, ``nansum``, ``count_nonzero``, ``glu`` and ``diff`` with their dims given, by
+    keyword, or by default (-1): values and gradients equal eager, per example and from
+    rows, and their groups run directly (one call each, not under vmap)."""
+    lin = nn.Linear(4, 12).double()
+    call = _DIRECT_DIM_CALLS[name]
+
+    def fn(x):
+        return call(lin(x).view(3, 4))
+
+    xs = torch.randn(5, 4, dtype=torch.float64)
+    driver.clear_cache()  # (the ops below are this test's alone)
+    assert_same(fn, list(lin.parameters()), xs)
+    assert_same(fn, list(lin.parameters()), list(xs))
+    names = set(re.findall(r"[a-z_]+", name))  # (the functions the case is named after)
+    ops = [op for op in _OPS.values() if getattr(op.fn, "__name__", None) in names]
+    assert {op.fn.__name__ for op in ops} == names
+    assert all(op.mode is common._DIRECT for op in ops), [
+        (op.name, op.mode) for op in ops if op.mode is not common._DIRECT
+    ]

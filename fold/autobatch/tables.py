@@ -90,9 +90,29 @@ for _name, _pos, _default in (
     ("gather", 1, None),  # (its index per example too, of the input's number of dims)
     ("max", 1, None),  # (with a dim: values and indices; without, see _GROUP_CALLS)
     ("min", 1, None),
+    ("topk", 2, -1),  # (a decoder's ``logits.topk(1)``: values and indices)
+    ("kthvalue", 2, -1),
+    ("sort", 1, -1),
+    ("argsort", 1, -1),
+    ("mode", 1, -1),
+    ("median", 1, None),  # (with a dim: values and indices; without, one number: vmap)
+    ("nanmedian", 1, None),
+    ("cumprod", 1, None),
+    ("cummax", 1, None),
+    ("cummin", 1, None),
+    ("logcumsumexp", 1, None),
+    ("nansum", 1, None),
+    ("nanmean", 1, None),
+    ("count_nonzero", 1, None),
+    ("glu", 1, -1),
+    ("diff", 2, -1),
 ):
     for _f in _functions(_name, torch, torch.Tensor, F):
         _DIM_OPS[_f] = (_pos, "dims" if _name == "flip" else "dim", _default)
+
+
+# The ops of _DIM_OPS whose dim counts the output's dims, one more than the input's.
+_RANK_UP = _functions("stack unsqueeze", torch, torch.Tensor)
 
 
 _GETITEM = torch.Tensor.__getitem__
@@ -195,14 +215,22 @@ _POLYMORPHIC_MODULES: tuple[type, ...] = (
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
-def _shift_dim(d: Any) -> Any:
-    """A per-example dim (or dims) as the dim past the batch dim; _MISSING for anything
-    else, and for no dims at all (``torch.amax(h, ())`` reduces every dim, which past the
-    batch dim would reduce the batch too)."""
+def _shift_dim(d: Any, rank: int) -> Any:
+    """A per-example dim (or dims) of a value of ``rank`` dims as the dim past the batch
+    dim; _MISSING for anything else, for no dims at all (``torch.amax(h, ())`` reduces every
+    dim, which past the batch dim would reduce the batch too), and for a dim outside
+    ``-rank .. rank - 1``.  Torch takes dim 0 or -1 of a 0-dim tensor as the tensor itself
+    (``torch.softmax(score, -1)`` of one number is 1, ``cumsum`` and ``flip`` give it back),
+    and stacked, -1 is the batch dim: such calls, and dims out of range (eager's
+    IndexError), are left to vmap.  ``rank`` counts the output's dims where the op adds
+    one (``unsqueeze``, ``stack``: ``s.unsqueeze(-1)`` of a number is ``(1,)``)."""
     if type(d) is int:
+        if not -rank <= d < rank:
+            return _MISSING
         return d + 1 if d >= 0 else d
     if type(d) in (tuple, list) and d and all(type(x) is int for x in d):
-        return type(d)(_shift_dim(x) for x in d)
+        dims = [_shift_dim(x, rank) for x in d]
+        return _MISSING if _MISSING in dims else type(d)(dims)
     return _MISSING
 
 
@@ -312,14 +340,15 @@ def _direct_template(
         ndim = args[0].meta.ndim
         if fn in _PERMUTE:  # (every dim, each made non-negative: the batch dim first)
             return [args[0], (0, *[d % ndim + 1 if ndim else 0 for d in dims])], {}
-        return [args[0], *[_shift_dim(d) for d in dims]], {}
+        moved = [_shift_dim(d, ndim) for d in dims]
+        return None if _MISSING in moved else ([args[0], *moved], {})
     if fn in _FLATTEN:  # two dims: start_dim and end_dim, both moved past the batch dim
         if len(slots) != 1 or type(args[0]) is not _Slot or args[0].meta.ndim == 0:
             return None
         dims = {"start_dim": 0, "end_dim": -1}
         dims.update(zip(dims, args[1:]))
         dims.update(kwargs)
-        shifted = {k: _shift_dim(d) for k, d in dims.items()}
+        shifted = {k: _shift_dim(d, args[0].meta.ndim) for k, d in dims.items()}
         if len(shifted) != 2 or any(type(d) is not int for d in shifted.values()):
             return None
         return [args[0]], shifted
@@ -334,22 +363,27 @@ def _direct_template(
     if len(ndims) != 1 or _tensors((args, kwargs)):
         return None
     pos, name, default = spec
+    rank = ndims.pop() + (fn in _RANK_UP)
     args, kwargs = list(args), dict(kwargs)
     if name in kwargs:
-        d = _shift_dim(kwargs[name])
+        d = _shift_dim(kwargs[name], rank)
         if d is _MISSING:
             return None
         kwargs[name] = d
     elif len(args) > pos:
         # (flip's dims may be given one by one, ``h.flip(0, 1)``: each moved)
-        shifted = [_shift_dim(d) for d in args[pos:]] if name == "dims" else [_shift_dim(args[pos])]
+        given = args[pos:] if name == "dims" else [args[pos]]
+        shifted = [_shift_dim(d, rank) for d in given]
         if _MISSING in shifted:
             return None
         args[pos : pos + len(shifted)] = shifted
     elif default is not None:
-        kwargs[name] = default + 1
-    elif fn in _WHOLE_REDUCTIONS and ndims != {0}:  # (x.sum(): over all of each example)
-        kwargs[name] = tuple(range(1, ndims.pop() + 1))
+        d = _shift_dim(default, rank)
+        if d is _MISSING:
+            return None
+        kwargs[name] = d
+    elif fn in _WHOLE_REDUCTIONS and rank:  # (x.sum(): over all of each example)
+        kwargs[name] = tuple(range(1, rank + 1))
     else:
         return None
     return args, kwargs
@@ -357,7 +391,9 @@ def _direct_template(
 
 # Reductions that take a tuple of dims: over a whole per-example value (no dim given), the
 # dims past the batch dim.  (A 0-dim value keeps vmap: torch reads dim=() as every dim.)
-_WHOLE_REDUCTIONS = _functions("sum mean amax amin", torch, torch.Tensor)
+_WHOLE_REDUCTIONS = _functions(
+    "sum mean amax amin nansum nanmean count_nonzero", torch, torch.Tensor
+)
 
 
 def _module_mode(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> str:
