@@ -6966,7 +6966,9 @@ _DIRECT_DIM_CALLS = {
     ),
     "logcumsumexp": lambda h: h.logcumsumexp(0) + torch.logcumsumexp(h, -1),
     "nansum, nanmean": lambda h: h * h.nansum() + h.nansum(0) + torch.nanmean(h, -1, True),
-    "count_nonzero": lambda h: h * (h > 0).count_nonzero() + torch.count_nonzero(h > 0, -1)[:, None],
+    "count_nonzero": lambda h: (
+        h * (h > 0).count_nonzero() + torch.count_nonzero(h > 0, -1)[:, None]
+    ),
     "glu": lambda h: F.glu(h).repeat(1, 2) + F.glu(torch.cat([h, h.flip(0)]), 0),
     "diff": lambda h: h.diff()[:, :2] * torch.diff(h, 1, 0)[:, :2].sum() + h.diff(n=2, dim=-1),
 }
