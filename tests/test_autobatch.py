@@ -2381,6 +2381,32 @@ def test_a_write_at_a_mask_runs_as_one_call_a_group(monkeypatch, caplog):
     assert not [r for r in caplog.records if "vmap" in r.getMessage()]
 
 
+def _masked_set_after_reads(x):
+    h = lin_of_3(x)
+    if float(h[0].detach()) > 0:  # (rows that disagree: the examples run as coroutines)
+        h = lin_of_3(h)
+    h = lin_of_3(h)
+    h[h < 0] = -1.0
+    return h
+
+
+def test_a_write_at_a_mask_after_reads_runs_as_one_call_a_group(monkeypatch):
+    """The same write in a round after the examples' reads disagree, where autobatch's
+    wrappers are installed over torch's functions (``torch.where`` among them): recorded as
+    torch's own ``torch.where``, run directly (it was recorded as the wrapper, which the
+    tables do not know: under vmap); values and gradients equal eager's."""
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)
+    _LIN3.to(torch.float64)
+    driver.clear_cache()  # (the ops below are this test's alone)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, dtype=torch.float64, generator=g) for _ in range(8)]
+    assert len({float(_LIN3(x)[0].detach()) > 0 for x in xs}) == 2  # (the reads disagree)
+    assert_same(_masked_set_after_reads, list(_LIN3.parameters()), xs)
+    wheres = [op for op in _OPS.values() if "torch.where" in op.name]
+    assert wheres and all(op.fn is torch.where for op in wheres)
+    assert all(op.mode is common._DIRECT for op in wheres)
+
+
 def test_an_in_place_change_of_a_view_of_an_earlier_value_is_a_fold_error(monkeypatch):
     """A view recorded in this round of a value of an earlier round (``h.expand_as(g)``
     after a read of ``h``) changed in place: eager code changes ``h`` too, which autobatch

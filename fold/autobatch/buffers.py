@@ -46,6 +46,9 @@ from fold.autobatch.values import _FOREIGN, Lazy
 from fold.errors import FoldError
 from fold.graph import Fold
 
+# torch.where as fold found it at import: while autobatch runs, ``torch.where`` is its
+# wrapper (patches._DIRECT_TORCH), which the tables do not know.
+_WHERE = torch.where
 _SETITEM = torch.Tensor.__setitem__
 _F = torch.nn.functional
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -535,7 +538,7 @@ def _out_of_place(
             # x[mask] = v, a mask of x's shape and one number (logits[banned] = -inf): a
             # torch.where, which runs as one call a group (a boolean index does not under
             # vmap: its groups would run one call per example).
-            out = rec.record(torch.where, "torch", (index, value, x), {})
+            out = rec.record(_WHERE, "torch", (index, value, x), {})
             return out if out.dtype == dtype else out.to(dtype)
         return rec.record(_put, "torch", (x, *rest), {})
     if name == "copy_" and len(rest) == 1 and not kwargs:

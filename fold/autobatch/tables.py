@@ -127,6 +127,9 @@ def _basic_index(i: Any) -> bool:
 
 
 _MATMUL = _functions("matmul __matmul__", torch, torch.Tensor)
+# F.linear as fold found it at import: while autobatch runs, ``F.linear`` is its wrapper
+# (patches._DIRECT_FUNCTIONAL), and a call reaches the recorder as this function.
+_LINEAR = F.linear
 
 
 _FLATTEN = _functions("flatten", torch, torch.Tensor)
@@ -286,11 +289,11 @@ def _direct_template(
         if len(outs) == 1 and all(s.meta.ndim == outs[0].ndim for s in slots):
             return args, kwargs
         return None
-    if fn in _MATMUL or fn is F.linear:
+    if fn in _MATMUL or fn is _LINEAR:
         rest = [a for a in args[1:]] + list(kwargs.values())
         if type(args[0]) is _Slot and not _slots(rest) and args[0].meta.ndim >= 1:
             w = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
-            if fn is F.linear or (isinstance(w, torch.Tensor) and w.dim() == 2):
+            if fn is _LINEAR or (isinstance(w, torch.Tensor) and w.dim() == 2):
                 return args, kwargs
         return None
     if fn in _LOSSES:
