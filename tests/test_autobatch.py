@@ -7022,3 +7022,57 @@ def test_dim_calls_run_directly_and_equal_eager(name):
     assert all(op.mode is common._DIRECT for op in ops), [
         (op.name, op.mode) for op in ops if op.mode is not common._DIRECT
     ]
+
+
+# Dim ops drawn for the property test below: name -> call on (value, dim), each taking a dim
+# in -rank .. rank - 1 of a value of ``rank`` dims (``rank + 1`` for those that add one).
+_DIM_CALLS = {
+    "softmax": lambda x, d: torch.softmax(x, d),
+    "log_softmax": lambda x, d: F.log_softmax(x, dim=d),
+    "sum": lambda x, d: x.sum(d),
+    "mean keepdim": lambda x, d: x.mean(d, keepdim=True),
+    "amax": lambda x, d: x.amax(d),
+    "cumsum": lambda x, d: x.cumsum(d),
+    "cumprod": lambda x, d: torch.cumprod(x, dim=d),
+    "logcumsumexp": lambda x, d: x.logcumsumexp(d),
+    "flip": lambda x, d: x.flip(d),
+    "logsumexp": lambda x, d: x.logsumexp(d),
+    "max": lambda x, d: x.max(d).values,
+    "sort": lambda x, d: x.sort(d).values,
+    "topk": lambda x, d: x.topk(1, d).values,
+    "norm": lambda x, d: x.norm(dim=d),
+    "squeeze": lambda x, d: x.squeeze(d),
+    "unsqueeze": lambda x, d: x.unsqueeze(d),
+    "stack": lambda x, d: torch.stack([x, x * 2], d),
+}
+_RANK_UPS = {"unsqueeze", "stack"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(sorted(_DIM_CALLS)), st.integers(0, 3), st.integers(0, 7)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
+def test_dim_calls_on_values_of_any_rank_equal_eager(calls, rows):
+    """Chains of dim ops on per-example values of rank 0 to 3 (a number, a vector, ...), each
+    with a dim drawn from the range torch takes for it (``-1`` and ``0`` of a number
+    included): values and gradients equal eager, per example and from rows."""
+    lin = nn.Linear(3, 24).double()
+
+    def fn(x):
+        out = lin(x).sum() * 0
+        for name, rank, pick in calls:
+            v = lin(x)[: (1, 2, 6, 24)[rank]].reshape(((), (2,), (2, 3), (2, 3, 4))[rank])
+            span = rank + (name in _RANK_UPS)
+            d = pick % (2 * span) - span if span else (pick % 2) - 1  # (-1 or 0 of a number)
+            out = out + _DIM_CALLS[name](v, d).sum()
+        return out
+
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():  # (a number's flip and squeeze: a loop, said once)
+        warnings.filterwarnings("ignore", message=".*does not run under torch.func.vmap")
+        assert_same(fn, list(lin.parameters()), xs if rows else list(xs))
