@@ -43,8 +43,12 @@ How a call is recorded (the choices the contract leaves open):
   batch-of-one work autobatch removes.  A call with no batched argument runs at once.
 - **How a group runs.**  Calls known to be batch-polymorphic run directly on the stacked
   arguments (elementwise ops, ``F.linear`` and ``nn.Linear``, ``nn.Embedding``, the RNN cells,
-  activations, ``cat``/``chunk``/``softmax``-style ops with their dim moved past the batch
-  dim, a ``BatchModule``'s rows merged into its batch).  ``nn.LSTM``/``GRU``/``RNN`` on one
+  activations, ``cat``/``chunk``/``softmax``-style ops, sorts, ``topk`` and the cumulative
+  ops with their dim moved past the batch dim, a ``BatchModule``'s rows merged into its
+  batch).  A dim is checked against the example's own rank: of a per-example number, torch
+  takes dim 0 or -1 as the number itself (``torch.softmax(score, -1)`` is 1), where on the
+  stacked numbers it would be the batch dim, so such calls run under vmap (as do dims out
+  of range, which raise eager's IndexError).  ``nn.LSTM``/``GRU``/``RNN`` on one
   unbatched sequence ``(L, D)`` is one op for every length: a group holding sequences of
   several lengths runs as ONE call on them padded and packed (``pack_padded_sequence``),
   each example's outputs cut back to its length (``_Op.fold_op``, ``padded_call``).  Calls
