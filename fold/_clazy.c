@@ -2275,6 +2275,172 @@ static PyTypeObject DirectType = {
     .tp_members = direct_members,
 };
 
+/* ------------------------------------------------------------------------- tensorize */
+
+/* Tensorize(fallback, plain, modes_on): torch.tensor while fold.autobatch is installed
+   (patches._recording_tensor, ``fallback``).  ``torch.tensor(x)`` of one Python int, float
+   or bool, no other argument, in the function autobatch runs (its recorder not paused, its
+   examples not finishing as eager code) and no torch-function mode on, is the known value
+   ``Known(x, meta, number)`` of ``plain[(type(x), torch.get_default_dtype())]`` (a tree's
+   word ids at every leaf), made here without the Python wrapper's frame; every other call,
+   and a key the table does not hold yet (the wrapper fills it), goes to ``fallback``. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback;
+    PyObject *plain;
+    PyObject *modes_on;
+    PyObject *dict;
+} Tensorize;
+
+/* 1 where the recorder ``rec`` records an example's own calls now (not paused, its examples
+   not finishing as eager code), 0 where not, -1 on an error. */
+static int
+records_now(PyObject *rec)
+{
+    PyObject *v = PyObject_GetAttr(rec, s_paused);
+    int paused = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    if (paused != 0)
+        return paused < 0 ? -1 : 0;
+    PyObject *session = PyObject_GetAttr(rec, s_session);
+    if (session == NULL)
+        return -1;
+    int eager = 0;
+    if (session != Py_None) {
+        v = PyObject_GetAttr(session, s_eager);
+        eager = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+    }
+    Py_DECREF(session);
+    return eager < 0 ? -1 : !eager;
+}
+
+static PyObject *
+tensorize_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Tensorize *self = (Tensorize *)op;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !configured())
+        goto pass;
+    PyObject *data = args[0];
+    PyTypeObject *t = Py_TYPE(data);
+    if (t != &PyLong_Type && t != &PyFloat_Type && t != &PyBool_Type)
+        goto pass;
+    PyObject *rec = PyObject_GetAttr(g_local, s_rec);
+    if (rec == NULL)
+        return NULL;
+    int now = rec == Py_None ? 0 : records_now(rec);
+    Py_DECREF(rec);
+    if (now <= 0) {
+        if (now < 0)
+            return NULL;
+        goto pass;
+    }
+    int modes = truth_of_call(self->modes_on);
+    if (modes != 0) {
+        if (modes < 0)
+            return NULL;
+        goto pass;
+    }
+    PyObject *dtype = PyObject_CallNoArgs(g_default_dtype);
+    PyObject *key = dtype == NULL ? NULL : PyTuple_Pack(2, (PyObject *)t, dtype);
+    Py_XDECREF(dtype);
+    if (key == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->plain, key); /* borrowed */
+    Py_DECREF(key);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        goto pass;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
+        goto pass;
+    PyObject *meta = PyTuple_GET_ITEM(entry, 0), *number = PyTuple_GET_ITEM(entry, 1);
+    PyObject *py = PyTuple_GET_ITEM(entry, 2);
+    int num = PyObject_IsTrue(number);
+    if (num < 0)
+        return NULL;
+    /* (the wrapper's py(x) where it travels as a number: x itself where py is its type) */
+    PyObject *value = num && py != (PyObject *)t ? PyObject_CallOneArg(py, data) : Py_NewRef(data);
+    if (value == NULL)
+        return NULL;
+    PyObject *call[3] = {value, meta, number};
+    PyObject *out = PyObject_Vectorcall(g_known_type, call, 3, NULL);
+    Py_DECREF(value);
+    return out;
+pass:
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *
+tensorize_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *fallback, *plain, *modes_on;
+    if (!PyArg_ParseTuple(args, "OO!O", &fallback, &PyDict_Type, &plain, &modes_on))
+        return NULL;
+    Tensorize *self = (Tensorize *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->plain = Py_NewRef(plain);
+    self->modes_on = Py_NewRef(modes_on);
+    self->dict = NULL;
+    self->vectorcall = tensorize_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+tensorize_traverse(Tensorize *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->plain);
+    Py_VISIT(self->modes_on);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+tensorize_clear(Tensorize *self)
+{
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->plain);
+    Py_CLEAR(self->modes_on);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+tensorize_dealloc(Tensorize *self)
+{
+    PyObject_GC_UnTrack(self);
+    tensorize_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef tensorize_members[] = {
+    {"fallback", T_OBJECT, offsetof(Tensorize, fallback), READONLY, "the Python wrapper"},
+    {NULL},
+};
+
+static PyTypeObject TensorizeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fold._clazy.Tensorize",
+    .tp_doc = PyDoc_STR("Tensorize(fallback, plain, modes_on): torch.tensor while "
+                        "fold.autobatch is installed."),
+    .tp_basicsize = sizeof(Tensorize),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = tensorize_new,
+    .tp_dealloc = (destructor)tensorize_dealloc,
+    .tp_traverse = (traverseproc)tensorize_traverse,
+    .tp_clear = (inquiry)tensorize_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Tensorize, vectorcall),
+    .tp_dictoffset = offsetof(Tensorize, dict),
+    .tp_getset = direct_getset,
+    .tp_members = tensorize_members,
+};
+
 /* ------------------------------------------------------------------------- torch_function */
 
 /* Whether a lazy value of ``rec`` (the recorder recording on this thread) is among ``args``
@@ -2519,7 +2685,8 @@ PyInit__clazy(void)
         add_type(m, "BatchableBase", &BatchableBaseType) < 0 ||
         add_type(m, "Method", &MethodType) < 0 ||
         add_type(m, "ModuleCall", &ModuleCallType) < 0 ||
-        add_type(m, "Direct", &DirectType) < 0) {
+        add_type(m, "Direct", &DirectType) < 0 ||
+        add_type(m, "Tensorize", &TensorizeType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

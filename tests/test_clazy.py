@@ -1357,3 +1357,61 @@ def test_a_batched_function_given_lists_takes_the_fast_path(monkeypatch: Any) ->
     monkeypatch.undo()
     _same_values_and_grads(got, torch.stack([eager(x, n) for x, n in zip(xs, ns)]), lin)
     assert sum(1 for f in entered if getattr(f, "__name__", None) == "total") == 1
+
+
+@pytest.mark.skipif(C is None, reason="fold._clazy not built")
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_torch_tensor_of_a_number_in_c_agrees_with_the_python_wrapper(
+    default: torch.dtype, monkeypatch: Any
+) -> None:
+    """``_C.Tensorize`` (torch.tensor while autobatch is installed) against the Python
+    wrapper it stands in front of: ``torch.tensor(x)`` of an int, a float or a bool, per
+    example, is the same known value (value and its type, meta, whether it travels as a
+    number) under either default dtype, made in C (the wrapper is called once per type and
+    dtype, to fill its table); the calls it leaves to the wrapper (a dtype given, a list)
+    give what the wrapper gives; values and gradients equal eager's, and the Python
+    wrapper's exactly."""
+    assert type(patches._TENSOR_WRAPPER) is C.Tensorize
+    assert patches._TENSOR_WRAPPER.fallback is patches._recording_tensor
+    numbers: list[Any] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:  # (the wrapper, its calls of one number)
+        if len(args) == 1 and not kwargs and type(args[0]) in (int, float, bool):
+            numbers.append(args[0])
+        return patches._recording_tensor(*args, **kwargs)
+
+    wrapper = C.Tensorize(counting, patches._PLAIN, patches._modes_on)
+    monkeypatch.setattr(patches, "_TENSOR_WRAPPER", wrapper)
+    patches._PLAIN.clear()
+    torch.set_default_dtype(default)
+    try:
+        seen: list[tuple[Any, Any]] = []
+        emb = nn.Embedding(10, 4).to(default)
+
+        def fn(x: torch.Tensor, word: int) -> torch.Tensor:
+            for data in (word, word / 2, word > 4, -0.0):
+                seen.append((torch.tensor(data), patches._recording_tensor(data)))
+            for data, dtype in (([word, 1], None), (word, torch.float64)):
+                got = torch.tensor(data, dtype=dtype)
+                seen.append((got, patches._recording_tensor(data, dtype=dtype)))
+            return emb(torch.tensor(word)) * x + torch.tensor(word / 4) * torch.tensor(True)
+
+        xs = [torch.randn(4, dtype=default) for _ in range(6)]
+        words = [0, 3, 5, 7, 9, 2]
+        got = fold.autobatch(fn, xs, words, per_example=True)
+        assert len(seen) == 6 * len(xs)
+        for k, want in seen:
+            assert type(k) is type(want) is values.Known
+            assert (k.meta, k.number, k._plain) == (want.meta, want.number, want._plain)
+            assert k.value == want.value and type(k.value) is type(want.value)
+            assert str(k.value) == str(want.value)  # (-0.0 kept)
+        assert len(numbers) <= 3  # (one per Python type: int, float, bool)
+        want = torch.stack([fn(x, w) for x, w in zip(xs, words)])
+        torch.testing.assert_close(got, want)
+        _same_gradients(got, want, list(emb.parameters()))
+        monkeypatch.setattr(patches, "_TENSOR_WRAPPER", patches._recording_tensor)
+        got_py = fold.autobatch(fn, xs, words, per_example=True)
+        torch.testing.assert_close(got_py, got, rtol=0, atol=0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.tensor is patches._TORCH_TENSOR  # (nothing left installed)

@@ -200,7 +200,7 @@ def _tensor_enter(p: _Patches) -> None:
     ``_PATCH_LOCK``)."""
     if p.tensor_users == 0:
         p.tensor = torch.tensor
-        torch.tensor = _recording_tensor
+        torch.tensor = _TENSOR_WRAPPER
         p.as_tensor = torch.as_tensor
         torch.as_tensor = _recording_as_tensor
     p.tensor_users += 1
@@ -210,7 +210,7 @@ def _tensor_exit(p: _Patches) -> None:
     """The last user puts back what ``_tensor_enter`` found (held, with ``_PATCH_LOCK``)."""
     p.tensor_users -= 1
     if p.tensor_users == 0:
-        if torch.tensor is _recording_tensor:
+        if torch.tensor is _TENSOR_WRAPPER:
             torch.tensor = p.tensor
         if torch.as_tensor is _recording_as_tensor:
             torch.as_tensor = p.as_tensor
@@ -999,4 +999,15 @@ recorded_calls = _Installed(
     modules=_users_of(_BROADCAST_ALL),
     name="broadcast_all",
     wrapper=_broadcast_all,
+)
+
+
+# What torch.tensor is while autobatch runs: ``_recording_tensor``, with its path for one
+# Python number (``torch.tensor(word)`` at every leaf of a tree) in C where the extension is
+# built (``_C.Tensorize``: the same known value, without the wrapper's frame; 0.58 us a
+# call in the wrapper), which keeps no copy of ``_PLAIN`` (emptied in place).
+_TENSOR_WRAPPER: Any = (
+    functools.update_wrapper(_C.Tensorize(_recording_tensor, _PLAIN, _modes_on), _TORCH_TENSOR)
+    if _C is not None and hasattr(_C, "Tensorize")
+    else _recording_tensor
 )
