@@ -2356,18 +2356,21 @@ tensorize_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObjec
     }
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
         goto pass;
+    Py_INCREF(entry); /* (held while used: the table may change under the calls below) */
     PyObject *meta = PyTuple_GET_ITEM(entry, 0), *number = PyTuple_GET_ITEM(entry, 1);
     PyObject *py = PyTuple_GET_ITEM(entry, 2);
     int num = PyObject_IsTrue(number);
-    if (num < 0)
-        return NULL;
     /* (the wrapper's py(x) where it travels as a number: x itself where py is its type) */
-    PyObject *value = num && py != (PyObject *)t ? PyObject_CallOneArg(py, data) : Py_NewRef(data);
-    if (value == NULL)
-        return NULL;
-    PyObject *call[3] = {value, meta, number};
-    PyObject *out = PyObject_Vectorcall(g_known_type, call, 3, NULL);
-    Py_DECREF(value);
+    PyObject *value = num < 0                           ? NULL
+                      : num && py != (PyObject *)t ? PyObject_CallOneArg(py, data)
+                                                   : Py_NewRef(data);
+    PyObject *out = NULL;
+    if (value != NULL) {
+        PyObject *call[3] = {value, meta, number};
+        out = PyObject_Vectorcall(g_known_type, call, 3, NULL);
+        Py_DECREF(value);
+    }
+    Py_DECREF(entry);
     return out;
 pass:
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
