@@ -3766,6 +3766,49 @@ def test_a_module_of_ones_own_that_reads_is_run_through(caplog, monkeypatch):
     assert [op for op in _OPS.values() if op.fn is gate.lin]
 
 
+@pytest.mark.parametrize("calls_it", [True, False], ids=["calls its GRU", "holds it unused"])
+def test_a_module_of_ones_own_holding_a_recurrent_module_is_run_through_at_once(
+    calls_it, monkeypatch
+):
+    """A module of the user's own holding an ``nn.GRU`` (the translation tutorial's encoder:
+    a GRU on a batch of one) is run through without the try under vmap on fake tensors
+    (torch.func.vmap has no batching rule for the recurrent ops; the fake tensors' first use
+    imports torch's compiler): the try is never made, and eager's values and gradients come
+    back, its GRU calls one group each, also where the module's forward does not call it."""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.gru = nn.GRU(4, 4)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, word, hidden):
+            x = self.embed(word).view(1, 1, -1)
+            if calls_it:
+                out, hidden = self.gru(x, hidden)
+                return out[0, 0] + self.lin(hidden[0, 0]), hidden
+            return self.lin(x[0, 0]), hidden * 0.5
+
+    enc = Encoder().double()
+    tried = []
+    monkeypatch.setattr(recorder._Recorder, "_vmaps", lambda self, op: tried.append(op) or True)
+
+    def fn(words):
+        hidden = torch.zeros(1, 1, 4, dtype=torch.float64)
+        outs = []
+        for w in words.tolist():
+            out, hidden = enc(torch.tensor(w), hidden)
+            outs.append(out)
+        return torch.stack(outs).sum(0)
+
+    g = torch.Generator().manual_seed(0)
+    words = [torch.randint(0, 10, (3,), generator=g) for _ in range(5)]
+    assert_same(fn, list(enc.parameters()), words)
+    assert not tried  # (run through at once)
+    assert not [op for op in _OPS.values() if op.fn is enc]  # never recorded whole
+
+
 def test_a_module_of_ones_own_returning_python_values_is_run_through():
     """A step module returning a Python value beside its state (``(h, int(h.argmax()))``,
     a read inside its forward): run through, not refused (a recorded call returns tensors

@@ -1157,7 +1157,7 @@ class _Recorder:
             # (before its shapes are inferred: its forward runs as code; a batch norm in it
             # is then a call of its own, whose group runs as one, see tables._merged_batch_norm,
             # where the whole module's would run one call per example in training mode)
-            if _holds_batch_norm(fn, 0):
+            if _holds_batch_norm(fn, 0) or _holds_recurrent(fn, 0):
                 raise _Inline
             if _shapes_vary(fn, key):
                 raise _InlineTrial
@@ -1499,6 +1499,21 @@ def _holds_batch_norm(m: nn.Module, depth: int) -> bool:
         return m.training and m.track_running_stats
     return depth < 32 and any(
         c is not None and _holds_batch_norm(c, depth + 1) for c in m._modules.values()
+    )
+
+
+def _holds_recurrent(m: nn.Module, depth: int) -> bool:
+    """Whether ``m`` holds an ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN``, whose ops torch.func.vmap
+    has no batching rule for: a module of the user's own holding one is run through at once,
+    as trying it under vmap would find (the translation tutorial's encoder and decoder, each
+    a GRU on a batch of one).  The try runs on fake tensors, whose first use in a process
+    imports torch's compiler (0.8 s: the tutorial's first call took 1.0 s against eager's
+    0.24).  A module whose forward does not call the one it holds is run through too: its
+    calls are recorded as the function's own, which gives the same values."""
+    if isinstance(m, nn.RNNBase):
+        return True
+    return depth < 32 and any(
+        c is not None and _holds_recurrent(c, depth + 1) for c in m._modules.values()
     )
 
 
