@@ -33,9 +33,10 @@ per-sentence tensor ops that autobatch runs once per sentence as written, a floo
 one source (``TinyTransformer``), autobatch against eager per example, for sources of 5-30
 tokens and of one length; and its first call in a fresh process.
 
-``first-call``: the first call of decode-long and of the parser in a fresh process (what a
-user's script meets: shape inference of every op not seen yet), autobatch against eager per
-example, each in a process of its own.
+``first-call``: the first call of decode-long, of the parser and of the translation
+tutorial's seq2seq (``tutorials.py``) in a fresh process (what a user's script meets: shape
+inference of every op not seen yet), autobatch against eager per example, each in a process
+of its own.
 
 autobatch runs as by default: once a round's groups hold fewer than ``EAGER_GROUP``
 (``fold/autobatch/driver.py``) nodes on average, the examples still paused finish as eager
@@ -473,13 +474,15 @@ def _rounds(fn) -> int:  # type: ignore[no-untyped-def]
 
 def first_call_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """The first call in a fresh process, as a user's script meets it: decode-long's 64
-    sources and the parser's 64 sentences, autobatch against eager per example, each in a
+    sources, the parser's 64 sentences and the translation tutorial's 64 sources (its
+    modules of the user's own, ``benchmarks/tutorials.py``), autobatch against eager per
+    example, each in a
     process of its own (``--first-call-worker``), the median of ``--first-reps`` processes.
     Autobatch's first call infers the shapes of every op it has not seen (see
     ``fold/autobatch/recorder.py``, ``_stateless``); its second call is timed too."""
 
     rows = []
-    for work in ("decode-long", "parser"):
+    for work in ("decode-long", "parser", "tutorial"):
         times: dict[str, list[float]] = {"autobatch": [], "second call": [], "eager": []}
         for _ in range(args.first_reps):
             for how in ("autobatch", "eager"):
@@ -535,6 +538,15 @@ def _first_call_worker(work: str, how: str) -> None:
 
         def eager_fn(s):  # type: ignore[no-untyped-def]
             return model.greedy(s)
+
+    elif work == "tutorial":  # (the translation tutorial's seq2seq: benchmarks/tutorials.py)
+        tutorials = importlib.import_module("tutorials")
+        items = (tutorials.sources(64),)
+        torch.manual_seed(0)
+        model = tutorials.Tutorial(128).eval()
+
+        def eager_fn(s):  # type: ignore[no-untyped-def]
+            return model.translate(s)
 
     else:
         Parser, words, vocab_size = parser_workload(64)
@@ -1008,7 +1020,7 @@ def main() -> None:
         print(table(out["literature"], ["workload", "method", "median_ms", "vs_hand", "reps"]))
     if "first-call" in args.only:
         out["first_call"] = first_call_rows(args)
-        print("\nthe first call in a fresh process (decode-long; the parser)")
+        print("\nthe first call in a fresh process (decode-long; the parser; the translation tutorial)")
         print(table(out["first_call"], list(out["first_call"][0])))
     name = "control_flow" if args.mode == "no_grad" else "control_flow_inference"
     print(f"wrote {write_json(name, out)}")
