@@ -1020,7 +1020,9 @@ def main() -> None:
         print(table(out["literature"], ["workload", "method", "median_ms", "vs_hand", "reps"]))
     if "first-call" in args.only:
         out["first_call"] = first_call_rows(args)
-        print("\nthe first call in a fresh process (decode-long; the parser; the translation tutorial)")
+        print(
+            "\nthe first call in a fresh process (decode-long; the parser; the translation tutorial)"
+        )
         print(table(out["first_call"], list(out["first_call"][0])))
     name = "control_flow" if args.mode == "no_grad" else "control_flow_inference"
     print(f"wrote {write_json(name, out)}")
