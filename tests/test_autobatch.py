@@ -3766,28 +3766,34 @@ def test_a_module_of_ones_own_that_reads_is_run_through(caplog, monkeypatch):
     assert [op for op in _OPS.values() if op.fn is gate.lin]
 
 
-@pytest.mark.parametrize("calls_it", [True, False], ids=["calls its GRU", "holds it unused"])
-def test_a_module_of_ones_own_holding_a_recurrent_module_is_run_through_at_once(
-    calls_it, monkeypatch
-):
+@pytest.mark.parametrize("held", ["GRU", "GRU unused", "LSTMCell", "GRUCell", "RNNCell"])
+def test_a_module_of_ones_own_holding_a_recurrent_module_is_run_through_at_once(held, monkeypatch):
     """A module of the user's own holding an ``nn.GRU`` (the translation tutorial's encoder:
-    a GRU on a batch of one) is run through without the try under vmap on fake tensors
-    (torch.func.vmap has no batching rule for the recurrent ops; the fake tensors' first use
-    imports torch's compiler): the try is never made, and eager's values and gradients come
-    back, its GRU calls one group each, also where the module's forward does not call it."""
+    a GRU on a batch of one) or a recurrent cell (a decoder's step module) is run through
+    without the try under vmap on fake tensors (torch.func.vmap has no batching rule for the
+    recurrent ops, and runs the GRU and RNN cells one call per example; the fake tensors'
+    first use imports torch's compiler): the try is never made, and eager's values and
+    gradients come back, also where the module's forward does not call what it holds."""
 
     class Encoder(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(10, 4)
-            self.gru = nn.GRU(4, 4)
+            kind = held.split()[0]
+            self.rnn = getattr(nn, kind)(4, 4)
             self.lin = nn.Linear(4, 4)
 
         def forward(self, word, hidden):
             x = self.embed(word).view(1, 1, -1)
-            if calls_it:
-                out, hidden = self.gru(x, hidden)
+            if held == "GRU":
+                out, hidden = self.rnn(x, hidden)
                 return out[0, 0] + self.lin(hidden[0, 0]), hidden
+            if held == "LSTMCell":
+                h, c = self.rnn(x[0], (hidden[0], hidden[0] * 0.5))
+                return self.lin(h[0]) + c[0], h[None]
+            if held in ("GRUCell", "RNNCell"):
+                h = self.rnn(x[0, 0], hidden[0, 0])
+                return self.lin(h), h[None, None]
             return self.lin(x[0, 0]), hidden * 0.5
 
     enc = Encoder().double()
