@@ -33,10 +33,14 @@ per-sentence tensor ops that autobatch runs once per sentence as written, a floo
 one source (``TinyTransformer``), autobatch against eager per example, for sources of 5-30
 tokens and of one length; and its first call in a fresh process.
 
-``first-call``: the first call of decode-long, of the parser and of the translation
-tutorial's seq2seq (``tutorials.py``) in a fresh process (what a user's script meets: shape
-inference of every op not seen yet), autobatch against eager per example, each in a process
-of its own.
+``step-module``: greedy decoding of 64 examples, 12 steps each, through a decoder step
+written as a module of one's own holding a GRUCell (``StepModule``), autobatch against the
+batch by hand and eager per example.
+
+``first-call``: the first call of decode-long, of the parser, of the translation tutorial's
+seq2seq (``tutorials.py``) and of the step module in a fresh process (what a user's script
+meets: shape inference of every op not seen yet), autobatch against eager per example, each
+in a process of its own.
 
 autobatch runs as by default: once a round's groups hold fewer than ``EAGER_GROUP``
 (``fold/autobatch/driver.py``) nodes on average, the examples still paused finish as eager
@@ -474,15 +478,15 @@ def _rounds(fn) -> int:  # type: ignore[no-untyped-def]
 
 def first_call_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """The first call in a fresh process, as a user's script meets it: decode-long's 64
-    sources, the parser's 64 sentences and the translation tutorial's 64 sources (its
-    modules of the user's own, ``benchmarks/tutorials.py``), autobatch against eager per
-    example, each in a
+    sources, the parser's 64 sentences, the translation tutorial's 64 sources (its
+    modules of the user's own, ``benchmarks/tutorials.py``) and 64 decodes through a step
+    module holding a GRUCell (``StepModule``), autobatch against eager per example, each in a
     process of its own (``--first-call-worker``), the median of ``--first-reps`` processes.
     Autobatch's first call infers the shapes of every op it has not seen (see
     ``fold/autobatch/recorder.py``, ``_stateless``); its second call is timed too."""
 
     rows = []
-    for work in ("decode-long", "parser", "tutorial"):
+    for work in ("decode-long", "parser", "tutorial", "step-module"):
         times: dict[str, list[float]] = {"autobatch": [], "second call": [], "eager": []}
         for _ in range(args.first_reps):
             for how in ("autobatch", "eager"):
@@ -538,6 +542,14 @@ def _first_call_worker(work: str, how: str) -> None:
 
         def eager_fn(s):  # type: ignore[no-untyped-def]
             return model.greedy(s)
+
+    elif work == "step-module":
+        items = ([torch.randn(128) for _ in range(64)],)
+        torch.manual_seed(0)
+        model = StepModule()
+
+        def eager_fn(h):  # type: ignore[no-untyped-def]
+            return model.greedy(h)
 
     elif work == "tutorial":  # (the translation tutorial's seq2seq: benchmarks/tutorials.py)
         tutorials = importlib.import_module("tutorials")
@@ -897,6 +909,69 @@ def _policy_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     ]
 
 
+class StepModule(nn.Module):
+    """A decoder's step as a module of one's own holding a GRUCell (its embedding, cell and
+    output layer), as decoder classes in user code are written: greedy decoding of one
+    example from its initial state, a fixed number of steps (``greedy``), and of the batch
+    by hand (``hand``)."""
+
+    def __init__(self, vocab: int = 8, hidden: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.cell = nn.GRUCell(hidden, hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, tok: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.cell(self.embed(tok), h)
+        return self.out(h), h
+
+    def greedy(self, h: torch.Tensor, steps: int = 12) -> torch.Tensor:
+        tok, toks = BOS, []
+        for _ in range(steps):
+            logits, h = self(torch.tensor(tok), h)
+            tok = int(logits.argmax())  # a read: a round a step
+            toks.append(tok)
+        return torch.tensor(toks)
+
+    def hand(self, hs: list[torch.Tensor], steps: int = 12) -> list[torch.Tensor]:
+        h = torch.stack(hs)
+        tok = torch.full((len(hs),), BOS)
+        toks = []
+        for _ in range(steps):
+            logits, h = self(tok, h)
+            tok = logits.argmax(1)
+            toks.append(tok)
+        return list(torch.stack(toks, 1))
+
+
+def step_module_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Greedy decoding of 64 examples, 12 steps each, through a step module of one's own
+    holding a GRUCell (``StepModule``): autobatch, the batch by hand, eager per example.
+    Autobatch runs such a module through (its cell's group one call), where vmap would run
+    the cell one call per example; all three decode the same tokens (float64) first."""
+    hs = [torch.randn(args.hidden) for _ in range(args.sources)]
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = StepModule(hidden=args.hidden)
+    with _MODE["mode"]():
+        h64 = [h.double() for h in hs]
+        eager = [model.greedy(h).tolist() for h in h64]
+        auto = [t.tolist() for t in fold.autobatch(model.greedy, h64, stack=False)]
+        assert eager == auto == [t.tolist() for t in model.hand(h64)]
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = StepModule(hidden=args.hidden)
+    times = interleaved(
+        {
+            "autobatch": _no_grad(lambda: fold.autobatch(model.greedy, hs, stack=False)),
+            "hand": _no_grad(lambda: model.hand(hs)),
+            "eager per example": _no_grad(lambda: [model.greedy(h) for h in hs]),
+        },
+        args.reps,
+    )
+    return _against(times, "hand")
+
+
 def literature_rows(args) -> list[dict]:  # type: ignore[no-untyped-def]
     """Per-example programs with reads from the literature, as a Dataset yields their
     inputs (a list of samples): an early-exit classifier over 256 samples of one shape
@@ -973,6 +1048,7 @@ def main() -> None:
             "first-call",
             "transformer",
             "literature",
+            "step-module",
         ],
         default=["decode", "decode-long", "decode-limit", "parser", "rounds", "first-call"],
         help="the workloads to run (all by default)",
@@ -1018,10 +1094,17 @@ def main() -> None:
         out["literature"] = literature_rows(args)
         print("\nper-example programs with reads from the literature (ratio: to the row marked 1)")
         print(table(out["literature"], ["workload", "method", "median_ms", "vs_hand", "reps"]))
+    if "step-module" in args.only:
+        out["step_module"] = step_module_rows(args)
+        print(
+            f"\ngreedy decoding of {args.sources} examples through a step module holding a GRUCell"
+        )
+        print(table(out["step_module"], ["method", "median_ms", "vs_hand", "reps"]))
     if "first-call" in args.only:
         out["first_call"] = first_call_rows(args)
         print(
-            "\nthe first call in a fresh process (decode-long; the parser; the translation tutorial)"
+            "\nthe first call in a fresh process (decode-long; the parser; the translation "
+            "tutorial; a step module holding a GRUCell)"
         )
         print(table(out["first_call"], list(out["first_call"][0])))
     name = "control_flow" if args.mode == "no_grad" else "control_flow_inference"
