@@ -7125,3 +7125,40 @@ def test_dim_calls_on_values_of_any_rank_equal_eager(calls, rows):
     with warnings.catch_warnings():  # (a number's flip and squeeze: a loop, said once)
         warnings.filterwarnings("ignore", message=".*does not run under torch.func.vmap")
         assert_same(fn, list(lin.parameters()), xs if rows else list(xs))
+
+
+_ROOT = nn.Parameter(torch.randn(3, dtype=torch.float64))
+_LIST_LIN = nn.Linear(3, 3).double()
+
+
+@fold.batchable(batched=True)
+def _list_total(items):
+    return items.sum() * items.lengths.to(items.values.dtype)[:, None]
+
+
+# Lists given to a batched function that hold tensors beside (or in place of) lazy values.
+_MIXED_LISTS = {
+    "a constant beside a lazy value": lambda x: [_LIST_LIN(x), torch.ones(3, dtype=x.dtype)],
+    "tensors made per example": lambda x: [torch.ones(3, dtype=x.dtype), torch.full_like(x, 2)],
+    "the example's input": lambda x: [x, x * 2],
+    "a parameter beside a lazy value": lambda x: [_ROOT, _LIST_LIN(x)],
+    "a parameter alone": lambda x: [_ROOT, _ROOT * 1],
+    "a known value": lambda x: [torch.tensor([1.0, 2.0, 3.0], dtype=x.dtype), _LIST_LIN(x)],
+}
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["per example", "rows"])
+@pytest.mark.parametrize("name", list(_MIXED_LISTS))
+def test_a_batched_functions_list_of_tensors_and_lazy_values_equals_eager(name, rows):
+    """A ``@fold.batchable(batched=True)`` function given a list that holds tensors beside
+    lazy values (a constant, the example's input, a parameter: ``[self.root, h]``), or
+    tensors alone: a Ragged of the list, as eager code's one call gives it (each tensor a
+    node of the example first); values and gradients equal eager, the parameter's too.  It
+    was a FoldError naming the function's failure on a plain list."""
+    make = _MIXED_LISTS[name]
+
+    def fn(x):
+        return _LIST_LIN(x) + _list_total(make(x))
+
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    assert_same(fn, [*_LIST_LIN.parameters(), _ROOT], xs if rows else list(xs))

@@ -1089,6 +1089,13 @@ class _Recorder:
         if t is tuple or t is list or t is torch.Size:
             if ragged and t is list and all(type(x) is Lazy for x in a):
                 return self._ragged(a, fargs)
+            if ragged and t is list and all(
+                type(x) is Lazy or isinstance(x, torch.Tensor) for x in a
+            ):
+                # Tensors beside (or in place of) lazy values: a constant, the example's
+                # input, a parameter (``[self.root, h]``): each a node of its own first, as
+                # eager code's one-list Ragged holds them all.
+                return self._ragged([self._element(x) for x in a], fargs)
             return (t, tuple([self._part(x, fargs, shared, ragged) for x in a]))
         if t is dict:
             return (
@@ -1113,6 +1120,24 @@ class _Recorder:
         of this call (else it is another call's, or one not computed yet)."""
         old = a.rec
         return old.values is not None and old.session is not None and old.session is self.session
+
+    def _element(self, x: Any) -> Any:
+        """An element of a list given to a batched function as a lazy value: itself where it
+        is one, else its clone recorded on it as data of the example (a parameter through a
+        view of itself, so that every example's list holds it and its gradient reaches it
+        through the group's rows)."""
+        if type(x) is Lazy:
+            return x
+        if type(x) is not Known and x.requires_grad and x.is_leaf and x._base is None:
+            x = x.view(x.shape)
+        out = self._record(torch.clone, "torch", (x,), {})
+        if type(out) is not Lazy:  # (nothing batched: cannot happen for a tensor argument)
+            raise FoldError(
+                f"autobatch: example {self.example}: a list given to a batched function holds "
+                "a tensor that could not be recorded as a value of the example. Fix: pass "
+                "values computed from the example's inputs."
+            )
+        return out
 
     def _ragged(self, items: list[Lazy], fargs: list[Any]) -> Any:
         metas = {x.meta for x in items}
