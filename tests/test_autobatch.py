@@ -6964,12 +6964,17 @@ def test_argmax_over_all_with_keepdim_keeps_every_dim(name, method):
             torch.testing.assert_close(g, w)
 
 
-def test_a_vmap_batching_rule_giving_other_shapes_is_caught(caplog):
+@pytest.mark.parametrize("program", [False, True], ids=["under vmap", "as a program"])
+def test_a_vmap_batching_rule_giving_other_shapes_is_caught(program, caplog, monkeypatch):
     """A module whose forward torch's vmap runs with a batching rule that gives another
     shape than one call (``torch.argmax(h, keepdim=True)``: ``(n, 1)`` for per-example
     matrices, where one call gives ``(1, 1)``): the op's first group is checked against one
     call of it, and its groups run one call per example, said in a warning; values equal
-    eager (they came back as ``(n, 1)`` before)."""
+    eager (they came back as ``(n, 1)`` before).  A module's forward runs as a program of
+    its calls where it can be recorded once (the argmax run directly, no warning); the
+    check is for what runs under vmap (here, with the program made impossible)."""
+    if not program:
+        monkeypatch.setattr(aops.HOOKS, "compile", lambda op: False)
 
     class Peak(nn.Module):
         def forward(self, h):
@@ -6986,7 +6991,7 @@ def test_a_vmap_batching_rule_giving_other_shapes_is_caught(caplog):
     want = torch.stack([fn(x) for x in xs])
     assert got.shape == want.shape == (5, 1, 1)
     torch.testing.assert_close(got, want)
-    assert "other shapes than one call" in caplog.text
+    assert ("other shapes than one call" in caplog.text) is not program
     torch.testing.assert_close(fold.autobatch(fn, xs, per_example=True), want)  # (looped)
 
 
@@ -7162,3 +7167,41 @@ def test_a_batched_functions_list_of_tensors_and_lazy_values_equals_eager(name, 
 
     xs = torch.randn(4, 3, dtype=torch.float64)
     assert_same(fn, [*_LIST_LIN.parameters(), _ROOT], xs if rows else list(xs))
+
+
+class _CellModule(nn.Module):
+    """A TreeLSTM-style cell written as a module of one's own (no annotation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = nn.Linear(6, 9)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, lh, rh):
+        i, o, u = self.gates(torch.cat([lh, rh])).chunk(3)
+        c = torch.sigmoid(i) * torch.tanh(u) * (2.0 if self.training else 1.0)
+        return torch.sigmoid(o) * torch.tanh(c) * self.scale, c
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_module_of_ones_own_recorded_whole_runs_its_groups_as_a_program(training, monkeypatch):
+    """A module of the user's own recorded whole (one node per call) runs each group as the
+    calls its forward makes, recorded once on lazy values standing for the group (each
+    call on the group's batch), not under vmap: vmap never runs; values and gradients equal
+    eager per example, in training and in eval mode (its forward reads ``self.training``)."""
+    cell = _CellModule().double().train(training)
+    lin = nn.Linear(3, 3).double()
+    driver.clear_cache()  # (the ops below are this test's alone)
+
+    def fn(x):
+        h, c = cell(lin(x), x)
+        h2, c2 = cell(h, c[:3])
+        return h2 + c2[:3]
+
+    xs = list(torch.randn(6, 3, dtype=torch.float64))
+    got = fold.autobatch(fn, xs, per_example=True)
+    want = eager_stack(fn, xs)
+    torch.testing.assert_close(got, want)
+    assert_same_grads(got, want, [*cell.parameters(), *lin.parameters()])
+    ops = [op for op in _OPS.values() if op.fn is cell]
+    assert ops and all(op._vmapped is None for op in ops)  # (recorded whole, never vmapped)

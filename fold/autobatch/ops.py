@@ -516,7 +516,12 @@ class _Op:
             return self._models(values)
         if mode is _RNN:
             return self._rnn(values)
-        if self.kind is _PER_EXAMPLE:
+        if self.kind is _PER_EXAMPLE or (
+            self.kind == "module" and not self.shared and self.buffers() is None
+        ):
+            # (a module of one's own recorded whole: its forward recorded once for the
+            # group's rows too, each call run on the batch, where vmap would run them all
+            # with its per-op cost; a module whose buffers may change keeps vmap's guard)
             programs = _LOCAL.programs
             if programs is None:  # not inside an autobatch call's run: for this group only
                 programs = {}

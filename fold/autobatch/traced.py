@@ -453,7 +453,10 @@ def _compile(op: _Op) -> Any:
     if any(s.ragged or s.meta is None for s in slots):
         return False
     try:
-        rec, trace, out = _record_once(op.per_example, [s.meta for s in slots])
+        # (a module's forward as the calls it makes: with autobatch's wrapper over module
+        # calls installed, the call would record the module itself again)
+        modules = op.kind != "module"
+        rec, trace, out = _record_once(op.per_example, [s.meta for s in slots], modules)
     except Exception as err:
         _LOG.debug("autobatch: %s cannot be recorded once (%s); vmap runs it", op, err)
         return False
