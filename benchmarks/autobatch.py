@@ -5,8 +5,9 @@
 
 - TreeLSTM, 256 random binary trees, forward+backward: the per-example code of
   ``examples/autobatch_tree_lstm.py`` run by ``fold.autobatch``, with ``@fold.batchable``
-  cells and with no annotation at all (every torch op and module call a node), against the
-  explicit fold of ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
+  cells, with no annotation at all (every torch op and module call a node), and with the
+  cells written as modules of one's own (each call a node), against the explicit fold of
+  ``benchmarks/tree_lstm.py`` (recording included) and eager per example.
 - Per-sample MNIST MLP training step written as a plain per-example loss, autobatch against
   the plain batched step (the rows of a tensor: recorded once), the same with
   ``per_example=True``; and the floor of any engine that runs the per-example code once
@@ -74,6 +75,26 @@ class BatchableCells(Cells):
     node = fold.batchable(Cells.node)
 
 
+class _Step(nn.Module):
+    """One of ``Cells``' methods as a module of one's own (its forward)."""
+
+    def __init__(self, model: TreeLSTM, name: str) -> None:
+        super().__init__()
+        self.m, self.name = model, name
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(Cells, self.name)(self, *args)  # type: ignore[arg-type]
+
+
+class ModuleCells(nn.Module):
+    """The same cells written as modules of one's own (``nn.Module`` subclasses with a
+    forward), as PyTorch code usually writes a cell: each call one node, recorded whole."""
+
+    def __init__(self, model: TreeLSTM) -> None:
+        super().__init__()
+        self.leaf, self.node = _Step(model, "leaf"), _Step(model, "node")
+
+
 def encode(cells: Cells, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain recursive eager code over one tree."""
     if tree.left is None:
@@ -109,10 +130,11 @@ def tree_variants(model: TreeLSTM) -> dict:
     """The variants timed, on ``model``'s weights.  The per-example cells are built once, as
     a user builds a model once: autobatch keys its ops by the modules they call, so cells
     built afresh per step would be new ops each step (shapes inferred again)."""
-    cells, plain = BatchableCells(model), Cells(model)
+    cells, plain, modules = BatchableCells(model), Cells(model), ModuleCells(model)
     return {
         "autobatch": lambda m, t: autobatch_roots(cells, t),
         "autobatch, no annotation": lambda m, t: autobatch_roots(plain, t),
+        "autobatch, module cells": lambda m, t: autobatch_roots(modules, t),
         "explicit fold": fold_forward,
     }
 
