@@ -1089,8 +1089,10 @@ class _Recorder:
         if t is tuple or t is list or t is torch.Size:
             if ragged and t is list and all(type(x) is Lazy for x in a):
                 return self._ragged(a, fargs)
-            if ragged and t is list and all(
-                type(x) is Lazy or isinstance(x, torch.Tensor) for x in a
+            if (
+                ragged
+                and t is list
+                and all(type(x) is Lazy or isinstance(x, torch.Tensor) for x in a)
             ):
                 # Tensors beside (or in place of) lazy values: a constant, the example's
                 # input, a parameter (``[self.root, h]``): each a node of its own first, as
