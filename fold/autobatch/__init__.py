@@ -57,7 +57,9 @@ How a call is recorded (the choices the contract leaves open):
   (attention over memories of several lengths) are one op per call site too
   (``recorder._group_padded``): a group of them runs as one call on the values padded to
   the largest, each part's outputs cut back to its shape (``_Op._padded_parts``).  A group of ``@batchable``
-  per-example calls runs as the calls the function makes: the function is recorded once per
+  per-example calls, and of calls of a module of the user's own recorded whole (whose
+  buffers its calls cannot change, see below), runs as the calls the function (the module's
+  forward) makes: the function is recorded once per
   op and autobatch call on lazy values standing for a group (it can only see their shapes,
   so the recording holds for every group of the call; the next call records it again, so
   Python state it reads, such as ``self.training``, is read afresh) and each call it makes
@@ -96,10 +98,13 @@ How a call is recorded (the choices the contract leaves open):
   of one value, or Monte Carlo samples of one input, draw apart, as in eager code
   (``recorder._record_fresh``).
 - **Modules vmap cannot run.**  A call of a module of the user's own type (or a
-  ``Sequential``) is recorded whole and its group runs under vmap; where vmap cannot run it
-  (a GRU on a batch of one inside it, a read in its forward), which is tried once on fake
-  tensors when the call is first recorded, the module is run through instead: its forward
-  runs as the function's own code, each call inside it recorded (``recorder._Inline``).
+  ``Sequential``) is recorded whole and its group runs as a program of its forward's calls
+  (above), or under vmap; where vmap cannot run it (a read in its forward), which is tried
+  once on fake tensors when the call is first recorded, the module is run through instead:
+  its forward runs as the function's own code, each call inside it recorded
+  (``recorder._Inline``).  A module holding a recurrent module or cell (``nn.GRU``,
+  ``nn.GRUCell``...: vmap has no rule for their ops, or runs them one call per example) is
+  run through at once, without the try (``recorder._holds_recurrent``).
   The recurrent modules and cells given a batch of the example's own (``x.view(1, 1, -1)``,
   states ``(layers, 1, H)``) run a group as one call, the batches merged
   (``tables._merged_rnn``).

@@ -440,7 +440,8 @@ def forget_traces() -> None:
 
 
 def _compile(op: _Op) -> Any:
-    """A ``@batchable`` per-example function as a program of the calls it makes, recorded
+    """A ``@batchable`` per-example function, or the forward of a module of the user's own
+    recorded whole, as a program of the calls it makes, recorded
     once on lazy values standing for a group (the op's per-example shapes): run on a
     group's stacked values, each call runs once on the batch in its own mode (``cat`` with
     its dim moved, ``nn.Linear`` directly, ...), where ``torch.func.vmap`` would run the whole
