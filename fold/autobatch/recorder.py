@@ -1087,17 +1087,12 @@ class _Recorder:
             shared.append(a)  # the op holds it (see _template): the id stays its own
             return (_BY_ID, id(a))
         if t is tuple or t is list or t is torch.Size:
-            if ragged and t is list and all(type(x) is Lazy for x in a):
-                return self._ragged(a, fargs)
             if (
                 ragged
                 and t is list
                 and all(type(x) is Lazy or isinstance(x, torch.Tensor) for x in a)
             ):
-                # Tensors beside (or in place of) lazy values: a constant, the example's
-                # input, a parameter (``[self.root, h]``): each a node of its own first, as
-                # eager code's one-list Ragged holds them all.
-                return self._ragged([self._element(x) for x in a], fargs)
+                return self._ragged(a, fargs)
             return (t, tuple([self._part(x, fargs, shared, ragged) for x in a]))
         if t is dict:
             return (
@@ -1123,13 +1118,24 @@ class _Recorder:
         old = a.rec
         return old.values is not None and old.session is not None and old.session is self.session
 
-    def _element(self, x: Any) -> Any:
-        """An element of a list given to a batched function as a lazy value: itself where it
-        is one, else its clone recorded on it as data of the example (a parameter through a
-        view of itself, so that every example's list holds it and its gradient reaches it
-        through the group's rows)."""
+    def _element(self, x: Any) -> Lazy:
+        """An element of a list given to a batched function as a lazy value of this round,
+        a node: itself where it is one; a value of an earlier round (a decoder's memories,
+        made before its first read) as the clone of its row (autograd flows back through it
+        into that round's output); a tensor beside (or in place of) lazy values (a constant,
+        the example's input, a parameter: ``[self.root, h]``) as its clone recorded on it as
+        data of the example (a parameter through a view of itself, so that every example's
+        list holds it and its gradient reaches it through the group's rows), as eager code's
+        one-list Ragged holds them all."""
         if type(x) is Lazy:
-            return x
+            if x.rec is self:
+                return x
+            if not self._earlier(x):
+                raise FoldError(
+                    f"autobatch: example {self.example}: a list holds a lazy value from "
+                    "another autobatch call. Fix: pass values of this call."
+                )
+            return self._record(torch.clone, "torch", (x,), {})
         if type(x) is not Known and x.requires_grad and x.is_leaf and x._base is None:
             x = x.view(x.shape)
         out = self._record(torch.clone, "torch", (x,), {})
@@ -1141,7 +1147,8 @@ class _Recorder:
             )
         return out
 
-    def _ragged(self, items: list[Lazy], fargs: list[Any]) -> Any:
+    def _ragged(self, items: list[Any], fargs: list[Any]) -> Any:
+        items = [self._element(x) for x in items]
         metas = {x.meta for x in items}
         if len(metas) > 1:
             first = items[0].meta
@@ -1151,20 +1158,7 @@ class _Recorder:
                 f"batched function is {items[bad].meta}, element 0 {first}; the elements of a "
                 "list argument are concatenated, so they must agree in shape and dtype."
             )
-        nodes = []
-        for x in items:
-            if x.rec is not self:
-                if not self._earlier(x):
-                    raise FoldError(
-                        f"autobatch: example {self.example}: a list holds a lazy value from "
-                        "another autobatch call. Fix: pass values of this call."
-                    )
-                # A value of an earlier round (a decoder's memories, made before its first
-                # read): a list holds nodes, so its row enters this round as a node, the
-                # clone of the row (autograd flows back through it into that round's output).
-                x = self._record(torch.clone, "torch", (x,), {})
-            nodes.append(x.node)
-        fargs.append(nodes)
+        fargs.append([x.node for x in items])
         return (_RAGGED, items[0].meta if items else None)
 
     # -------------------------------------------------------------- new ops
