@@ -1385,12 +1385,15 @@ done:
     return out;
 }
 
+static PyObject *session_row(PyObject *a, PyObject *session);
+
 /* A method of an earlier round's value whose other arguments are plain (``enc[i]``, a
    parser's encoder rows at every step), called inside the autobatch call that made it
    while a later round records or the examples finish eagerly: as the slow path's
    _record_method, the method on the value's row at once (memoised where it is pure, see
-   memo_call).  _MISS (a new reference) where that does not apply or the row was not read
-   before (the slow path makes it), NULL on error. */
+   memo_call), the row made where it was not read before (session_row, as _value_of).
+   _MISS (a new reference) where that does not apply (the slow path takes it), NULL on
+   error. */
 static PyObject *
 earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
 {
@@ -1400,24 +1403,16 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
     for (Py_ssize_t i = 1; i < n; i++)
         if (!plain_arg(args[i], 0))
             return miss();
-    PyObject *rows = PyObject_GetAttr(old, s_rows_of);
-    if (rows == NULL)
-        return NULL;
-    PyObject *row = PyDict_CheckExact(rows) ? PyDict_GetItemWithError(rows, LAZY(args[0])->node)
-                                            : NULL;
-    Py_XINCREF(row);
-    Py_DECREF(rows);
-    if (row == NULL)
-        return PyErr_Occurred() ? NULL : miss();
     PyObject *session = PyObject_GetAttr(old, s_session);
     PyObject *cur = session && session != Py_None ? PyObject_GetAttr(session, s_current) : NULL;
     PyObject *local = cur ? PyObject_GetAttr(g_local, s_rec) : NULL;
     int ok = local != NULL && cur != Py_None && cur == local && cur != old;
     Py_XDECREF(cur);
     Py_XDECREF(local);
+    PyObject *row = ok ? session_row(args[0], session) : NULL;
+    int pure = row != NULL && row != g_miss && g_pure != NULL ? PySet_Contains(g_pure, func) : 0;
     PyObject *out = NULL;
-    int pure = ok && g_pure != NULL ? PySet_Contains(g_pure, func) : 0;
-    if (!ok || pure < 0) {
+    if (row == NULL || row == g_miss || pure < 0) {
         out = PyErr_Occurred() ? NULL : miss();
     }
     else {
@@ -1429,7 +1424,7 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
                    : PyObject_Vectorcall(func, stack, n, NULL);
     }
     Py_XDECREF(session);
-    Py_DECREF(row);
+    Py_XDECREF(row);
     return out;
 }
 

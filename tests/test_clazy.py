@@ -822,8 +822,8 @@ def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(
     """A pure method of an earlier round's value with plain arguments runs at once, memoised
     (values._memoised); the C path builds the memo key the Python path builds for the same
     call (ints, bools, floats by their bits, slices, tuples, None, Ellipsis), so the two
-    share one memo: every call below is made by C, filed under Python's key, and a second
-    call gives the same lazy value.  Values equal eager.  Under torch.inference_mode() too,
+    share one memo: every call below is made by C (the first too, which makes the value's
+    row), filed under Python's key, and a second call gives the same lazy value.  Values equal eager.  Under torch.inference_mode() too,
     where the rows are inference tensors, without a version counter."""
     driver = importlib.import_module("fold.autobatch.driver")
     monkeypatch.setattr(driver, "EAGER_GROUP", 0)
@@ -852,9 +852,7 @@ def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(
         h = lin(x.expand(3, 3))
         if float(h.detach().sum()) > 1e9:  # a read: h is an earlier round's value now
             h = h * 2
-        if common._LOCAL.rec is not None:
-            values._value_of(h)  # its row made (the C path takes rows made before)
-        outs = []
+        outs = []  # (h's row not read yet: the C path makes it, as _value_of does)
         for name, rest in calls:
             out = getattr(h, name)(*rest)
             outs.append(out)
