@@ -475,8 +475,9 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
 
 /* Row ``row`` of ``src`` (an output of ``old``'s round) as the batch-of-one view
    _Recorder.row_literal gives from the second row asked of a tensor on: its view of the one
-   ``split`` kept in ``old._row_views`` (a new reference); _MISS where that is not made yet
-   or ``src`` is no plain tensor (row_literal makes it), NULL on error.  The views were made
+   ``split`` kept in ``old._row_views``, or ``src`` itself where it has one row (a new
+   reference); _MISS where that is not made yet or ``src`` is no plain tensor (row_literal
+   makes it), NULL on error.  The views were made
    with gradients on where ``src`` carries them (row_literal), so they serve any mode. */
 static PyObject *
 split_view(PyObject *old, PyObject *src, PyObject *row)
@@ -502,8 +503,23 @@ split_view(PyObject *old, PyObject *src, PyObject *row)
             PyErr_Clear();
     }
     Py_DECREF(table);
-    if (out == NULL && !PyErr_Occurred())
-        out = miss();
+    if (out == NULL && !PyErr_Occurred()) {
+        /* as row_literal: row 0 of a one-row output is the output itself */
+        PyObject *shape = PyLong_AsLong(row) == 0 ? PyObject_GetAttr(src, s_shape) : NULL;
+        if (shape != NULL && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) >= 1 &&
+            PyLong_Check(PyTuple_GET_ITEM(shape, 0)) &&
+            PyLong_AsLong(PyTuple_GET_ITEM(shape, 0)) == 1) {
+            out = src;
+            Py_INCREF(out);
+        }
+        Py_XDECREF(shape);
+        if (PyErr_Occurred()) {
+            Py_CLEAR(out);
+            return NULL;
+        }
+        if (out == NULL)
+            out = miss();
+    }
     return out;
 }
 

@@ -5826,6 +5826,40 @@ def test_methods_of_earlier_rounds_values_are_made_once_and_match_eager(finish):
     assert made and max(made) <= 2 + 6 * len(xs), made
 
 
+def test_a_value_made_at_once_from_an_earlier_round_is_its_own_literal_row(finish):
+    """``hidden[0]`` of an earlier round's ``hidden`` runs at once (a one-row output of its
+    own, see values._memo_wrap); a later call that takes it (``torch.cat((e, hidden[0]))``,
+    the translation tutorial's decoder) takes that one row itself as its literal, not a view
+    of it (the C path's split_view and row_literal alike).  Values and gradients equal eager
+    (float64), with the method under torch.no_grad() too, where its row carries none."""
+    from fold.autobatch.recorder import _Recorder
+
+    torch.manual_seed(0)
+    lin, cell = nn.Linear(3, 4).double(), nn.Linear(8, 4).double()
+
+    def decode(x):
+        hidden = torch.tanh(lin(x)).unsqueeze(0)  # (1, 4)
+        total = 0
+        for _ in range(3):
+            if float(hidden.detach().sum()) > 1e9:  # a read: hidden is of an earlier round now
+                break
+            with torch.no_grad():
+                frozen = hidden[0] * 1  # at once, no gradient
+            e = torch.tanh(hidden[0])  # at once, from the row of hidden (its gradient flows)
+            hidden = torch.tanh(cell(torch.cat((e, hidden[0] + frozen)))).unsqueeze(0)
+            total = total + hidden.sum()
+        return total
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    assert_same(decode, [*lin.parameters(), *cell.parameters()], xs)
+    rec = _Recorder()
+    one = torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        assert rec.row_literal(one, 0) is one
+    many = torch.randn(3, 4)
+    assert rec.row_literal(many, 0) is not many
+
+
 def test_the_repr_of_an_earlier_rounds_value_shows_its_numbers(finish):
     """A debugging print inside the function: a value not computed yet shows its shape and
     example; one of an earlier round (and a memoised method of it) shows its numbers, as the

@@ -478,7 +478,10 @@ class _Recorder:
         """Row ``row`` of ``src`` (an output of this recorder's round) as the batch-of-one
         view a later round's call takes (``_part``; the C path calls this too): a
         ``narrow`` of the first row asked of a tensor, then views of one ``split`` (see
-        ``_split_rows``)."""
+        ``_split_rows``); ``src`` itself where it has one row (a value a method of an earlier
+        round's value made at once, ``values._memo_wrap``; a group of one example)."""
+        if type(src) is torch.Tensor and row == 0 and src.ndim and src.shape[0] == 1:
+            return src
         if (src.data if type(src) is PaddedRows else src).requires_grad and (
             not torch.is_grad_enabled()
         ):
