@@ -44,6 +44,7 @@
 static PyObject *g_lazy_type;      /* fold.autobatch.Lazy, a subclass of LazyBase */
 static PyObject *g_module_type;    /* torch.nn.Module */
 static PyObject *g_tensor_type;    /* torch.Tensor */
+static PyObject *g_written;        /* buffers._Written (configure_written), or NULL */
 static PyObject *g_miss;           /* fold.autobatch.common._MISS */
 static PyObject *g_local;          /* fold.autobatch.common._LOCAL */
 static PyObject *g_grad_enabled;   /* torch.is_grad_enabled */
@@ -922,7 +923,11 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
         }
         else if (PyObject_TypeCheck(a, (PyTypeObject *)g_tensor_type)) {
             /* A tensor subclass: an nn.Parameter is shared (see shared_tensor); any other
-               takes the slow path. */
+               takes the slow path: a written buffer at once, before its attributes are read
+               (each a call of its Python __torch_function__), to be given as the value it
+               holds (values._torch_function). */
+            if ((PyObject *)Py_TYPE(a) == g_written)
+                return 0;
             int shared = leaf_with_grad(a);
             if (shared <= 0)
                 return shared;
@@ -2603,6 +2608,20 @@ configure_defaults(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* configure_written(cls): fold.autobatch.buffers._Written, the class of a written buffer,
+   which the fast key refuses at once (see build_key). */
+static PyObject *
+configure_written(PyObject *module, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "configure_written: a class");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(g_written, cls);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 configure_inline(PyObject *module, PyObject *inline_)
 {
@@ -2616,6 +2635,8 @@ configure_inline(PyObject *module, PyObject *inline_)
 }
 
 static PyMethodDef functions[] = {
+    {"configure_written", configure_written, METH_O,
+     PyDoc_STR("configure_written(buffers._Written): the class of a written buffer")},
     {"configure_inline", configure_inline, METH_O,
      PyDoc_STR("configure_inline(recorder._INLINE): the modules whose calls run through")},
     {"configure_defaults", configure_defaults, METH_VARARGS,

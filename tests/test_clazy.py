@@ -674,6 +674,66 @@ def test_values_of_earlier_rounds_take_the_fast_path_alone_and_in_lists(monkeypa
     assert counts[1] == counts[2], counts
 
 
+def test_a_written_buffer_after_a_lazy_value_takes_the_fast_path(monkeypatch: Any) -> None:
+    """The translation tutorial's decoder: the encoder's outputs written into a buffer of the
+    example's own, then ``torch.bmm(w.unsqueeze(0), encoder_outputs.unsqueeze(0))`` at every
+    step.  The buffer's view is the same object at every step (found again before torch's
+    view is made), and the call, a lazy value first, is given the value the buffer holds and
+    found in the C fast table (the C key refuses the buffer at once): the recorder's slow
+    path takes as many calls for eight examples as for four.  Values and gradients equal
+    eager."""
+    if C is None:
+        pytest.skip("fold._clazy is not built")
+    from fold.autobatch import driver
+
+    monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    torch.manual_seed(0)
+    lin, att = nn.Linear(3, 3), nn.Linear(3, 4)
+    views: list[list[int]] = []
+
+    def decode(x: torch.Tensor) -> torch.Tensor:
+        outputs = torch.zeros(4, 3)
+        h = x[0]
+        for i in range(len(x)):
+            h = torch.tanh(lin(h + x[i]))
+            outputs[i] = h
+        seen, outs = [], []
+        for _ in range(3):
+            w = torch.softmax(att(h), 0)
+            mem = outputs.unsqueeze(0)
+            seen.append(id(mem))
+            h = torch.bmm(w.unsqueeze(0).unsqueeze(0), mem)[0, 0]
+            outs.append(h)
+            if float(h.detach().sum()) > 1e9:  # a read: a round per step
+                break
+        views.append(seen)
+        return torch.stack(outs)
+
+    from fold.autobatch.recorder import _Recorder
+
+    keyed: list[Any] = []
+    real = _Recorder.record
+
+    def record(self: Any, fn: Any, *rest: Any) -> Any:
+        if fn is torch.bmm:
+            keyed.append(fn)
+        return real(self, fn, *rest)
+
+    monkeypatch.setattr(_Recorder, "record", record)
+    counts = []
+    for n in (4, 4, 8):  # (the first call makes the ops)
+        xs = [torch.randn(3, 3) for _ in range(n)]
+        keyed.clear()
+        views.clear()
+        got = fold.autobatch(decode, xs)
+        counts.append(len(keyed))
+        assert all(len(set(seen)) == 1 for seen in views), views
+        want = torch.stack([decode(x) for x in xs])
+        torch.testing.assert_close(got, want)
+        _same_gradients(got, want, [*lin.parameters(), *att.parameters()])
+    assert counts[1] == counts[2], counts
+
+
 def test_the_eager_finish_converts_earlier_values_in_c_alone_in_lists_and_module_calls(
     monkeypatch: Any,
 ) -> None:

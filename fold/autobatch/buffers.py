@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from fold._encoding import node_id
-from fold.autobatch.common import _INPLACE, _LOCAL, _MISS, _is_inplace
+from fold.autobatch.common import _C, _INPLACE, _LOCAL, _MISS, _is_inplace
+from fold.autobatch import values
 from fold.autobatch.values import _FOREIGN, Lazy
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -112,8 +113,15 @@ class _Written(torch.Tensor):
         if rec is None or rec.session is None:  # a round runs, or fold's own bookkeeping
             with _NO_SUBCLASS():
                 return func(*args, **kwargs)
-        table = rec.session.written
+        session = rec.session
+        table = session.written
         if args and type(args[0]) is _Written:
+            if not kwargs and func in _VIEWS:
+                # The view made before by the same call (``encoder_outputs.unsqueeze(0)``
+                # at every step), found first: see _views.
+                got = _view_again(session, table, rec, func, args)
+                if got is not None:
+                    return got
             if _INPLACE[func]:
                 return _write(rec, table, func, args, kwargs)
             name = getattr(func, "__name__", None)
@@ -162,13 +170,40 @@ _VIEW_ATTRIBUTES = frozenset(("T", "mT", "H", "mH", "data"))
 def _lazy_among(a: Any) -> bool:
     """Whether a lazy or known value (a recorded index) is in ``a``, however nested."""
     t = type(a)
+    if t in _PLAIN:
+        return False
     if t is Lazy or t is _Written or (t is not torch.Tensor and isinstance(a, torch.Tensor)):
         return True
     if t is tuple or t is list:
-        return any(_lazy_among(x) for x in a)
+        for x in a:
+            if _lazy_among(x):
+                return True
+        return False
     if t is dict:
-        return any(_lazy_among(x) for x in a.values())
+        return _lazy_among(tuple(a.values()))
     return False
+
+
+_PLAIN = frozenset((int, float, bool, type(None), slice, str, torch.Tensor))
+
+
+def _view_again(
+    session: Any, table: dict[int, list[Any]], rec: Any, func: Any, args: Any
+) -> Any:
+    """The view ``func(*args)`` of written buffer ``args[0]`` where the same call made it
+    before (its other arguments plain ints, see _views) and it is still that buffer's view
+    of the recording example; else None (``_views`` makes it, with ``held``'s checks)."""
+    buf = args[0]
+    for a in args[1:]:
+        if type(a) is not int:
+            return None
+    entry = table.get(id(buf))
+    if entry is None or entry[0] is not buf or entry[2] != rec.example:
+        return None
+    got = session.views.get((id(buf), func, *args[1:]))
+    if got is not None and got[0] is buf and table.get(id(got[1]), (None,))[0] is got[1]:
+        return got[1]
+    return None
 
 
 def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: Any) -> Any:
@@ -180,14 +215,12 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
     held(buf, table, rec)  # (the checks)
     views = rec.session.views
     rest = args[1:]
-    # The view made before by the same call (``encoder_outputs.unsqueeze(0)`` at every
-    # step), found without torch's call where its arguments are plain ints.
+    # The view made by a call with plain int arguments (``encoder_outputs.unsqueeze(0)``
+    # at every step) is kept under the call, found again without torch's call
+    # (_view_again, in __torch_function__).
     again = None
     if not kwargs and all(type(a) is int for a in rest):
         again = (id(buf), func, *rest)
-        got = views.get(again)
-        if got is not None and got[0] is buf and table.get(id(got[1]), (None,))[0] is got[1]:
-            return got[1]
     session = rec.session
     with _NO_SUBCLASS():
         base = _base_of(session, buf)
@@ -280,6 +313,11 @@ def held_by(buf: Any, rec: Any) -> Any:
             "pass it as buf.clone(), or write it out of place."
         )
     return held(buf, rec.session.written, rec)
+
+
+values._WRITTEN[:] = [_Written, held_by]
+if _C is not None:  # (the C fast key refuses a written buffer at once)
+    _C.configure_written(_Written)
 
 
 def held(buf: Any, table: dict[int, list[Any]], rec: Any) -> Any:

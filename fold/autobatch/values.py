@@ -32,6 +32,7 @@ from fold.autobatch.common import (
     _BATCHED,
     _C,
     _CONSTANTS,
+    _INPLACE,
     _LOCAL,
     _MISS,
     _any_autocast,
@@ -100,7 +101,22 @@ def _torch_function(
         return _autograd_grad(rec, args, kwargs or {})
     if kwargs:
         args, kwargs = _given(func, args, kwargs)
+    written = _WRITTEN[0]
+    if written is not None and not _INPLACE[func] and not (kwargs and "out" in kwargs):
+        for a in args:
+            if type(a) is written:
+                # A buffer the example wrote (``torch.bmm(w, encoder_outputs.unsqueeze(0))``
+                # at every step of the translation tutorial's decoder): the value it holds,
+                # and the call again, which the C fast path now takes.
+                held = _WRITTEN[1]
+                args = tuple(held(x, rec) if type(x) is written else x for x in args)
+                return Lazy.__torch_function__(func, (Lazy,), args, kwargs or {})
     return rec.record(func, "torch", args, kwargs or {})
+
+
+# The class of a written buffer and ``held_by`` (fold/autobatch/buffers.py, which imports
+# this module, sets them at import).
+_WRITTEN: list[Any] = [None, None]
 
 
 def _given(
