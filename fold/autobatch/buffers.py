@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from fold._encoding import node_id
-from fold.autobatch.common import _C, _INPLACE, _LOCAL, _MISS, _is_inplace
 from fold.autobatch import values
+from fold.autobatch.common import _C, _INPLACE, _LOCAL, _MISS, _is_inplace
 from fold.autobatch.values import _FOREIGN, Lazy
 from fold.errors import FoldError
 from fold.graph import Fold
@@ -187,9 +187,7 @@ def _lazy_among(a: Any) -> bool:
 _PLAIN = frozenset((int, float, bool, type(None), slice, str, torch.Tensor))
 
 
-def _view_again(
-    session: Any, table: dict[int, list[Any]], rec: Any, func: Any, args: Any
-) -> Any:
+def _view_again(session: Any, table: dict[int, list[Any]], rec: Any, func: Any, args: Any) -> Any:
     """The view ``func(*args)`` of written buffer ``args[0]`` where the same call made it
     before (its other arguments plain ints, see _views) and it is still that buffer's view
     of the recording example; else None (``_views`` makes it, with ``held``'s checks)."""
