@@ -380,16 +380,23 @@ row_version(PyObject *row)
 /* As the slow path's _part: (tensor, its version, the example, the call's fn and kind) in
    ``rec.aliases``, for a tensor (not a view: views of one tensor share its version) whose
    literal row is a view of it (a change in place before its round runs is an error there,
-   naming the call, not a silent change of the recorded call's argument).  0, -1 on error. */
+   naming the call, not a silent change of the recorded call's argument).  1 for a view of
+   a tensor that needs no gradient (recorder._snapshot: the caller copies its row now), 0
+   for any other view or once noted, -1 on error. */
 static int
 note_alias(PyObject *rec, PyObject *a, PyObject *version, PyObject *fn, PyObject *kind)
 {
     PyObject *base = PyObject_GetAttr(a, s_base);
     if (base == NULL)
         return -1;
+    if (base != Py_None) {
+        PyObject *grad = PyObject_GetAttr(base, s_requires_grad);
+        Py_DECREF(base);
+        int needs = grad == NULL ? -1 : PyObject_IsTrue(grad);
+        Py_XDECREF(grad);
+        return needs < 0 ? -1 : !needs;
+    }
     Py_DECREF(base);
-    if (base != Py_None)
-        return 0;
     PyObject *aliases = PyObject_GetAttr(rec, s_aliases);
     if (aliases == NULL)
         return -1;
@@ -454,8 +461,13 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
         noted = -1;
     else if (version == Py_None)
         Py_SETREF(row, PyObject_CallMethodNoArgs(row, s_clone));
-    else /* (items 0 and 1: fn, kind) */
+    else { /* (items 0 and 1: fn, kind) */
         noted = note_alias(rec, a, version, k->items[0], k->items[1]);
+        if (noted == 1) { /* a view of a tensor that needs no gradient: its value now */
+            Py_SETREF(row, PyObject_CallMethodNoArgs(row, s_clone));
+            noted = 0;
+        }
+    }
     Py_DECREF(version);
     if (row == NULL)
         noted = -1;

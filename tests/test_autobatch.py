@@ -295,6 +295,69 @@ def test_rows_of_a_tensor_changed_in_place_are_read_again():
         torch.testing.assert_close(g, w)
 
 
+def test_a_row_of_an_iterated_tensor_changed_after_a_call_took_it_is_refused():
+    """A row a recorded call took as ``rows`` prepared it is read when its round runs; an
+    example that then changes its row in place (``x.mul_(2)`` after ``lin(x)``) would give
+    that call the changed value where eager code read the old one (it did, silently): a
+    FoldError naming the change and the fix.  A list of tensors was refused already, naming
+    the example; a list of views of one tensor is read at each call (a copy)."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        x.mul_(2)
+        return h + lin(x)
+
+    x = torch.randn(4, 3)
+    with pytest.raises(
+        fold.FoldError, match=r"iterates over was changed in place after a .*x.clone"
+    ):
+        fold.autobatch(fn, x.clone())
+    with pytest.raises(fold.FoldError, match=r"example 0: a tensor of shape \(3,\) was changed"):
+        fold.autobatch(fn, [row.clone() for row in x])
+    # Rows given as a list of views: each taken as a copy at its call (see the test below).
+    with torch.no_grad():
+        torch.testing.assert_close(fold.autobatch(fn, list(x.clone())), eager_stack(fn, x.clone()))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["set", "fill", "row method", "view of the row", "recorded write"],
+)
+def test_a_view_a_call_took_reads_its_value_at_the_call(change, finish):
+    """``h + buf[0]``, ``buf[0]`` a view of a tensor the example made (a buffer it fills, a
+    one-hot input), is read as eager code reads it: at the call.  The recorded call runs
+    later, in its round, so it takes a copy of the view's value now; before, an eager change
+    in place of the tensor after the call (``buf[0] = 7.0``) reached it, silently (the
+    views of one tensor share its version counter, so no check could tell a change of the
+    view from a change elsewhere), and a recorded write into the tensor after the call
+    (``buf[1] = h``) was refused, the recorded argument holding a view of its memory.
+    Values and gradients equal eager (float64)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+
+    def fn(x):
+        buf = torch.ones(4, 3, dtype=torch.float64)
+        h = torch.tanh(lin(x))
+        h = torch.add(h, buf[0], alpha=0.5) * buf[1:3].sum(0)
+        if change == "set":
+            buf[0] = 7.0
+        elif change == "fill":
+            buf.fill_(3.0)
+        elif change == "row method":
+            buf[0].mul_(2.0)
+        elif change == "view of the row":
+            buf[0:2].add_(1.0)
+        else:
+            buf[1] = h  # a recorded value: the buffer becomes a written buffer
+        if float(h.detach().sum()) > 1e9:  # a read: the call's round runs after the change
+            h = -h
+        return torch.tanh(lin(h + buf[0] + buf[1]))
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    assert_same(fn, list(lin.parameters()), xs)
+
+
 def test_torch_functions_reach_lazy_values_directly_only_during_a_call():
     """While autobatch runs, torch.cat, torch.softmax, F.softmax and kin hand a call on lazy
     values straight to the recorder (torch's argument parsing costs 1-2 us a call, a
@@ -5088,12 +5151,14 @@ def test_a_view_held_from_an_eager_write_refuses_a_later_recorded_write(monkeypa
 
 
 @_PROGRAMS
-@given(step_programs(10, (0, 3), 6, 5))
+@given(step_programs(12, (0, 3), 6, 5))
 def test_random_programs_writing_buffers_match_eager(finish, programs):
     """Random programs that fill a buffer they made (``torch.zeros(4, 3)``) with recorded
     rows, by assignment, ``+=``, a write through a view kept, ``add_`` of the whole, a row of
     numbers, interleaved with reads that decide and with uses of the buffer (a matmul over
-    it, a row of it): values and gradients equal eager (float64), whichever examples write
+    it, a row of it, a torch function given a recorded value first and a view of the buffer
+    after it, ``buf.unsqueeze(0)`` made again at every use): values and gradients equal
+    eager (float64), whichever examples write
     where and when, and the buffer returned is its value.  (The view written through dies
     with its step: a plain view still held when a recorded value is later written into
     its buffer is refused, since it would not see the write; see
@@ -5127,8 +5192,12 @@ def test_random_programs_writing_buffers_match_eager(finish, programs):
                 part = buf[1:3]
                 part[row % 2] = h * 2  # a slice kept, written
                 h = h + part.sum(0)
-            else:
+            elif step == 10:
                 buf.view(-1)[row] = h[1]  # a flat view
+            elif step == 11:  # a recorded value first, the buffer's view after it
+                h = torch.add(h, buf.unsqueeze(0)[0, row], alpha=0.5)
+            else:
+                h = torch.where(h > 0, h, buf[row])
         return buf * 2, h
 
     xs = [torch.randn(3) for _ in programs]

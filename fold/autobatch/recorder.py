@@ -247,6 +247,20 @@ class _Watched:
         return self.record(*fargs)
 
 
+def _snapshot(a: torch.Tensor) -> bool:
+    """Whether eager tensor ``a``, a call's literal argument, is taken as a copy of its value
+    now: a view of a tensor that needs no gradient (a row of a buffer the example fills, of
+    its one-hot input, of an input tensor it was given).  The call runs later, in its round;
+    a change in place of the tensor viewed before then (``buf[0] = 7.0`` after ``h +
+    buf[0]``) would reach it, and the views of one tensor share its version counter, so no
+    check tells a change of this view from a change elsewhere in its tensor.  (A tensor
+    itself is checked by its version instead, see check_aliases; a view of one that needs
+    a gradient, ``self.pos[:n]`` of a parameter, is taken as it is: the example does not
+    change parameters in place.)  The C fast path (``note_alias``) takes the same rule."""
+    base = a._base
+    return base is not None and not base.requires_grad
+
+
 def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``(args, kwargs)`` with every lazy value its computed row (and every known value its
     tensor), where the call's lazy values (in lists and tuples too) are all of earlier
@@ -460,7 +474,10 @@ class _Recorder:
         self._fast_nograd: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # id(row) -> (row, version, batched value, meta): the examples of a tensor autobatch
         # iterates over, prepared in one call per tensor (see ``rows``).
-        self._rows: dict[int, tuple[Any, int, Any, _Meta]] = {}
+        self._rows: dict[int, tuple[Any, int, Any, _Meta, list[Any]]] = {}
+        # Per tensor ``rows`` prepared: [the tensor, its version then, whether a call took a
+        # row as prepared] (see check_aliases).
+        self.iterated: list[list[Any]] = []
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
         # The views the running example made in this round (outputs of ops that alias,
@@ -631,8 +648,21 @@ class _Recorder:
         mask, a coverage vector made in the function) was changed in place after the call:
         the call runs with its round, and would read the new value where eager code read
         the old one.  Only tensors that are no view are checked: the views of one tensor
-        share its version counter, so a change to one row would look like a change to all
-        (a row of a tensor autobatch iterates over is read as it is when used, see rows)."""
+        share its version counter, so a change to one row would look like a change to all;
+        a view of a tensor that needs no gradient is taken as a copy of its value at the
+        call instead (``_snapshot``).  A row of a tensor autobatch iterates over is taken as
+        ``rows`` prepared it while that tensor's version is unchanged (else as a copy): a
+        change in place after a call took one is an error here."""
+        for t, version, taken in self.iterated:
+            if taken and t._version != version:
+                raise FoldError(
+                    f"autobatch: the tensor of shape {tuple(t.shape)} that autobatch iterates "
+                    "over was changed in place after a recorded call took a row of it (an "
+                    "example changed its row in place: x.mul_(2), x[0] = 0); the call runs "
+                    "later, in its round, and would read the changed value where eager code "
+                    "read the old one. Fix: change a copy (x = x.clone() before changing it), "
+                    "or compute out of place (x = x * 2)."
+                )
         for t, version, example, fn, kind in self.aliases:
             if t._version != version:
                 raise FoldError(
@@ -712,9 +742,11 @@ class _Recorder:
             values = t.split(1)
         meta = _meta(t.shape[1:], t.dtype, t.device)
         version = t._version
+        taken = [t, version, False]
+        self.iterated.append(taken)
         table = self._rows
         for row, value in zip(rows, values):
-            table[id(row)] = (row, version, value, meta)
+            table[id(row)] = (row, version, value, meta, taken)
         return rows
 
     def record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1061,6 +1093,7 @@ class _Recorder:
                 and row[1] == a._version
                 and not a.requires_grad  # requires_grad_() on the row: the general path
             ):
+                row[4][2] = True  # (a later change in place is an error: check_aliases)
                 fargs.append(row[2])
                 return row[3]
             grad = a.requires_grad
@@ -1075,13 +1108,15 @@ class _Recorder:
                 self.device = device
             if not grad and not a.ndim and _as_number(dtype):
                 fargs.append(a.item())
-            elif a.is_inference():
-                # No version counter to check a later change by: its value now, as eager
-                # code reads it at the call.
+            elif a.is_inference() or _snapshot(a):
+                # No version counter to check a later change by (an inference tensor), or
+                # one that cannot tell a change of this view from a change elsewhere in its
+                # tensor (``buf[0]`` of a buffer the example fills, its one-hot input's row):
+                # its value now, as eager code reads it at the call.
                 fargs.append(a.unsqueeze(0).clone())
             else:
                 fargs.append(a.unsqueeze(0))
-                if a._base is None:  # (views of one tensor share its version: not checked)
+                if a._base is None:  # (a view of a tensor that needs a gradient: as it is)
                     self.aliases.append((a, a._version, self.example, *self._calling))
             return _meta(a.shape, dtype, device)
         if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
