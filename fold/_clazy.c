@@ -69,6 +69,7 @@ static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_req
 static PyObject *s_row_literal, *s_row_of, *s_memo, *s_rounds, *s_row_views;
 static PyObject *s_token, *s_eager, *s_record, *s_module_kind, *s_literals, *s_aliases,
     *s_version, *s_example, *s_base, *s_is_inference, *s_clone;
+static PyObject *s_state, *s_note_state;
 
 /* ------------------------------------------------------------------------- LazyBase */
 
@@ -410,6 +411,79 @@ note_alias(PyObject *rec, PyObject *a, PyObject *version, PyObject *fn, PyObject
     }
     Py_DECREF(aliases);
     return out;
+}
+
+/* The state of ``obj`` (a module called, a parameter given) noted at its first recorded
+   call of the round, as the slow path notes it (recorder._Recorder.note_state: the call
+   runs with the round and reads it then): 0, -1 on error. */
+static PyObject *noted_rec; /* the recorder ``noted`` is of (compared, never read) */
+static PyObject *noted[16];  /* objects noted in its round (compared, never read) */
+static int noted_n;
+
+static int
+note_state(PyObject *rec, PyObject *obj)
+{
+    /* (the objects a step calls again and again, found here without Python: a new
+       recorder, a round's, empties the list, see forget_noted) */
+    if (rec == noted_rec) {
+        for (int i = 0; i < noted_n; i++)
+            if (noted[i] == obj)
+                return 0;
+    }
+    else {
+        noted_rec = rec;
+        noted_n = 0;
+    }
+    PyObject *state = PyObject_GetAttr(rec, s_state);
+    if (state == NULL) { /* (a recorder without one notes nothing) */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int out = 0;
+    if (PyDict_CheckExact(state)) {
+        PyObject *key = PyLong_FromVoidPtr(obj);
+        int has = key == NULL ? -1 : PyDict_Contains(state, key);
+        Py_XDECREF(key);
+        if (has == 0) {
+            PyObject *r = PyObject_CallMethodOneArg(rec, s_note_state, obj);
+            has = r == NULL ? -1 : 1;
+            Py_XDECREF(r);
+        }
+        out = has < 0 ? -1 : 0;
+        if (has > 0 && noted_n < 16)
+            noted[noted_n++] = obj;
+    }
+    Py_DECREF(state);
+    return out;
+}
+
+/* forget_noted(): a recorder begins (its round's objects are noted anew, see note_state). */
+static PyObject *
+forget_noted(PyObject *module, PyObject *unused)
+{
+    noted_rec = NULL;
+    noted_n = 0;
+    Py_RETURN_NONE;
+}
+
+/* The state a call found in the fast table reads when its node runs with the round, noted
+   as the slow path's _Recorder._note_call notes it: the module called, and the shared
+   tensors of its key (a parameter: the marker, then the tensor; a literal row's marker is
+   followed by its shape).  0, -1 on error. */
+static int
+note_call(Key *k, PyObject *rec, PyObject *fn, PyObject *kind)
+{
+    if ((kind == s_module_kind || (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "module") == 0)) &&
+        note_state(rec, fn) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i + 1 < k->nk; i++)
+        if (k->items[i] == g_tensor_type &&
+            PyObject_TypeCheck(k->items[i + 1], (PyTypeObject *)g_tensor_type) &&
+            note_state(rec, k->items[i + 1]) < 0)
+            return -1;
+    return 0;
 }
 
 /* A leaf tensor that requires grad (a parameter ``W`` in ``W @ h``, shared by every call;
@@ -1045,6 +1119,8 @@ fast_impl(PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *args, Py
     }
     PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 0), k.nodes, k.nn, NULL);
     result = res == NULL ? NULL : emit(entry, res, rec);
+    if (result != NULL && note_call(&k, rec, fn, kind) < 0)
+        Py_CLEAR(result);
     if (result != NULL && PyTuple_GET_SIZE(entry) == 4 && log_view(entry, rec, result, args, n) < 0)
         Py_CLEAR(result);
     Py_DECREF(entry);
@@ -2647,6 +2723,8 @@ configure_inline(PyObject *module, PyObject *inline_)
 }
 
 static PyMethodDef functions[] = {
+    {"forget_noted", forget_noted, METH_NOARGS,
+     PyDoc_STR("forget_noted(): a recorder begins; the objects noted are noted anew")},
     {"configure_written", configure_written, METH_O,
      PyDoc_STR("configure_written(buffers._Written): the class of a written buffer")},
     {"configure_inline", configure_inline, METH_O,
@@ -2719,7 +2797,9 @@ PyInit__clazy(void)
     for (int i = 0; i < 16; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
-    if ((s_dim = PyUnicode_InternFromString("dim")) == NULL)
+    if ((s_dim = PyUnicode_InternFromString("dim")) == NULL ||
+        (s_state = PyUnicode_InternFromString("state")) == NULL ||
+        (s_note_state = PyUnicode_InternFromString("note_state")) == NULL)
         return NULL;
     for (int i = 0; i < 64; i++)
         if ((g_small[i] = PyLong_FromLong(i)) == NULL)

@@ -358,6 +358,100 @@ def test_a_view_a_call_took_reads_its_value_at_the_call(change, finish):
     assert_same(fn, list(lin.parameters()), xs)
 
 
+class _Tempered(nn.Module):
+    """A module an example may set up for itself: a temperature, a flag, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+        self.temperature = 1.0
+        self.flip = False
+        self.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.lin(x) / self.temperature * self.scale
+        return -h if self.flip else h
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["attribute", "flag", "buffer in place", "weight in place", "train mode"],
+)
+def test_a_module_set_up_per_example_after_its_call_is_refused(change, finish):
+    """A module's forward runs with its round, once for the calls of all examples: where an
+    example changes the module after a recorded call of it (``m.temperature = t``, a flag,
+    a buffer or weight changed in place, ``m.train()``), the call would read the change
+    where eager code read the old state (it did, silently).  A FoldError names what
+    changed and the fix: an attribute as it is set (each set seen, one set back to its old
+    value before the round too), a tensor by its version as the round begins.  Recording
+    the function once for every row gives way to recording per example first (its numbers
+    one per row, values.RowNumber, never left in the module)."""
+    torch.manual_seed(0)
+    m = _Tempered().eval()
+
+    def fn(x, t):
+        h = m(x)
+        if change == "attribute":
+            m.temperature = t
+        elif change == "flag":
+            m.flip = t > 2
+        elif change == "buffer in place":
+            m.scale.mul_(t)
+        elif change == "weight in place":
+            with torch.no_grad():
+                m.lin.weight.mul_(t)
+        else:
+            m.train(t > 2)
+        return h + m(x)
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    said = {  # (an attribute is refused as it is set; a tensor as the round begins)
+        "attribute": r"example 1: the attribute 'temperature' of _Tempered set to 2.0",
+        "flag": r"example 2: the attribute 'flip' of _Tempered set to True",
+        "buffer in place": r"the tensor 'scale' of _Tempered changed while the examples",
+        "weight in place": r"the tensor 'weight' of _Tempered's Linear changed while",
+        "train mode": r"example 2: the attribute 'training' of _Tempered set to True",
+    }[change]
+    for kw in ({"per_example": True}, {}):  # (recorded once for every row first: per example)
+        m.temperature, m.flip = 1.0, False
+        m.eval()
+        with pytest.raises(fold.FoldError, match=said):
+            fold.autobatch(fn, xs, [1.0, 2.0, 3.0, 4.0], **kw)
+        assert type(m.temperature) is float and type(m.flip) is bool
+
+
+def test_a_module_set_up_alike_before_its_calls_of_a_round_equals_eager(finish):
+    """Set up before its calls of a round, a module reads what eager code reads: a
+    temperature every example sets alike at each step (a schedule), a read each step (a
+    round each); and a renormalising embedding (``max_norm``), whose table its own calls
+    change in place (no change a later call would not make alike).  Values and gradients
+    equal eager (float64)."""
+    torch.manual_seed(0)
+    m = _Tempered()
+    table = nn.Embedding(6, 3, max_norm=1.0).double()
+    schedule = [1.0, 2.0, 0.5]
+
+    def fn(x, k):
+        h = x
+        for t in schedule:
+            m.temperature = t
+            h = torch.tanh(m(h)) + table(k)
+            if float(h.detach().sum()) > 1e9:  # a read: a round per step
+                h = -h
+        return h
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    ks = [torch.tensor(i % 6) for i in range(5)]
+    kept = table.weight.detach().clone()
+    got = fold.autobatch(fn, xs, ks)
+    renormed = table.weight.detach().clone()
+    with torch.no_grad():
+        table.weight.copy_(kept)
+    assert_same(fn, [*m.parameters(), table.weight], xs, ks)
+    torch.testing.assert_close(table.weight.detach(), renormed)  # renormalised alike
+    torch.testing.assert_close(got, eager_stack(fn, xs, ks))
+
+
 def test_torch_functions_reach_lazy_values_directly_only_during_a_call():
     """While autobatch runs, torch.cat, torch.softmax, F.softmax and kin hand a call on lazy
     values straight to the recorder (torch's argument parsing costs 1-2 us a call, a

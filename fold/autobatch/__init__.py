@@ -137,7 +137,21 @@ How a call is recorded (the choices the contract leaves open):
   the function changes in place after a recorded call took it as an argument (a mask
   updated while its call waits for its round): the call would read the changed value; the
   error names the example and the call.
-  Changed after a read, once the round that used it has run, it is fine.
+  Changed after a read, once the round that used it has run, it is fine.  A *view* a
+  recorded call takes (``h + buf[0]``, ``buf`` a tensor that needs no gradient) is taken as
+  a copy of its value at the call (the views of one tensor share its version counter, so no
+  check could tell a change of the view from one elsewhere in its tensor); a row of a
+  tensor autobatch iterates over, changed in place after a call took it, is a FoldError.
+- **Module state.**  A module's forward runs with its round, once for the calls of all
+  examples, reading the module's state then.  An example that sets a module up for itself
+  after a recorded call of it in the round (``m.temperature = t``, ``m.train(flag)``: a
+  plain attribute, a number, flag or string, set to a new value) gets a FoldError as it sets
+  it; a parameter or buffer changed in place after a call read it (a version counted since)
+  is a FoldError as the round begins (``recorder._Recorder.check_aliases``).  Set before
+  the module's calls of a round (a schedule every example follows alike), it is read as
+  eager code reads it.  While a function is recorded once for every row, a module set up
+  so makes the call record per example instead (``traced._guarded_setattr``).  A change
+  made through ``.data`` counts no version and is not seen (as autograd does not see it).
 - A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
   ``dtype``, ``device``, ``ndim`` and ``size()``.
 - Errors inside a batched call name the user's source line that first recorded that call.

@@ -58,6 +58,7 @@ from fold.autobatch.traced import (
     _flatten,
     _traced,
     forget_traces,
+    guarded_setattr,
 )
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, FoldOutOfMemoryError, describe
@@ -228,6 +229,9 @@ class _Session:
     once on the rows of earlier rounds.  Values and gradients are the same."""
 
     def __init__(self, fn: Any = None) -> None:
+        # The modules the rounds' calls read, as recorder.note_state finds them (shared by
+        # the rounds' recorders, made below).
+        self.structures: dict[int, Any] = {}
         # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
         # Fold): taken here, and given back by ``autobatch`` once its results are out
         # (``tables`` keeps the fast tables of the last round that recorded, where the
@@ -420,6 +424,8 @@ def _record(
     _LOCAL.rec = rec
     installed = _installed()
     installed.__enter__()
+    guard = guarded_setattr()  # (a module set up per example: see traced._guarded_setattr)
+    guard.__enter__()
     runs: list[Any] = []
     try:
         iterables = tuple(
@@ -497,6 +503,7 @@ def _record(
         buffers.restore(session)
         forget_masks()
         forget_combinations()
+        guard.__exit__(None, None, None)
         installed.__exit__(None, None, None)
     if not results:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")

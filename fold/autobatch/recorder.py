@@ -247,6 +247,68 @@ class _Watched:
         return self.record(*fargs)
 
 
+def _node_of(out: Any, rec: Any) -> bool:
+    """Whether a call's result ``out`` is a lazy value of ``rec``'s round (the call became a
+    node, which runs with the round), or holds one first."""
+    t = type(out)
+    if t is Lazy:
+        return out.rec is rec
+    if t is tuple or t is list:
+        return bool(out) and _node_of(out[0], rec)
+    return False
+
+
+def _module_structure(module: nn.Module) -> tuple[frozenset[int], tuple[Any, ...]]:
+    """The ids of the modules in ``module`` (itself too), and the places of their parameters
+    and buffers: (module, its table, the name), by identity (a module's own __hash__ is
+    never called, see _identity_keyed)."""
+    ids: set[int] = set()
+    places: list[Any] = []
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in ids:
+            continue
+        ids.add(id(m))
+        d = m.__dict__
+        todo.extend(c for c in reversed((d.get("_modules") or {}).values()) if c is not None)
+        for table in (d.get("_parameters"), d.get("_buffers")):
+            places.extend((m, table, k) for k in table or ())
+    return frozenset(ids), tuple(places)
+
+
+def _tensor_state(places: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per place of ``_module_structure`` the tensor there now and its version (None for an
+    inference tensor, or no tensor)."""
+    out = []
+    for _, table, k in places:
+        t = table.get(k)
+        out.append((t, None if t is None or t.is_inference() else t._version))
+    return tuple(out)
+
+
+# The attribute types a module set up per example is refused for (``traced._guarded_setattr``:
+# numbers, flags, strings, None; a float NaN is a new value only where it was not NaN).
+_PLAIN_STATE = frozenset((bool, int, float, str, type(None)))
+
+
+def _state_changed(obj: Any, state: Any, structures: dict[int, Any]) -> str | None:
+    """What of ``obj``'s state (see note_state) differs from ``state``, in words; None
+    where nothing does: a parameter's version; a module's tensors (one set anew, or changed
+    in place).  (Its plain attributes are seen as they are set: traced._guarded_setattr.)"""
+    if not isinstance(obj, nn.Module):
+        if state is None or obj._version == state:
+            return None
+        return f"a parameter of shape {tuple(obj.shape)}"
+    places = structures[id(obj)][2]
+    for (m, table, k), (t, version) in zip(places, state):
+        now = table.get(k)
+        if now is not t or (t is not None and version is not None and t._version != version):
+            where = type(obj).__name__ + ("" if m is obj else f"'s {type(m).__name__}")
+            return f"the tensor {k!r} of {where}"
+    return None
+
+
 def _snapshot(a: torch.Tensor) -> bool:
     """Whether eager tensor ``a``, a call's literal argument, is taken as a copy of its value
     now: a view of a tensor that needs no gradient (a row of a buffer the example fills, of
@@ -478,6 +540,17 @@ class _Recorder:
         # Per tensor ``rows`` prepared: [the tensor, its version then, whether a call took a
         # row as prepared] (see check_aliases).
         self.iterated: list[list[Any]] = []
+        # id(module) -> (module, its state at its first recorded call of the round): see
+        # note_state and check_aliases.
+        self.state: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        self.state_modules: set[int] = set()  # (the ids of the modules in ``state``'s)
+        # id(module) -> (module, its modules' ids, its tensors' places): made once per
+        # autobatch call (its rounds' recorders share the session's), see note_state.
+        self.structures: dict[int, tuple[Any, ...]] = (
+            session.structures if session is not None else {}
+        )
+        if _C is not None:  # (the C path's list of the objects it noted: of another round)
+            _C.forget_noted()
         # The fast tables a finished autobatch call gives back with its Fold (driver._POOL).
         self.kept: tuple[dict[Any, Any], ...] | None = None
         # The views the running example made in this round (outputs of ops that alias,
@@ -653,6 +726,18 @@ class _Recorder:
         call instead (``_snapshot``).  A row of a tensor autobatch iterates over is taken as
         ``rows`` prepared it while that tensor's version is unchanged (else as a copy): a
         change in place after a call took one is an error here."""
+        for obj, state in self.state.values():
+            changed = _state_changed(obj, state, self.structures)
+            if changed is not None:
+                raise FoldError(
+                    f"autobatch: {changed} changed while the examples were recorded, after a "
+                    "recorded call read it: the call runs later, in its round, once for the "
+                    "calls of all examples, and would read the changed value where eager code "
+                    "read the old one (an example setting a module up for itself: "
+                    "m.temperature = t, m.train(), a buffer or weight changed in place). Fix: "
+                    "pass what differs per example as an argument (m(x, t)), or set it before "
+                    "the autobatch call."
+                )
         for t, version, taken in self.iterated:
             if taken and t._version != version:
                 raise FoldError(
@@ -673,6 +758,21 @@ class _Recorder:
                     "(t = t.clone() before changing it), or compute out of place (t = t + 1, "
                     "torch.where, torch.cat)."
                 )
+
+    def note_state(self, obj: Any) -> None:
+        """The state of ``obj`` at its first recorded call of the round (the C fast path
+        calls this too), for check_aliases: a module's tensors and their versions (its
+        modules noted in ``state_modules`` for traced._guarded_setattr), whose forward
+        runs with the round and reads it then; a parameter's version, given to a call
+        (``F.linear(x, W)``) that reads it then."""
+        if isinstance(obj, nn.Module):
+            got = self.structures.get(id(obj))
+            if got is None or got[0] is not obj:
+                got = self.structures[id(obj)] = (obj, *_module_structure(obj))
+            self.state[id(obj)] = (obj, _tensor_state(got[2]))
+            self.state_modules.update(got[1])
+        else:
+            self.state[id(obj)] = (obj, None if obj.is_inference() else obj._version)
 
     def _trial(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of ``module`` run through on trial (see ``_shapes_vary``): its calls taken
@@ -771,7 +871,7 @@ class _Recorder:
             if computed is not None:  # only values of earlier rounds: eager, as they are
                 return fn(*computed[0], **computed[1])
         try:
-            return self._record(fn, kind, args, kwargs)
+            out = self._record(fn, kind, args, kwargs)
         except AttributeError:
             for a in (*args, *kwargs.values()):
                 for x in a if type(a) in (list, tuple) else (a,):
@@ -780,6 +880,28 @@ class _Recorder:
                     ):
                         raise _unfilled(_fn_name(fn, kind)) from None
             raise
+        if kind != _BATCHED and _node_of(out, self):  # (see note_state)
+            self._note_call(fn, kind, args, kwargs)
+        return out
+
+    def _note_call(self, fn: Any, kind: str, args: Any, kwargs: dict[str, Any]) -> None:
+        """The state a call recorded as a node of this round reads when it runs (see
+        note_state): a module's, or the parameters among its arguments' (the C fast path
+        notes its calls alike, ``note_call``)."""
+        state = self.state
+        if kind == "module" and not (_INLINE and _INLINE.get(id(fn)) is fn):
+            if id(fn) not in state:
+                self.note_state(fn)
+        for a in (*args, *kwargs.values()):
+            for x in a if type(a) is list or type(a) is tuple else (a,):
+                if (
+                    isinstance(x, torch.Tensor)
+                    and x.requires_grad
+                    and x.is_leaf
+                    and x._base is None
+                    and id(x) not in state
+                ):
+                    self.note_state(x)
 
     def _record(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module" and _INLINE and _INLINE.get(id(fn)) is fn:
@@ -1140,6 +1262,16 @@ class _Recorder:
             )
         if t is slice:
             return (slice, (a.start, a.stop, a.step))
+        if t is RowNumber and self.lockstep is None:
+            raise FoldError(
+                f"autobatch: example {self.example}: a number autobatch gave the function as "
+                "one per row, while it recorded the function once for every row, was kept "
+                "beyond that recording (set as a module's attribute or a global: "
+                "m.temperature = t) and reached a call recorded per example. Fix: pass the "
+                "number as an argument where it is used (m(x, t)), or set what differs per "
+                "example before the autobatch call; autobatch(..., per_example=True) records "
+                "per example from the start."
+            )
         try:
             hash(a)
         except TypeError:
@@ -1226,7 +1358,18 @@ class _Recorder:
             op.transformer = _transformer_layout(fn, args, kwargs) or _attention_layout(
                 fn, args, kwargs
             )
+        # (states changed since they were noted: the example's doing, kept to be refused)
+        changed = [
+            k for k, (obj, st) in self.state.items() if _state_changed(obj, st, self.structures)
+        ]
         self._infer(op)
+        if self.state:
+            # Shape inference ran calls (on fake tensors: a renormalising embedding's
+            # in-place renorm counts a version on its real table, no value changed): the
+            # other states noted are taken again (see note_state).
+            for k, (obj, _) in list(self.state.items()):
+                if k not in changed:
+                    self.note_state(obj)
         if kind == "torch":
             direct = _direct_template(fn, args, kwargs, op.outs)
             if direct is not None:
