@@ -512,12 +512,24 @@ def test_nothing_installed_outlives_the_call_and_other_wrappers_are_kept():
     outside autobatch, also after the next call; one installed while a call runs is kept;
     torch.compile's tracer finds no graph break after autobatch."""
     module_call, tensor, as_tensor = nn.Module.__call__, torch.tensor, torch.as_tensor
+    setattr_ = nn.Module.__setattr__  # (guarded while a call records: a module set up per example)
     lin = nn.Linear(2, 2)
     x = torch.randn(5, 2)
     rows = list(x)
     torch.testing.assert_close(fold.autobatch(lambda r: lin(r), rows), lin(x))
     assert nn.Module.__call__ is module_call and torch.tensor is tensor
-    assert torch.as_tensor is as_tensor
+    assert torch.as_tensor is as_tensor and nn.Module.__setattr__ is setattr_
+    for kw in ({}, {"per_example": True}):
+
+        def sets_up(r):
+            out = lin(r)
+            lin.flag = float(r[0]) > 0  # (refused after the call: a FoldError)
+            return out
+
+        lin.flag = True
+        with pytest.raises(fold.FoldError, match="attribute 'flag' of Linear set to False"):
+            fold.autobatch(sets_up, [torch.ones(2), -torch.ones(2)], **kw)
+        assert nn.Module.__setattr__ is setattr_
     seen = []
 
     def counting(self, *args, **kwargs):

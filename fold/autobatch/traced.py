@@ -467,14 +467,17 @@ def _guarded_setattr(self: nn.Module, name: str, value: Any) -> None:
 @contextlib.contextmanager
 def guarded_setattr() -> Any:
     """``_guarded_setattr`` as ``nn.Module.__setattr__`` for the ``with``; what was there
-    before it put back (each autobatch call's recording: no module outside the call, nor
-    another thread's, meets it: it passes every set through where nothing records)."""
+    before it put back, unless another wrapper was installed over it meanwhile (each
+    autobatch call's recording: no module outside the call, nor another thread's, meets it:
+    it passes every set through where nothing records)."""
     before = nn.Module.__dict__["__setattr__"]
     nn.Module.__setattr__ = _guarded_setattr  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.__setattr__ = before  # type: ignore[method-assign]
+        # (one another library installed over it meanwhile stays, as for __call__)
+        if nn.Module.__dict__.get("__setattr__") is _guarded_setattr:
+            nn.Module.__setattr__ = before  # type: ignore[method-assign]
 
 
 # Per function recorded once on lazy rows (the key of _traced, and whether module calls
