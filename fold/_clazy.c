@@ -340,6 +340,7 @@ typedef struct {
     PyObject *nodes[MAX_NODES];
     PyObject *number; /* the number tensor whose .item() the recorder takes, or NULL */
     Py_ssize_t nk, nn;
+    int shared; /* whether a shared tensor is among the items (see note_call) */
 } Key;
 
 static inline void
@@ -475,9 +476,10 @@ forget_noted(PyObject *module, PyObject *unused)
 static int
 note_call(Key *k, PyObject *rec, PyObject *fn, PyObject *kind)
 {
-    if ((kind == s_module_kind || (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "module") == 0)) &&
-        note_state(rec, fn) < 0)
+    if (kind == s_module_kind && note_state(rec, fn) < 0) /* (the interned "module") */
         return -1;
+    if (!k->shared)
+        return 0;
     for (Py_ssize_t i = 0; i + 1 < k->nk; i++)
         if (k->items[i] == g_tensor_type &&
             PyObject_TypeCheck(k->items[i + 1], (PyTypeObject *)g_tensor_type) &&
@@ -496,6 +498,7 @@ shared_tensor(Key *k, PyObject *a)
         return 0;
     key_item(k, g_tensor_type);
     key_item(k, a);
+    k->shared = 1;
     return 1;
 }
 
@@ -761,6 +764,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
 {
     k->nk = k->nn = 0;
     k->number = NULL;
+    k->shared = 0;
     if (!configured())
         return -1;
     if (n < 1 || n > MAX_FAST)
@@ -912,6 +916,7 @@ key_build(Key *k, PyObject *rec, PyObject *fn, PyObject *kind, PyObject *const *
                     }
                     key_item(k, g_tensor_type);
                     key_item(k, x);
+                    k->shared = 1;
                     continue;
                 }
                 PyObject *literal = NULL;

@@ -420,6 +420,29 @@ def test_a_module_set_up_per_example_after_its_call_is_refused(change, finish):
         assert type(m.temperature) is float and type(m.flip) is bool
 
 
+def test_a_parameter_changed_in_place_after_a_call_took_it_is_refused(finish):
+    """A parameter given to a torch call (``torch.mv(W, x)``) is read when the call's round
+    runs: changed in place after the call (``W.mul_(2)`` under torch.no_grad()), it would
+    reach the call changed.  A FoldError, on the C fast path and the slow path alike (a
+    second call finds every call in the fast table kept from the first, and the C path
+    notes the parameter)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    lin = nn.Linear(3, 3).double()
+
+    def fn(x, i):
+        h = torch.tanh(torch.mv(w, lin(x)))
+        if i == 2:  # (a later example: its call was found in the fast table)
+            with torch.no_grad():
+                w.mul_(2.0)
+        return h
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    fold.autobatch(fn, xs, [0, 1, 3, 3], per_example=True)  # (its entries kept: C from here)
+    with pytest.raises(fold.FoldError, match=r"a parameter of shape \(3, 3\) changed"):
+        fold.autobatch(fn, xs, list(range(4)), per_example=True)
+
+
 def test_a_module_set_up_alike_before_its_calls_of_a_round_equals_eager(finish):
     """Set up before its calls of a round, a module reads what eager code reads: a
     temperature every example sets alike at each step (a schedule), a read each step (a
