@@ -383,9 +383,9 @@ def test_a_module_set_up_per_example_after_its_call_is_refused(change, finish):
     a buffer or weight changed in place, ``m.train()``), the call would read the change
     where eager code read the old state (it did, silently).  A FoldError names what
     changed and the fix: an attribute as it is set (each set seen, one set back to its old
-    value before the round too), a tensor by its version as the round begins.  Recording
-    the function once for every row gives way to recording per example first (its numbers
-    one per row, values.RowNumber, never left in the module)."""
+    value before the round too), a tensor by its version as the round begins.  (Recorded
+    once for every row, ``per_example=False``, the function is taken as pure: see the
+    package's docstring.)"""
     torch.manual_seed(0)
     m = _Tempered().eval()
 
@@ -412,12 +412,10 @@ def test_a_module_set_up_per_example_after_its_call_is_refused(change, finish):
         "weight in place": r"the tensor 'weight' of _Tempered's Linear changed while",
         "train mode": r"example 2: the attribute 'training' of _Tempered set to True",
     }[change]
-    for kw in ({"per_example": True}, {}):  # (recorded once for every row first: per example)
-        m.temperature, m.flip = 1.0, False
-        m.eval()
-        with pytest.raises(fold.FoldError, match=said):
-            fold.autobatch(fn, xs, [1.0, 2.0, 3.0, 4.0], **kw)
-        assert type(m.temperature) is float and type(m.flip) is bool
+    with pytest.raises(fold.FoldError, match=said):
+        fold.autobatch(fn, xs, [1.0, 2.0, 3.0, 4.0], per_example=True)
+    m.temperature = 5.0
+    assert type(m).__setattr__ is nn.Module.__setattr__  # (the guard ended with the call)
 
 
 def test_a_parameter_changed_in_place_after_a_call_took_it_is_refused(finish):
@@ -535,24 +533,23 @@ def test_nothing_installed_outlives_the_call_and_other_wrappers_are_kept():
     outside autobatch, also after the next call; one installed while a call runs is kept;
     torch.compile's tracer finds no graph break after autobatch."""
     module_call, tensor, as_tensor = nn.Module.__call__, torch.tensor, torch.as_tensor
-    setattr_ = nn.Module.__setattr__  # (guarded while a call records: a module set up per example)
+    setattr_ = nn.Module.__setattr__  # (a called module's class guarded while a call records)
     lin = nn.Linear(2, 2)
     x = torch.randn(5, 2)
     rows = list(x)
     torch.testing.assert_close(fold.autobatch(lambda r: lin(r), rows), lin(x))
     assert nn.Module.__call__ is module_call and torch.tensor is tensor
     assert torch.as_tensor is as_tensor and nn.Module.__setattr__ is setattr_
-    for kw in ({}, {"per_example": True}):
 
-        def sets_up(r):
-            out = lin(r)
-            lin.flag = float(r[0]) > 0  # (refused after the call: a FoldError)
-            return out
+    def sets_up(r):
+        out = lin(r)
+        lin.flag = float(r[0]) > 0  # (refused after the call: a FoldError)
+        return out
 
-        lin.flag = True
-        with pytest.raises(fold.FoldError, match="attribute 'flag' of Linear set to False"):
-            fold.autobatch(sets_up, [torch.ones(2), -torch.ones(2)], **kw)
-        assert nn.Module.__setattr__ is setattr_
+    lin.flag = True
+    with pytest.raises(fold.FoldError, match="attribute 'flag' of Linear set to False"):
+        fold.autobatch(sets_up, [torch.ones(2), -torch.ones(2)], per_example=True)
+    assert nn.Module.__setattr__ is setattr_ and "__setattr__" not in nn.Linear.__dict__
     seen = []
 
     def counting(self, *args, **kwargs):

@@ -149,9 +149,11 @@ How a call is recorded (the choices the contract leaves open):
   it; a parameter or buffer changed in place after a call read it (a version counted since)
   is a FoldError as the round begins (``recorder._Recorder.check_aliases``).  Set before
   the module's calls of a round (a schedule every example follows alike), it is read as
-  eager code reads it.  While a function is recorded once for every row, a module set up
-  so makes the call record per example instead (``traced._guarded_setattr``).  A change
-  made through ``.data`` counts no version and is not seen (as autograd does not see it).
+  eager code reads it.  The attribute check is a guard over the ``__setattr__`` of the
+  classes of the modules the round's calls read, for the length of the call
+  (``recorder._guard_class``).  A change made through ``.data`` counts no version and is
+  not seen (as autograd does not see it).  A function recorded once for every row (below)
+  is taken as pure: one that sets a module up per example should pass ``per_example=True``.
 - A Lazy value is not a ``torch.Tensor`` (``isinstance`` says False); it carries ``shape``,
   ``dtype``, ``device``, ``ndim`` and ``size()``.
 - Errors inside a batched call name the user's source line that first recorded that call.

@@ -49,6 +49,7 @@ from fold.autobatch.recorder import (
     _SIZED_BY_DATA,
     _WHOLE,
     _Recorder,
+    unguard,
 )
 from fold.autobatch.traced import (
     _LEAF_SPEC,
@@ -58,7 +59,6 @@ from fold.autobatch.traced import (
     _flatten,
     _traced,
     forget_traces,
-    guarded_setattr,
 )
 from fold.autobatch.values import _METAS, _ROWS, Lazy, _value_of
 from fold.errors import FoldError, FoldOutOfMemoryError, describe
@@ -229,9 +229,11 @@ class _Session:
     once on the rows of earlier rounds.  Values and gradients are the same."""
 
     def __init__(self, fn: Any = None) -> None:
-        # The modules the rounds' calls read, as recorder.note_state finds them (shared by
-        # the rounds' recorders, made below).
+        # The modules the rounds' calls read, as recorder.note_state finds them, and the
+        # classes of theirs guarded while the call runs (shared by the rounds' recorders,
+        # made below; see recorder._guard_class).
         self.structures: dict[int, Any] = {}
+        self.guarded: dict[type, tuple[Any, Any]] = {}
         # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
         # Fold): taken here, and given back by ``autobatch`` once its results are out
         # (``tables`` keeps the fast tables of the last round that recorded, where the
@@ -424,8 +426,6 @@ def _record(
     _LOCAL.rec = rec
     installed = _installed()
     installed.__enter__()
-    guard = guarded_setattr()  # (a module set up per example: see traced._guarded_setattr)
-    guard.__enter__()
     runs: list[Any] = []
     try:
         iterables = tuple(
@@ -503,7 +503,7 @@ def _record(
         buffers.restore(session)
         forget_masks()
         forget_combinations()
-        guard.__exit__(None, None, None)
+        unguard(session.guarded)  # (see recorder._guard_class)
         installed.__exit__(None, None, None)
     if not results:
         raise FoldError("autobatch: no examples (the iterables are empty). Fix: pass at least one.")

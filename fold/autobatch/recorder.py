@@ -258,23 +258,78 @@ def _node_of(out: Any, rec: Any) -> bool:
     return False
 
 
-def _module_structure(module: nn.Module) -> tuple[frozenset[int], tuple[Any, ...]]:
-    """The ids of the modules in ``module`` (itself too), and the places of their parameters
+def _module_structure(module: nn.Module) -> tuple[frozenset[int], tuple[Any, ...], set[type]]:
+    """The ids of the modules in ``module`` (itself too), the places of their parameters
     and buffers: (module, its table, the name), by identity (a module's own __hash__ is
-    never called, see _identity_keyed)."""
+    never called, see _identity_keyed), and their classes."""
     ids: set[int] = set()
     places: list[Any] = []
+    classes: set[type] = set()
     todo = [module]
     while todo:
         m = todo.pop()
         if id(m) in ids:
             continue
         ids.add(id(m))
+        classes.add(type(m))
         d = m.__dict__
         todo.extend(c for c in reversed((d.get("_modules") or {}).values()) if c is not None)
         for table in (d.get("_parameters"), d.get("_buffers")):
             places.extend((m, table, k) for k in table or ())
-    return frozenset(ids), tuple(places)
+    return frozenset(ids), tuple(places), classes
+
+
+def _guard_class(cls: type, guarded: dict[type, tuple[Any, Any]]) -> None:
+    """``cls.__setattr__`` checked for the length of an autobatch call (``guarded``, the
+    call's, holds what to put back: ``unguard``): a module set up per example after a
+    recorded call of it in the round (``m.temperature = t``, ``m.train(flag)``: a plain
+    attribute, a number, flag or string, set to a new value) is a FoldError as it is set, since
+    the call runs with its round, once for the calls of all examples, and would read the
+    new value where eager code read the old one (each set is seen: one set back before the
+    round runs is refused too).  Set on the module classes a round's calls read (a class's
+    own attribute: setting nn.Module's would refresh the method caches of every module
+    class, 0.1 ms a call); a set on any other module, a private attribute, one the module
+    does not have yet, or one made while nothing records per example, goes through."""
+    inner = cls.__setattr__
+    own = cls.__dict__.get("__setattr__", _MISS)
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
+        rec = _LOCAL.rec
+        if type(rec) is _Recorder and rec.lockstep is None and id(self) in rec.state_modules:
+            old = self.__dict__.get(name, _MISS)
+            if (
+                type(old) in _PLAIN_STATE
+                and not name.startswith("_")
+                and (
+                    type(old) is not type(value)
+                    or (old != value and not (old != old and value != value))
+                )
+            ):
+                raise FoldError(
+                    f"autobatch: example {rec.example}: the attribute {name!r} of "
+                    f"{type(self).__name__} set to {value!r} after a recorded call read the "
+                    "module in this round: the call runs later, in its round, once for the "
+                    "calls of all examples, and would read the new value where eager code "
+                    "read the old one (an example setting a module up for itself: "
+                    "m.temperature = t, m.train()). Fix: pass what differs per example as an "
+                    "argument (m(x, t)), or set it before the autobatch call."
+                )
+        inner(self, name, value)
+
+    guarded[cls] = (own, __setattr__)
+    cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
+
+
+def unguard(guarded: dict[type, tuple[Any, Any]]) -> None:
+    """Every class ``_guard_class`` guarded for a call as it was (the last guarded first),
+    unless another wrapper was set over its guard meanwhile (that one stays)."""
+    for cls, (own, guard) in reversed(list(guarded.items())):
+        if cls.__dict__.get("__setattr__") is guard:
+            if own is _MISS:
+                delattr(cls, "__setattr__")
+            else:
+                cls.__setattr__ = own  # type: ignore[method-assign]
+    guarded.clear()
 
 
 def _tensor_state(places: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -769,6 +824,11 @@ class _Recorder:
             got = self.structures.get(id(obj))
             if got is None or got[0] is not obj:
                 got = self.structures[id(obj)] = (obj, *_module_structure(obj))
+                session = self.session
+                if session is not None:  # (recorded per example: its classes guarded)
+                    for cls in got[3]:
+                        if cls not in session.guarded:
+                            _guard_class(cls, session.guarded)
             self.state[id(obj)] = (obj, _tensor_state(got[2]))
             self.state_modules.update(got[1])
         else:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 from fold.autobatch.common import (
@@ -33,9 +32,9 @@ from fold.autobatch.patches import (
     recorded_calls,
     tensor_installed,
 )
-from fold.autobatch.recorder import _PLAIN_STATE, _Recorder
+from fold.autobatch.recorder import _Recorder
 from fold.autobatch.values import Known, Lazy, RowNumber, _Meta, _meta
-from fold.errors import FoldError, describe
+from fold.errors import describe
 from fold.ragged import Ragged
 from fold.run import collector_paused
 
@@ -394,8 +393,6 @@ def _record_once(
     outer = _LOCAL.rec
     _LOCAL.rec = rec
     rng = _rng_states()
-    guard = guarded_setattr()
-    guard.__enter__()
     try:
         if modules:
             with collector_paused(), _installed():
@@ -412,72 +409,12 @@ def _record_once(
         _rng_restore(rng)
         raise
     finally:
-        guard.__exit__(None, None, None)
         _LOCAL.rec = outer
         # (kept with the trace; the closed recorder's own emptied, see _Recorder.close)
         trace.tables = (rec._fast, rec._fast_nograd, rec._recorders)
         rec._fast, rec._fast_nograd, rec._recorders = {}, {}, {}
         rec.close()
     return rec, trace, out
-
-
-_MODULE_SETATTR = nn.Module.__setattr__
-
-
-def _guarded_setattr(self: nn.Module, name: str, value: Any) -> None:
-    """``nn.Module.__setattr__`` while autobatch records (installed for the call, see
-    ``guarded_setattr``).
-
-    Recording a function once for every row, a module set up by the function
-    (``m.temperature = t``, ``m.train(flag)``, a value per row or a lazy one kept as an
-    attribute) would be one module for all rows, its state whatever the last recording left
-    (each group of rows that read apart records the function again), where eager code sets
-    it example by example: the recording gives way to recording per example, the attribute
-    left as it was.  Recording per example, a plain attribute (a number, a flag, a string)
-    set anew on a module a recorded call of this round reads (``state_modules``) is a
-    FoldError at once: the call runs with the round and would read the new value, where
-    eager code read the old one (each set is seen: one set back before the round runs is
-    refused too).  Setting an attribute a module does not have yet (a module made inside the
-    function), a private one, or one of a module no call of the round reads, goes on."""
-    rec = _LOCAL.rec
-    if type(rec) is _Recorder and not name.startswith("_"):
-        t = type(value)
-        old = self.__dict__.get(name, _MISS)
-        changed = type(old) in _PLAIN_STATE and (
-            type(old) is not t or (old != value and not (old != old and value != value))
-        )
-        if rec.lockstep is not None:
-            if t is Lazy or t is RowNumber or t is Known:
-                raise _Untraceable(f"a module's attribute {name!r} set to a value per row")
-            if changed:
-                raise _Untraceable(f"a module's attribute {name!r} set")
-        elif changed and id(self) in rec.state_modules:
-            raise FoldError(
-                f"autobatch: example {rec.example}: the attribute {name!r} of "
-                f"{type(self).__name__} set to {value!r} after a recorded call read the "
-                "module in this round: the call runs later, in its round, once for the calls "
-                "of all examples, and would read the new value where eager code read the old "
-                "one (an example setting a module up for itself: m.temperature = t, "
-                "m.train()). Fix: pass what differs per example as an argument (m(x, t)), or "
-                "set it before the autobatch call."
-            )
-    _MODULE_SETATTR(self, name, value)
-
-
-@contextlib.contextmanager
-def guarded_setattr() -> Any:
-    """``_guarded_setattr`` as ``nn.Module.__setattr__`` for the ``with``; what was there
-    before it put back, unless another wrapper was installed over it meanwhile (each
-    autobatch call's recording: no module outside the call, nor another thread's, meets it:
-    it passes every set through where nothing records)."""
-    before = nn.Module.__dict__["__setattr__"]
-    nn.Module.__setattr__ = _guarded_setattr  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        # (one another library installed over it meanwhile stays, as for __call__)
-        if nn.Module.__dict__.get("__setattr__") is _guarded_setattr:
-            nn.Module.__setattr__ = before  # type: ignore[method-assign]
 
 
 # Per function recorded once on lazy rows (the key of _traced, and whether module calls
