@@ -2702,7 +2702,7 @@ configure_defaults(PyObject *module, PyObject *args)
 }
 
 /* configure_written(cls): fold.autobatch.buffers._Written, the class of a written buffer,
-   which the fast key refuses at once (see build_key). */
+   which the fast key refuses at once (see key_build). */
 static PyObject *
 configure_written(PyObject *module, PyObject *cls)
 {
