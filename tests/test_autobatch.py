@@ -418,6 +418,34 @@ def test_a_module_set_up_per_example_after_its_call_is_refused(change, finish):
     assert type(m).__setattr__ is nn.Module.__setattr__  # (the guard ended with the call)
 
 
+def test_a_class_guard_lives_while_any_call_uses_it():
+    """Calls on two threads guard one class once (recorder._guard_class): the guard stays
+    while either runs, and the class gets its own ``__setattr__`` back when the last ends;
+    one installed over the guard meanwhile stays."""
+    from fold.autobatch.recorder import _GUARDS, _guard_class, unguard
+
+    class Cell(nn.Linear):
+        pass
+
+    first, second = {}, {}
+    _guard_class(Cell, first)
+    guard = Cell.__dict__["__setattr__"]
+    _guard_class(Cell, second)
+    assert Cell.__dict__["__setattr__"] is guard and _GUARDS[Cell][2] == 2
+    unguard(first)
+    assert Cell.__dict__["__setattr__"] is guard
+    unguard(second)
+    assert "__setattr__" not in Cell.__dict__ and Cell not in _GUARDS
+    _guard_class(Cell, first)
+
+    def other(self, name, value):
+        nn.Module.__setattr__(self, name, value)
+
+    Cell.__setattr__ = other
+    unguard(first)
+    assert Cell.__dict__["__setattr__"] is other
+
+
 def test_a_parameter_changed_in_place_after_a_call_took_it_is_refused(finish):
     """A parameter given to a torch call (``torch.mv(W, x)``) is read when the call's round
     runs: changed in place after the call (``W.mul_(2)`` under torch.no_grad()), it would

@@ -170,7 +170,7 @@ _VIEW_ATTRIBUTES = frozenset(("T", "mT", "H", "mH", "data"))
 def _lazy_among(a: Any) -> bool:
     """Whether a lazy or known value (a recorded index) is in ``a``, however nested."""
     t = type(a)
-    if t in _PLAIN:
+    if t in _NOT_LAZY:
         return False
     if t is Lazy or t is _Written or (t is not torch.Tensor and isinstance(a, torch.Tensor)):
         return True
@@ -184,7 +184,7 @@ def _lazy_among(a: Any) -> bool:
     return False
 
 
-_PLAIN = frozenset((int, float, bool, type(None), slice, str, torch.Tensor))
+_NOT_LAZY = frozenset((int, float, bool, type(None), slice, str, torch.Tensor))
 
 
 def _view_again(session: Any, table: dict[int, list[Any]], rec: Any, func: Any, args: Any) -> Any:

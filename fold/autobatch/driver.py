@@ -233,7 +233,7 @@ class _Session:
         # classes of theirs guarded while the call runs (shared by the rounds' recorders,
         # made below; see recorder._guard_class).
         self.structures: dict[int, Any] = {}
-        self.guarded: dict[type, tuple[Any, Any]] = {}
+        self.guarded: dict[type, Any] = {}
         # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
         # Fold): taken here, and given back by ``autobatch`` once its results are out
         # (``tables`` keeps the fast tables of the last round that recorded, where the

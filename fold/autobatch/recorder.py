@@ -49,7 +49,7 @@ from fold.autobatch.ops import (
     _wrapper,
     vmap_quietly,
 )
-from fold.autobatch.patches import _call_module
+from fold.autobatch.patches import _PATCH_LOCK, _call_module
 from fold.autobatch.tables import (
     _ARG_EXTREMES,
     _DIM_OPS,
@@ -279,56 +279,81 @@ def _module_structure(module: nn.Module) -> tuple[frozenset[int], tuple[Any, ...
     return frozenset(ids), tuple(places), classes
 
 
-def _guard_class(cls: type, guarded: dict[type, tuple[Any, Any]]) -> None:
-    """``cls.__setattr__`` checked for the length of an autobatch call (``guarded``, the
-    call's, holds what to put back: ``unguard``): a module set up per example after a
-    recorded call of it in the round (``m.temperature = t``, ``m.train(flag)``: a plain
-    attribute, a number, flag or string, set to a new value) is a FoldError as it is set, since
-    the call runs with its round, once for the calls of all examples, and would read the
-    new value where eager code read the old one (each set is seen: one set back before the
-    round runs is refused too).  Set on the module classes a round's calls read (a class's
-    own attribute: setting nn.Module's would refresh the method caches of every module
-    class, 0.1 ms a call); a set on any other module, a private attribute, one the module
-    does not have yet, or one made while nothing records per example, goes through."""
-    inner = cls.__setattr__
-    own = cls.__dict__.get("__setattr__", _MISS)
+def _guard_class(cls: type, guarded: dict[type, Any]) -> None:
+    """``cls.__setattr__`` checked while autobatch calls that read its modules run
+    (``guarded``, the call's, names the classes to let go of: ``unguard``): a module set up
+    per example after a recorded call of it in the round (``m.temperature = t``,
+    ``m.train(flag)``: a plain attribute, a number, flag or string, set to a new value) is a
+    FoldError as it is set, since the call runs with its round, once for the calls of all
+    examples, and would read the new value where eager code read the old one (each set is
+    seen: one set back before the round runs is refused too).  Set on the classes of the
+    modules a round's calls read (a class's own attribute: setting nn.Module's would refresh
+    the method caches of every module class, 0.1 ms a call), one guard per class however
+    many calls (threads) use it, put back when the last ends (``_GUARDS``); a set on any
+    other module, a private attribute, one the module does not have yet, or one made where
+    nothing records per example (another thread), goes through."""
+    with _PATCH_LOCK:
+        entry = _GUARDS.get(cls)
+        if entry is None:
+            inner = cls.__setattr__
+            own = cls.__dict__.get("__setattr__", _MISS)
 
-    def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
-        rec = _LOCAL.rec
-        if type(rec) is _Recorder and rec.lockstep is None and id(self) in rec.state_modules:
-            old = self.__dict__.get(name, _MISS)
-            if (
-                type(old) in _PLAIN_STATE
-                and not name.startswith("_")
-                and (
-                    type(old) is not type(value)
-                    or (old != value and not (old != old and value != value))
-                )
-            ):
-                raise FoldError(
-                    f"autobatch: example {rec.example}: the attribute {name!r} of "
-                    f"{type(self).__name__} set to {value!r} after a recorded call read the "
-                    "module in this round: the call runs later, in its round, once for the "
-                    "calls of all examples, and would read the new value where eager code "
-                    "read the old one (an example setting a module up for itself: "
-                    "m.temperature = t, m.train()). Fix: pass what differs per example as an "
-                    "argument (m(x, t)), or set it before the autobatch call."
-                )
-        inner(self, name, value)
+            def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
+                rec = _LOCAL.rec
+                if (
+                    type(rec) is _Recorder
+                    and rec.lockstep is None
+                    and id(self) in rec.state_modules
+                ):
+                    _check_set(rec, self, name, value)
+                inner(self, name, value)
 
-    guarded[cls] = (own, __setattr__)
-    cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
+            entry = _GUARDS[cls] = [own, __setattr__, 0]
+            cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
+        entry[2] += 1
+        guarded[cls] = entry
 
 
-def unguard(guarded: dict[type, tuple[Any, Any]]) -> None:
-    """Every class ``_guard_class`` guarded for a call as it was (the last guarded first),
-    unless another wrapper was set over its guard meanwhile (that one stays)."""
-    for cls, (own, guard) in reversed(list(guarded.items())):
-        if cls.__dict__.get("__setattr__") is guard:
-            if own is _MISS:
-                delattr(cls, "__setattr__")
-            else:
-                cls.__setattr__ = own  # type: ignore[method-assign]
+# Per class guarded (_guard_class): [its own __setattr__ before (_MISS: none), the guard,
+# the calls using it].
+_GUARDS: dict[type, list[Any]] = {}
+
+
+def _check_set(rec: Any, module: Any, name: str, value: Any) -> None:
+    """The FoldError of ``_guard_class`` where ``module.name = value`` sets a plain
+    attribute anew."""
+    old = module.__dict__.get(name, _MISS)
+    if (
+        type(old) in _PLAIN_STATE
+        and not name.startswith("_")
+        and (type(old) is not type(value) or (old != value and not (old != old and value != value)))
+    ):
+        raise FoldError(
+            f"autobatch: example {rec.example}: the attribute {name!r} of "
+            f"{type(module).__name__} set to {value!r} after a recorded call read the module "
+            "in this round: the call runs later, in its round, once for the calls of all "
+            "examples, and would read the new value where eager code read the old one (an "
+            "example setting a module up for itself: m.temperature = t, m.train()). Fix: "
+            "pass what differs per example as an argument (m(x, t)), or set it before the "
+            "autobatch call."
+        )
+
+
+def unguard(guarded: dict[type, Any]) -> None:
+    """The guards of ``_guard_class`` a call used let go of (the last guarded first): a
+    class no other call uses any more gets its ``__setattr__`` back, unless another wrapper
+    was set over the guard meanwhile (that one stays)."""
+    with _PATCH_LOCK:
+        for cls, entry in reversed(list(guarded.items())):
+            entry[2] -= 1
+            if entry[2] > 0:
+                continue
+            own, guard, _ = _GUARDS.pop(cls)
+            if cls.__dict__.get("__setattr__") is guard:
+                if own is _MISS:
+                    delattr(cls, "__setattr__")
+                else:
+                    cls.__setattr__ = own  # type: ignore[method-assign]
     guarded.clear()
 
 
@@ -342,15 +367,15 @@ def _tensor_state(places: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-# The attribute types a module set up per example is refused for (``traced._guarded_setattr``:
-# numbers, flags, strings, None; a float NaN is a new value only where it was not NaN).
+# The attribute types a module set up per example is refused for (``_check_set``: numbers,
+# flags, strings, None; a float NaN is a new value only where it was not NaN).
 _PLAIN_STATE = frozenset((bool, int, float, str, type(None)))
 
 
 def _state_changed(obj: Any, state: Any, structures: dict[int, Any]) -> str | None:
     """What of ``obj``'s state (see note_state) differs from ``state``, in words; None
     where nothing does: a parameter's version; a module's tensors (one set anew, or changed
-    in place).  (Its plain attributes are seen as they are set: traced._guarded_setattr.)"""
+    in place).  (Its plain attributes are seen as they are set: _guard_class.)"""
     if not isinstance(obj, nn.Module):
         if state is None or obj._version == state:
             return None
@@ -817,7 +842,7 @@ class _Recorder:
     def note_state(self, obj: Any) -> None:
         """The state of ``obj`` at its first recorded call of the round (the C fast path
         calls this too), for check_aliases: a module's tensors and their versions (its
-        modules noted in ``state_modules`` for traced._guarded_setattr), whose forward
+        modules noted in ``state_modules`` for _guard_class's check), whose forward
         runs with the round and reads it then; a parameter's version, given to a call
         (``F.linear(x, W)``) that reads it then."""
         if isinstance(obj, nn.Module):
