@@ -192,16 +192,25 @@ def _view_again(session: Any, table: dict[int, list[Any]], rec: Any, func: Any, 
     before (its other arguments plain ints, see _views) and it is still that buffer's view
     of the recording example; else None (``_views`` makes it, with ``held``'s checks)."""
     buf = args[0]
-    for a in args[1:]:
-        if type(a) is not int:
-            return None
+    key = _again_key(buf, func, args[1:])
+    if key is None:
+        return None
     entry = table.get(id(buf))
     if entry is None or entry[0] is not buf or entry[2] != rec.example:
         return None
-    got = session.views.get((id(buf), func, *args[1:]))
+    got = session.views.get(key)
     if got is not None and got[0] is buf and table.get(id(got[1]), (None,))[0] is got[1]:
         return got[1]
     return None
+
+
+def _again_key(buf: Any, func: Any, rest: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The key under which a view call of written buffer ``buf`` whose other arguments are
+    plain ints is kept (``session.views``); None for any other call."""
+    for a in rest:
+        if type(a) is not int:
+            return None
+    return (id(buf), func, *rest)
 
 
 def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: Any) -> Any:
@@ -216,9 +225,7 @@ def _views(rec: Any, table: dict[int, list[Any]], func: Any, args: Any, kwargs: 
     # The view made by a call with plain int arguments (``encoder_outputs.unsqueeze(0)``
     # at every step) is kept under the call, found again without torch's call
     # (_view_again, in __torch_function__).
-    again = None
-    if not kwargs and all(type(a) is int for a in rest):
-        again = (id(buf), func, *rest)
+    again = None if kwargs else _again_key(buf, func, rest)
     session = rec.session
     with _NO_SUBCLASS():
         base = _base_of(session, buf)

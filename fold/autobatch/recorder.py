@@ -90,7 +90,7 @@ from fold.autobatch.values import (
 from fold.errors import FoldError
 from fold.executor import ModelBatched
 from fold.graph import Fold, _Counter
-from fold.ops import PaddedRows, cut_to
+from fold.ops import PaddedRows, cut_to, version_of
 from fold.ragged import Ragged
 
 # Key markers (tagged tuples in an op key; a bare tuple never appears in one).
@@ -363,7 +363,7 @@ def _tensor_state(places: tuple[Any, ...]) -> tuple[Any, ...]:
     out = []
     for _, table, k in places:
         t = table.get(k)
-        out.append((t, None if t is None or t.is_inference() else t._version))
+        out.append((t, None if t is None else version_of(t)))
     return tuple(out)
 
 
@@ -857,7 +857,7 @@ class _Recorder:
             self.state[id(obj)] = (obj, _tensor_state(got[2]))
             self.state_modules.update(got[1])
         else:
-            self.state[id(obj)] = (obj, None if obj.is_inference() else obj._version)
+            self.state[id(obj)] = (obj, version_of(obj))
 
     def _trial(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of ``module`` run through on trial (see ``_shapes_vary``): its calls taken
