@@ -59,7 +59,10 @@ static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
 static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set by configure_memo) */
 static PyObject *g_inference_enabled; /* torch.is_inference_mode_enabled (configure_memo) */
-static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo) */
+static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo, x) */
+static PyObject *g_memo_views;     /* values._VIEW_METHODS: memoised methods whose result is a view */
+static PyObject *g_note_shared;    /* buffers.note_shared(args, out) (configure_memo) */
+static PyObject *g_detach;         /* torch.Tensor.detach (configure_memo) */
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
@@ -78,14 +81,16 @@ typedef struct {
     PyObject *node;
     PyObject *meta;
     PyObject *rec;
+    PyObject *weakrefs; /* (the values that share memory hold each other weakly: values.py) */
 } LazyBase;
 
 static PyTypeObject LazyBaseType;
 
-/* LazyBase(node, meta, rec): the fields are set here.  meta and rec are read-only from
-   Python; node is set again by an in-place change of the value (fold/autobatch/buffers.py,
-   write_lazy: the value becomes the node that computes its new value), so a lazy value
-   never lacks one (but after tp_clear, which the fast paths check for). */
+/* LazyBase(node, meta, rec): the fields are set here.  meta is read-only from Python; node
+   (and rec, for a value of an earlier round) is set again by an in-place change of the value
+   (fold/autobatch/buffers.py, write_lazy: the value becomes the node that computes its new
+   value), so a lazy value never lacks one (but after tp_clear, which the fast paths check
+   for).  Lazy's own __setattr__ refuses every other change. */
 static PyObject *
 lazy_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -127,6 +132,8 @@ static void
 lazy_dealloc(LazyBase *self)
 {
     PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
     lazy_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -135,7 +142,9 @@ static PyMemberDef lazy_members[] = {
     {"node", T_OBJECT_EX, offsetof(LazyBase, node), 0,
      "the recorded node (or trace handle); set by an in-place change of the value"},
     {"meta", T_OBJECT_EX, offsetof(LazyBase, meta), READONLY, "per-example shape, dtype, device"},
-    {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), READONLY, "the autobatch recorder"},
+    {"rec", T_OBJECT_EX, offsetof(LazyBase, rec), 0,
+     "the autobatch recorder; set with node where an in-place change makes a value of an "
+     "earlier round one of the round recording"},
     {NULL},
 };
 
@@ -171,6 +180,7 @@ static PyTypeObject LazyBaseType = {
     .tp_clear = (inquiry)lazy_clear,
     .tp_members = lazy_members,
     .tp_as_mapping = &lazy_as_mapping,
+    .tp_weaklistoffset = offsetof(LazyBase, weakrefs),
 };
 
 #define LAZY(o) ((LazyBase *)(o))
@@ -1486,17 +1496,92 @@ memo_call(PyObject *func, PyObject *x, PyObject *const *stack, Py_ssize_t n, PyO
     }
     out = PyDict_GetItemWithError(memo, key);
     if (out != NULL || PyErr_Occurred()) {
-        Py_XINCREF(out);
+        if (out == NULL)
+            goto done;
+        /* A view is the value itself, as eager views of one slice share its memory; any
+           other result a value of its own on the same node (as values._memoised): an
+           in-place change of one must not reach the others. */
+        int view = PySet_Contains(g_memo_views, func);
+        if (view < 0)
+            out = NULL;
+        else if (view)
+            Py_INCREF(out);
+        else
+            out = new_lazy(LAZY(out)->node, LAZY(out)->meta, LAZY(out)->rec);
         goto done;
     }
     out = PyObject_Vectorcall(func, stack, n, NULL);
     if (out != NULL && (PyObject *)Py_TYPE(out) == g_tensor_type)
         Py_SETREF(out, PyObject_CallFunctionObjArgs(g_memo_wrap, LAZY(x)->rec, out, key, memo,
-                                                    NULL));
+                                                    x, NULL));
 done:
     Py_XDECREF(memo);
     Py_DECREF(key);
     return out;
+}
+
+/* Whether ``out``, the result of ``func`` run at once on ``conv`` (the rows of earlier
+   rounds' values among them), may share memory with one of them: one of them itself, a
+   view (it has a base), ``detach``'s alias, or anything under inference mode (whose views
+   keep no base).  1, 0, -1 on error. */
+static int
+may_share(PyObject *func, PyObject *out, PyObject *const *conv, Py_ssize_t n)
+{
+    if (func == g_detach)
+        return 1;
+    int many = PyTuple_CheckExact(out) || PyList_CheckExact(out);
+    Py_ssize_t k = many ? PySequence_Fast_GET_SIZE(out) : 1;
+    int tensors = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *o = many ? PySequence_Fast_GET_ITEM(out, j) : out;
+        if (!PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type))
+            continue;
+        tensors = 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (o == conv[i])
+                return 1;
+        PyObject *base = PyObject_GetAttr(o, s_base);
+        if (base == NULL)
+            return -1;
+        Py_DECREF(base);
+        if (base != Py_None)
+            return 1;
+    }
+    if (!tensors || g_inference_enabled == NULL)
+        return 0;
+    PyObject *v = PyObject_CallNoArgs(g_inference_enabled);
+    if (v == NULL)
+        return -1;
+    Py_DECREF(v);
+    return v == Py_True;
+}
+
+/* buffers.note_shared(args, out) where ``out``, the result of ``func`` run at once on
+   ``conv`` (``args`` converted: lazy values of earlier rounds their rows), may share memory
+   with a lazy value among ``args``: that value is marked, and an in-place change of it
+   refused (eager code would change ``out`` too).  0, or -1 on error. */
+static int
+note_shared(PyObject *func, PyObject *out, PyObject *const *args, PyObject *const *conv,
+            Py_ssize_t n)
+{
+    if (g_note_shared == NULL)
+        return 0;
+    int may = may_share(func, out, conv, n);
+    if (may <= 0)
+        return may;
+    PyObject *given = PyTuple_New(n);
+    if (given == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(given, i, args[i]);
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(g_note_shared, given, out, NULL);
+    Py_DECREF(given);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 static PyObject *session_row(PyObject *a, PyObject *session);
@@ -1536,6 +1621,8 @@ earlier_method(PyObject *func, PyObject *const *args, Py_ssize_t n)
             stack[i] = args[i];
         out = pure ? memo_call(func, args[0], stack, n, session)
                    : PyObject_Vectorcall(func, stack, n, NULL);
+        if (!pure && out != NULL && note_shared(func, out, args, stack, n) < 0)
+            Py_CLEAR(out);
     }
     Py_XDECREF(session);
     Py_XDECREF(row);
@@ -1673,6 +1760,8 @@ eager_call_now(PyObject *func, PyObject *first, PyObject *const *args, Py_ssize_
         stack[at + made] = x;
     }
     out = PyObject_Vectorcall(func, stack, at + n, NULL);
+    if (out != NULL && note_shared(func, out, args, stack + at, n) < 0)
+        Py_CLEAR(out);
 done:
     for (Py_ssize_t i = 0; i < made; i++)
         Py_DECREF(stack[at + i]);
@@ -2664,24 +2753,116 @@ configure_subscript(PyObject *module, PyObject *method)
     Py_RETURN_NONE;
 }
 
-/* configure_memo(pure, wrap, inference): values._PURE_METHODS, values._memo_wrap and
-   torch.is_inference_mode_enabled. */
+/* The number of times ``o`` is among the arguments (tuples) of entries ``start`` on of
+   ``log``, as buffers._views_in_use counts them. */
+static Py_ssize_t
+held_by_args(PyObject *log, Py_ssize_t start, PyObject *o)
+{
+    Py_ssize_t count = 0, n = PyList_GET_SIZE(log);
+    for (Py_ssize_t j = start; j < n; j++) {
+        PyObject *args = PyTuple_GET_ITEM(PyList_GET_ITEM(log, j), 1);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
+            count += PyTuple_GET_ITEM(args, i) == o;
+    }
+    return count;
+}
+
+/* views_in_use(log, start): buffers._views_in_use on the C side (the entries of the view log
+   from ``start`` on, last first, whose view is held beyond the log or was taken of by one
+   kept): a list of their indices, last first. */
+static PyObject *
+views_in_use(PyObject *module, PyObject *args)
+{
+    PyObject *log;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &log, &start))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(log);
+    for (Py_ssize_t j = start < 0 ? 0 : start; j < n; j++) {
+        PyObject *e = PyList_GET_ITEM(log, j);
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2 ||
+            !PyTuple_CheckExact(PyTuple_GET_ITEM(e, 1))) {
+            PyErr_SetString(PyExc_TypeError, "views_in_use: entries are (outputs, args tuple)");
+            return NULL;
+        }
+    }
+    PyObject *kept = PyList_New(0);
+    PyObject *needed = PySet_New(NULL); /* (ids of the arguments of the entries kept) */
+    if (kept == NULL || needed == NULL)
+        goto fail;
+    for (Py_ssize_t j = n - 1; j >= start && j >= 0; j--) {
+        PyObject *e = PyList_GET_ITEM(log, j);
+        PyObject *out = PyTuple_GET_ITEM(e, 0), *eargs = PyTuple_GET_ITEM(e, 1);
+        PyObject *id = PyLong_FromVoidPtr(out);
+        if (id == NULL)
+            goto fail;
+        int want = PySet_Contains(needed, id);
+        Py_DECREF(id);
+        if (want < 0)
+            goto fail;
+        if (!want) {
+            /* held by its entry alone (and the arguments of views of it) */
+            int dead = Py_REFCNT(out) <= 1 + held_by_args(log, start, out);
+            if (dead && PyTuple_CheckExact(out))
+                for (Py_ssize_t i = 0; dead && i < PyTuple_GET_SIZE(out); i++) {
+                    PyObject *o = PyTuple_GET_ITEM(out, i);
+                    dead = Py_REFCNT(o) <= 1 + held_by_args(log, start, o);
+                }
+            if (dead)
+                continue;
+        }
+        PyObject *index = PyLong_FromSsize_t(j);
+        if (index == NULL || PyList_Append(kept, index) < 0) {
+            Py_XDECREF(index);
+            goto fail;
+        }
+        Py_DECREF(index);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(eargs); i++) {
+            PyObject *a = PyLong_FromVoidPtr(PyTuple_GET_ITEM(eargs, i));
+            if (a == NULL || PySet_Add(needed, a) < 0) {
+                Py_XDECREF(a);
+                goto fail;
+            }
+            Py_DECREF(a);
+        }
+    }
+    Py_DECREF(needed);
+    return kept;
+fail:
+    Py_XDECREF(kept);
+    Py_XDECREF(needed);
+    return NULL;
+}
+
+/* configure_memo(pure, views, wrap, inference, note_shared, detach): values._PURE_METHODS,
+   values._VIEW_METHODS, values._memo_wrap, torch.is_inference_mode_enabled,
+   buffers.note_shared and torch.Tensor.detach. */
 static PyObject *
 configure_memo(PyObject *module, PyObject *args)
 {
-    PyObject *pure, *wrap, *inference;
-    if (!PyArg_ParseTuple(args, "OOO", &pure, &wrap, &inference))
+    PyObject *pure, *views, *wrap, *inference, *note, *detach;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &pure, &views, &wrap, &inference, &note, &detach))
         return NULL;
-    if (!PyAnySet_Check(pure)) {
-        PyErr_SetString(PyExc_TypeError, "configure_memo: pure must be a set");
+    if (!PyAnySet_Check(pure) || !PyAnySet_Check(views)) {
+        PyErr_SetString(PyExc_TypeError, "configure_memo: pure and views must be sets");
         return NULL;
     }
     Py_INCREF(pure);
     Py_XSETREF(g_pure, pure);
+    Py_INCREF(views);
+    Py_XSETREF(g_memo_views, views);
     Py_INCREF(wrap);
     Py_XSETREF(g_memo_wrap, wrap);
     Py_INCREF(inference);
     Py_XSETREF(g_inference_enabled, inference);
+    if (note == Py_None) /* (nothing noted: the C path checks no result) */
+        Py_CLEAR(g_note_shared);
+    else {
+        Py_INCREF(note);
+        Py_XSETREF(g_note_shared, note);
+    }
+    Py_INCREF(detach);
+    Py_XSETREF(g_detach, detach);
     Py_RETURN_NONE;
 }
 
@@ -2739,8 +2920,11 @@ static PyMethodDef functions[] = {
                "keywords a call may drop or pass by position")},
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
+    {"views_in_use", views_in_use, METH_VARARGS,
+     PyDoc_STR("views_in_use(log, start): the view log's entries in use, last first")},
     {"configure_memo", configure_memo, METH_VARARGS,
-     PyDoc_STR("configure_memo(pure methods, memo_wrap, torch.is_inference_mode_enabled)")},
+     PyDoc_STR("configure_memo(pure methods, view methods, memo_wrap, "
+               "torch.is_inference_mode_enabled, note_shared, Tensor.detach)")},
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(Lazy, Module, Tensor, MISS, LOCAL, is_grad_enabled, any_autocast, "
                "'torch', record_method, torch_function, BATCHED, torch.long, torch.bool, "

@@ -714,6 +714,37 @@ def test_autobatch_leaves_no_cyclic_garbage(cls):
         assert gc.collect() == 0
 
 
+def test_autobatch_with_reads_leaves_no_cyclic_garbage():
+    """A call whose examples read (rounds), take views of earlier rounds' values (kept once
+    per value), detach them, hold a view across a read and change a value of an earlier
+    round in place frees everything by reference counting too: what autobatch notes of the
+    memory those values share holds them weakly (a kept view held by its recorder made a
+    cycle of every round's recorder and outputs, freed only by a collection)."""
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = lin(x)
+        v = h[1:]  # a view held across the read
+        for _ in range(3):
+            tok = int(h.detach().argmax())  # a read: h is of an earlier round after it
+            first = h[0]  # a view of an earlier round's value, kept once per value
+            d = first.detach()  # a tensor made of its row at once
+            h = lin(h) * d
+            h[tok] = 0.0  # an in-place change of a value of an earlier round
+        return h + v.sum()
+
+    xs = [torch.randn(3) for _ in range(4)]
+    fold.autobatch(fn, xs)  # ops and shapes made
+    gc.collect()
+    gc.disable()  # (else a collection could come first)
+    try:
+        out = fold.autobatch(fn, xs)
+        del out
+    finally:
+        gc.enable()
+    assert gc.collect() == 0
+
+
 def test_results_of_other_structures_than_the_first_are_refused():
     lin = nn.Linear(2, 2)
     xs = [torch.randn(2)] * 3
@@ -2174,6 +2205,50 @@ def _after_a_read(x):
     return h
 
 
+def _earlier_round(x):
+    h = lin_of_3(x)
+    tok = int(h.argmax())
+    h[tok] = -10.0  # h is a value of an earlier round now, which no view shares
+    return h
+
+
+def _changed_after_a_read(x):
+    h = lin_of_3(x)
+    kept = [h]  # (the list holds h itself: it sees every change, as eager code's does)
+    tok = int(h.argmax())  # a read: h is a value of an earlier round now
+    h[tok] = -10.0
+    h[(tok + 1) % 3] = h[(tok + 2) % 3] * 3.0  # (a view taken and let go, then a write)
+    h[tok] += x[0]  # (a view of h changed and set back)
+    h *= 2.0
+    h.add_(x)
+    if float(h.detach().sum()) > 0:  # another read: the changes so far run in its round
+        torch.relu_(h)
+    h += x * x
+    return kept[0] * 1.0
+
+
+def _accumulated_across_reads(x):
+    h = lin_of_3(x)
+    total = h.sum()
+    totals = [total]
+    for _ in range(3):
+        h = torch.tanh(lin_of_3(h))
+        if float(h[0].detach()) > 0:  # a read each step: total is of an earlier round
+            total += h.sum()
+        else:
+            total -= h[1]
+    return totals[0] + 0.0
+
+
+def _a_copy_of_a_view_changed_after_a_read(x):
+    h = lin_of_3(x)
+    v = h[0:2]
+    int(h.argmax())  # a read: h and its view are of an earlier round now
+    c = v.clone()  # (a value of its own)
+    c.mul_(3.0)
+    return torch.cat([c, h[2:]])
+
+
 def lin_of_3(x):
     return _LIN3(x)
 
@@ -2197,6 +2272,10 @@ _LIN3 = nn.Linear(3, 3)
         _view_of_a_temporary,
         _at_a_recorded_index,
         _after_a_read,
+        _earlier_round,
+        _changed_after_a_read,
+        _accumulated_across_reads,
+        _a_copy_of_a_view_changed_after_a_read,
     ],
     ids=lambda f: f.__name__.strip("_"),
 )
@@ -2234,11 +2313,51 @@ def _detached_held(x):
     return h, d
 
 
-def _earlier_round(x):
+def _view_held_across_a_read(x):
     h = lin_of_3(x)
-    tok = int(h.argmax())
-    h[tok] = -10.0  # h is a row of the round's output now
+    v = h[0:2]  # recorded in h's round
+    int(h.argmax())
+    h.mul_(2.0)  # eager code changes v too
+    return h, v
+
+
+def _view_taken_after_a_read(x):
+    h = lin_of_3(x)
+    int(h.argmax())
+    v = h[0:2]  # taken of h's row at once
+    h[2] = 1.0  # eager code changes v too (its memory)... and h[2], which v does not see
+    return h, v * 1.0
+
+
+def _earlier_view_changed(x):
+    h = lin_of_3(x)
+    v = h[0:2]
+    int(h.argmax())
+    v += 1.0  # eager code changes h too
     return h
+
+
+def _same_round_view_changed(x):
+    h = lin_of_3(x)
+    v = h[0:2]
+    v += 1.0  # eager code changes h too (was x = x + 1.0 on the name, silently)
+    return h
+
+
+def _detached_after_a_read(x):
+    h = lin_of_3(x)
+    int(h.argmax())
+    d = h.detach()  # one memory with h
+    h.add_(1.0)
+    return h, d
+
+
+def _unbound_after_a_read(x):
+    h = lin_of_3(x)
+    int(h.argmax())
+    parts = h.unbind()  # views of h, made at once
+    h.mul_(2.0)
+    return h, torch.stack(parts)
 
 
 def _view_of_an_earlier_value(x):
@@ -2269,13 +2388,21 @@ def _out_into_lazy(x):
     return h
 
 
+_EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares memory.*Fix: "
+
+
 @pytest.mark.parametrize(
     "fn, match",
     [
         (_view_changed, r"\.mul_\(\) on a lazy value that is a view of another.*Fix: "),
         (_view_held, r"\.mul_\(\) on a lazy value while a view of it is in use.*Fix: "),
         (_detached_held, r"\.add_\(\) on a lazy value while a view of it is in use"),
-        (_earlier_round, r"__setitem__ .* computed in an earlier round.*Fix: .*x\.clone\(\)"),
+        (_view_held_across_a_read, _EARLIER_SHARED),
+        (_view_taken_after_a_read, _EARLIER_SHARED),
+        (_earlier_view_changed, r"__iadd__\(\) .* of an earlier round that shares memory"),
+        (_same_round_view_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
+        (_detached_after_a_read, r"\.add_\(\) .* of an earlier round that shares memory"),
+        (_unbound_after_a_read, _EARLIER_SHARED),
         (_out_into_lazy, r"in-place torch\.add on a lazy value.*Fix: "),
         (_random_fill, r"uniform_ on a lazy value has no out-of-place form.*Fix: .*rand_like"),
         (_split_held, r"\.mul_\(\) on a lazy value while a view of it is in use"),
@@ -2284,7 +2411,12 @@ def _out_into_lazy(x):
         "view-changed",
         "view-held",
         "detached-held",
-        "earlier-round",
+        "view-held-across-a-read",
+        "view-taken-after-a-read",
+        "earlier-view-changed",
+        "same-round-view-changed",
+        "detached-after-a-read",
+        "unbound-after-a-read",
         "out=",
         "random-fill",
         "split-held",
@@ -5271,6 +5403,83 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
             any(s in (0, 1, 2, 3, 7) for s, _ in p) and any(s in (4, 5, 6) for s, _ in p)
             for p in programs
         ), (programs, err)
+
+
+def _views_held_when_changed(program):
+    """Whether a program of the test below changes its value, or a view of it, in place while
+    it holds a view (the only place autobatch may refuse it)."""
+    held = 0
+    for step, _ in program:
+        if step in (0, 1, 2) or (step == 3 and held):
+            held += 1
+        elif step == 7:
+            held += 2
+        elif step in (4, 6) or (step in (5, 8) and held):
+            if held:
+                return True
+        elif step == 10:
+            held = 0
+    return False
+
+
+@_PROGRAMS
+@given(step_programs(10, (0, 2), 9, 4))
+def test_random_in_place_changes_across_reads_with_views_are_eager_or_refused(finish, programs):
+    """Random programs that keep views of a value (a slice, ``view``, ``detach``, a view of a
+    view, ``split``'s parts), change the value or the views in place (methods, ``h[i] = v``,
+    ``+=`` on a view), and read the value between (so that the value and its views are of an
+    earlier round when they change): autobatch gives eager's values and gradients (float64),
+    or refuses with the FoldError of an in-place change it cannot follow, and only where a
+    view is held when a change comes; never a result that differs silently (``v += 1`` of a
+    view, rebound on the name where it could not change in place, was one: the value it
+    views kept its old value)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    def fn(x, program):
+        h = torch.sin(lin(x))
+        views = []
+        out = torch.zeros(3)
+        for step, i in program:
+            if step == 0:
+                views.append(h[i:])
+            elif step == 1:
+                views.append(h.view(3, 1)[:, 0])
+            elif step == 2:
+                views.append(h.detach())
+            elif step == 3 and views:
+                views.append(views[-1][:1])  # a view of a view
+            elif step == 4:
+                h.mul_(0.5)
+            elif step == 5 and views:
+                views[i % len(views)].add_(1.0)
+            elif step == 6:
+                h[i] = x[i]
+            elif step == 7:
+                views.extend(torch.split(h, 2))  # views of several outputs
+            elif step == 8 and views:
+                v = views[i % len(views)]
+                v += 1.0  # (on the view: eager code changes h too)
+            elif step == 9:  # a read: h and its views are values of an earlier round after
+                out = out * (2.0 if float(h.detach()[i]) > 0 else -1.0)
+            elif step == 10:
+                out = out + sum(v.sum() for v in views) + h  # read them all
+                views = []  # (dropped: changes after this may run)
+        return out + h + sum((v.sum() for v in views), torch.zeros(()))
+
+    xs = [torch.randn(3) for _ in programs]
+    try:
+        for x, program in zip(xs, programs):
+            fn(x, program)
+    except RuntimeError:  # (a view of split's changed in place: eager code refuses)
+        with pytest.raises((fold.FoldError, RuntimeError)):
+            fold.autobatch(fn, xs, programs)
+        return
+    try:
+        assert_same(fn, list(lin.parameters()), xs, programs)
+    except fold.FoldError as err:
+        assert re.search(r"in-place .* on a lazy value .*(view|shares memory)", str(err)), err
+        assert any(_views_held_when_changed(p) for p in programs), (programs, err)
 
 
 def _add_through_a_row(buf, row, h):

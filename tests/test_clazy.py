@@ -904,9 +904,9 @@ def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(
     by_c: list[Any] = []
     checked: list[bool] = []
 
-    def spy(rec: Any, out: Any, key: Any, memo: Any) -> Any:
+    def spy(rec: Any, out: Any, key: Any, memo: Any, x: Any) -> Any:
         by_c.append(key)
-        return values._memo_wrap(rec, out, key, memo)
+        return values._memo_wrap(rec, out, key, memo, x)
 
     def fn(x: torch.Tensor) -> list[torch.Tensor]:
         h = lin(x.expand(3, 3))
@@ -919,17 +919,25 @@ def test_the_c_memo_of_earlier_values_methods_keys_calls_as_python_does(
             if common._LOCAL.rec is not None:
                 memo = common._LOCAL.rec.session.memo
                 key = values._memo_key(getattr(torch.Tensor, name), h, values._value_of(h), rest)
-                checked.append(memo.get(key) is out and getattr(h, name)(*rest) is out)
+                again = getattr(h, name)(*rest)
+                if getattr(torch.Tensor, name) in values._VIEW_METHODS:  # the kept view
+                    checked.append(memo.get(key) is out and again is out)
+                else:  # a value of its own each call, on the kept node
+                    node = memo[key].node
+                    checked.append(out is not again and out.node == again.node == node)
         return outs
 
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
     inference = torch.is_inference_mode_enabled
-    C.configure_memo(values._PURE_METHODS, spy, inference)
+    rest = (values._mark_shared, values._DETACH)
+    C.configure_memo(values._PURE_METHODS, values._VIEW_METHODS, spy, inference, *rest)
     try:
         with torch.inference_mode(mode == "inference_mode"):
             got = fold.autobatch(fn, xs, stack=False)
     finally:
-        C.configure_memo(values._PURE_METHODS, values._memo_wrap, inference)
+        C.configure_memo(
+            values._PURE_METHODS, values._VIEW_METHODS, values._memo_wrap, inference, *rest
+        )
     assert checked and all(checked), checked
     assert len(by_c) == len(calls) * len(xs)  # every call made by the C path
     for g, x in zip(got, xs):
@@ -1473,3 +1481,46 @@ def test_torch_tensor_of_a_number_in_c_agrees_with_the_python_wrapper(
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.tensor is patches._TORCH_TENSOR  # (nothing left installed)
+
+
+@pytest.mark.skipif(C is None, reason="the C extension is not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # the output: one view, a split's tuple of two, a list argument
+            st.lists(st.integers(-1, 12), max_size=3),  # arguments: earlier outputs, -1 a value
+            st.booleans(),  # the output held by a name beside the log
+        ),
+        max_size=10,
+    ),
+    st.integers(0, 4),
+)
+def test_the_c_view_log_walk_keeps_what_the_python_one_keeps(entries, start):
+    """``views_in_use`` (fold/_clazy.c) and ``buffers._views_in_use`` keep the same entries of
+    random view logs: views held by a name or not, parts of a split's tuple, views of views
+    (an argument that is an earlier entry's output), list arguments, from ``start`` on."""
+    from fold.autobatch import buffers
+
+    class Value:  # (a stand-in for a lazy value: only identities and references count)
+        pass
+
+    log: list[tuple[Any, tuple[Any, ...]]] = []
+    names: list[Any] = []  # (the references beside the log: names that hold outputs)
+    outs: list[Any] = []
+    for kind, picks, named in entries:
+        args = tuple(outs[p] if 0 <= p < len(outs) else Value() for p in picks)
+        if kind == 2:
+            args = (list(args),)
+        out = (Value(), Value()) if kind == 1 else Value()
+        if named:
+            names.append(out[0] if kind == 1 else out)
+        outs.extend(out if kind == 1 else (out,))
+        log.append((out, args))
+        del out, args
+    del outs
+    start = min(start, len(log))
+    kept = C.views_in_use(log, start)
+    assert kept == buffers._views_in_use(log, start)
+    assert set(kept) <= set(range(start, len(log)))
+    assert len(names) >= 0  # (held to here)

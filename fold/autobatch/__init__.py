@@ -129,11 +129,21 @@ How a call is recorded (the choices the contract leaves open):
   the values literal rows of the round.  Grad mode is restored per example across pauses
   (``driver._Session.pause``).  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
-  In-place ops on a Lazy value of the round (``scores.masked_fill_(mask, -inf)``,
-  ``h[i] = v``, ``h += y``) are recorded out of place, the value object becoming the result
-  (``buffers.write_lazy``); on a view, a value with a view of it held, or one of an earlier
-  round they are FoldErrors, and so are writes of Lazy values into an eager tensor the
-  example did not make (see **Buffers**).  So is an eager tensor (not a view) that
+  In-place ops on a Lazy value (``scores.masked_fill_(mask, -inf)``, ``h[i] = v``,
+  ``h += y``) are recorded out of place, the value object becoming the result (every name
+  and list holding it sees the change; ``buffers.write_lazy``), for a value of the round
+  and for one of an earlier round alike (``scores[tok] = -inf`` after ``tok =
+  int(scores.argmax())``; ``total += loss`` across reads).  Where eager code would change
+  another tensor too, they are FoldErrors: a view changed (``v = h[0:2]; v += 1``; an
+  augmented assignment to an item, ``h[i] += v``, sets the view back and so writes ``h``),
+  or a value changed while a view of it is held: taken in the round (recorder
+  ``views``), or of an earlier round's value, kept across a read, taken of its row at once
+  (``h[0]``, ``h.detach()``, ``h.unbind()``, ``torch.narrow(h, ...)``) or through views of
+  views: what may share memory with a value is noted as it is made, held weakly
+  (``values.in_use``; a view let go in the line that took it shares nothing).  A value
+  recorded once for every row (tensor rows, below) that is a row itself or shares memory
+  with a view records per example instead.  Writes of Lazy values into an eager tensor the
+  example did not make are FoldErrors (see **Buffers**).  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
   updated while its call waits for its round): the call would read the changed value; the
   error names the example and the call.

@@ -43,7 +43,7 @@ import torch
 from fold._encoding import node_id
 from fold.autobatch import values
 from fold.autobatch.common import _C, _INPLACE, _LOCAL, _MISS, _is_inplace
-from fold.autobatch.values import _FOREIGN, Lazy
+from fold.autobatch.values import _FOREIGN, _ITEM_OPERATOR, Lazy
 from fold.errors import FoldError
 from fold.graph import Fold
 
@@ -457,7 +457,7 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def write_lazy(
-    rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: bool
+    rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: int
 ) -> Any:
     """An in-place torch call, method or operator ``fn`` on a lazy value (``args[0]``:
     ``x.masked_fill_(m, v)``, ``x[i] = v``, ``torch.relu_(x)``, ``x += y``): recorded out
@@ -465,29 +465,159 @@ def write_lazy(
     name and list that holds it sees the change, as in eager code).  What it returns (the
     value; None for ``x[i] = v``).
 
-    Only for a value of the round recording that shares memory with no other value in use:
-    no view itself (``x[0]``, ``x.view(...)``, ``x.detach()``, ``nn.Identity``; see
-    ``_Op.aliases``) and no view of it held (``_Recorder.views``).  Eager code would
-    change those too.  Else a FoldError naming why and the fix; for an operator ``_MISS``,
-    and the caller records ``x = x + y`` (a new value, the name rebound: what autobatch did
-    before it took in-place changes)."""
+    Only for a value that shares memory with no other value in use, which eager code would
+    change too: of the round recording, no view itself (``x[0]``, ``x.view(...)``,
+    ``x.detach()``, ``nn.Identity``; see ``_Op.aliases``) and no view of it held
+    (``_Recorder.views``); of an earlier round, no value it may share memory with in use
+    (``values.in_use``), and not a view kept once for every use (the value becomes one of
+    the round recording); of a function recorded once for every row, no row and nothing
+    in its view log.  Else a FoldError naming why and the fix; for an operator
+    (``operator`` true) on a value outside the examples' recording, or on a view an
+    augmented assignment to an item sets back (``h[i] += v``: ``operator`` is
+    ``values._ITEM_OPERATOR``), ``_MISS``, and the caller records ``x = x + y`` (a new
+    value, the name rebound; set back by ``h[i] = ...``)."""
     x = args[0]
-    why = _unwritable(rec, x)
+    earlier = _of_an_earlier_round(rec, x)
+    if earlier:
+        why = _shared_earlier(rec, x)
+    elif rec is not None and x.rec is rec and type(rec.fold) is not Fold and not rec.closed:
+        why = _untraceable_write(rec, x)
+    else:
+        why = _unwritable(rec, x)
+    if operator and (why is _OUTSIDE or (why is not None and operator == _ITEM_OPERATOR)):
+        # (h[i] += v of a view that cannot change in place: h[i] + v, set back by h[i] = ...)
+        return _MISS
     if why is not None:
-        if operator:
-            return _MISS
         name = getattr(fn, "__name__", "?")
         what = "__setitem__ (x[...] = v)" if fn is _SETITEM else f".{name}()"
         raise FoldError(
             f"autobatch: example {getattr(rec, 'example', '?')}: in-place {what} on a lazy "
-            f"value {why}"
+            f"value {_OUTSIDE_WHY if why is _OUTSIDE else why}"
         )
     table = rec.session.written
     rest = _held(args[1:], table, rec)
     kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
     new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value")
-    _SET(x, "node", new.node)
+    if type(new) is Lazy and new.rec is rec:
+        _SET(x, "node", new.node)
+        if earlier:  # (a value of the round recording now)
+            _SET(x, "rec", rec)
+    else:  # run at once on earlier rounds' rows (all its lazy arguments are of those)
+        _SET(x, "node", values._memo_wrap(x.rec, new, object(), rec.session.memo, None).node)
     return None if fn is _SETITEM else x
+
+
+def _untraceable_write(rec: Any, x: Lazy) -> str | None:
+    """Why ``x``, a value of a function recorded once for a batch of rows (``traced``),
+    cannot be changed in place there: it is a row (eager code would change the caller's
+    tensor), or a view or a value a view was taken of (any in the recording's view log);
+    None where it can.  A FoldError there records the function per example instead."""
+    inputs = getattr(rec.fold, "inputs", None)  # (a traced._Trace's; a handle's index, i)
+    if inputs is None:
+        return _OUTSIDE
+    if getattr(x.node, "i", -1) < inputs:
+        return "that is a row of the examples (eager code would change the caller's tensor)"
+    for out, args in rec.view_log:
+        for a in (*(out if type(out) is tuple else (out,)), *args):
+            for y in a if type(a) is list or type(a) is tuple else (a,):
+                if y is x:
+                    return "that shares memory with a view (recorded once for every row)"
+    return None
+
+
+def _of_an_earlier_round(rec: Any, x: Lazy) -> bool:
+    """Whether ``x`` is a value computed by an earlier round of ``rec``'s call (its row made,
+    or a value a method made of one at once), while ``rec`` records."""
+    old = x.rec
+    return (
+        rec is not None
+        and old is not rec
+        and not rec.closed
+        and rec.session is not None
+        and type(rec.fold) is Fold
+        and getattr(old, "values", None) is not None
+        and getattr(old, "session", None) is rec.session
+    )
+
+
+def _shared_earlier(rec: Any, x: Lazy) -> str | None:
+    """Why ``x``, a value of an earlier round, cannot be changed in place: a value that may
+    share memory with it is in use (``values.in_use``), or it is a view kept once for every
+    use (``_Recorder.fixed``); None where it can."""
+    absorb_views(rec)  # (views of it taken in this round)
+    if x.node not in x.rec.fixed and not values.in_use(x):
+        return None
+    return (
+        "of an earlier round that shares memory with another value in use: a view of it "
+        "(x[i], x.view(...), x.detach(), x.unbind(), torch.narrow(x, ...)) is held, or it "
+        "is a view itself. Eager code would change those too, which autobatch does not "
+        "follow once a round has run. Fix: change a copy (x = x.clone(), then change x), "
+        "take the view after the change, or compute out of place (x = x + y, "
+        "x = x.masked_fill(...))."
+    )
+
+
+def absorb_views(rec: Any) -> None:
+    """Note the lazy values and tensors of each call in the running example's view log (from
+    ``rec.view_absorbed`` on) whose view is in use (``_views_in_use``) as sharing memory
+    (``values._share``: a view and the values it was taken of).  The log is emptied as
+    another example runs (``forget_views``), after which its values are of an earlier
+    round; an in-place change of one reads the notes."""
+    log = rec.view_log
+    start = rec.view_absorbed
+    rec.view_absorbed = len(log)
+    if start == len(log):
+        return
+    for j in _C.views_in_use(log, start) if _C is not None else _views_in_use(log, start):
+        out, args = log[j]
+        found = []
+        for a in (*(out if type(out) is tuple else (out,)), *args):
+            for x in a if type(a) is list or type(a) is tuple else (a,):
+                if type(x) is Lazy or isinstance(x, torch.Tensor):
+                    found.append(x)
+        for k, x in enumerate(found):
+            for y in found[k + 1 :]:
+                values._share(x, y)
+
+
+def _views_in_use(log: list[tuple[Any, tuple[Any, ...]]], start: int) -> list[int]:
+    """The indices, last first, of the entries of view log ``log`` from ``start`` on whose
+    view is in use: held beyond the log (its entry, and the arguments of views of it: a view
+    of a view holds the view; a part of a split held by its tuple alone is not), or one a
+    view kept later was taken of.  Most views are taken and let go in one line (``h[0]``,
+    ``x.view(1, 1, -1)``): they share memory with nothing in use.  The C path
+    (``views_in_use``) gives the same."""
+    getrefcount = sys.getrefcount
+
+    def held(o: Any) -> int:  # (the log's entries' arguments)
+        return sum(a is o for j in range(start, len(log)) for a in log[j][1])
+
+    kept: list[int] = []
+    needed: set[int] = set()
+    for j in range(len(log) - 1, start - 1, -1):
+        out, args = log[j]
+        if id(out) not in needed:
+            # (held by its entry, this name and getrefcount's argument; a part by its tuple,
+            # the loop's name and the argument)
+            dead = getrefcount(out) <= 3 + held(out)
+            if dead and type(out) is tuple:
+                dead = all(getrefcount(o) <= 3 + held(o) for o in out)
+            if dead:
+                continue
+        kept.append(j)
+        needed.update(id(a) for a in args)
+    return kept
+
+
+# Why an in-place change of a lazy value is refused where the value is not one the example
+# records now nor one of an earlier round of its call (a value kept beyond its call, of
+# another call, or of a round not run): an operator records ``x = x + y`` then.
+_OUTSIDE = "outside"
+_OUTSIDE_WHY = (
+    "outside the examples' own recording (kept from another autobatch call, or of a round "
+    "not run yet). Fix: change a copy made now (x = x.clone(), then change x), or compute "
+    "out of place (x = x.masked_fill(...), torch.where)."
+)
 
 
 _SET = object.__setattr__  # (Lazy's own __setattr__ refuses: its node is set here alone)
@@ -504,12 +634,7 @@ def _unwritable(rec: Any, x: Lazy) -> str | None:
         or type(rec.fold) is not Fold
         or type(x.node) is not rec.fold._node_type
     ):
-        return (
-            "computed in an earlier round (before the example's last read: its value is a row "
-            "of that round's batched output, which other recorded calls still read), or "
-            "outside the examples' own recording. Fix: change a copy made now (x = x.clone(), "
-            "then change x), or compute out of place (x = x.masked_fill(...), torch.where)."
-        )
+        return _OUTSIDE
     i = node_id(x.node)
     roots, holders, refs = rec.views()
     mine = roots.get(i)  # (x a view: the values whose memory it shares)

@@ -84,6 +84,7 @@ from fold.autobatch.values import (
     _is_count,
     _Meta,
     _meta,
+    _note_shared,
     _unfilled,
     _value_of,
 )
@@ -640,6 +641,19 @@ class _Recorder:
         # from ``view_seen`` on.
         self.view_log: list[tuple[Any, Any]] = []
         self.view_seen = 0
+        self.view_absorbed = 0  # (the entries buffers.absorb_views has marked)
+        # What may share memory with a value of this round (by node; values made of them
+        # at once too, negative): its group of views and values views were taken of, held
+        # weakly (values._share, from the view log); the views of it kept once per value,
+        # held weakly (views_of, values._memo_wrap), whose nodes are in ``fixed``; the
+        # tensors made of
+        # its row at once, held weakly (eager_of, values._mark_shared).  Once a round has
+        # run, an in-place change of a value is refused while one of those is in use
+        # (values.in_use), and of a kept view always (buffers.write_lazy).
+        self.shared: dict[Any, list[Any]] = {}
+        self.views_of: dict[Any, list[Any]] = {}
+        self.eager_of: dict[Any, list[Any]] = {}
+        self.fixed: set[Any] = set()
         self.view_roots: dict[int, frozenset[int]] = {}
         self.viewers: dict[int, list[Any]] = {}
         self.view_refs: dict[int, int] = {}
@@ -700,7 +714,7 @@ class _Recorder:
         return views
 
     def write_lazy(
-        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: bool
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: int
     ) -> Any:
         """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
         return buffers.write_lazy(self, fn, args, kwargs, operator)
@@ -733,8 +747,9 @@ class _Recorder:
         an earlier round when it resumes), so the log holds that example's views alone,
         and the lazy values it holds are let go as eager code lets them go."""
         if self.view_log:
+            buffers.absorb_views(self)
             self.view_log.clear()
-            self.view_seen = 0
+            self.view_seen = self.view_absorbed = 0
             self.view_roots.clear()
             self.viewers.clear()
             self.view_refs.clear()
@@ -944,7 +959,10 @@ class _Recorder:
         if current is not None:  # (None: the call has ended; _record refuses the value)
             if session.eager:  # the rest runs as eager code
                 if kind == "torch" and not kwargs:
-                    return fn(*[_eager_value(a, session) for a in args])
+                    given = [_eager_value(a, session) for a in args]
+                    out = fn(*given)
+                    _note_shared(fn, out, args, given)
+                    return out
                 return current._now(fn, kind, args, kwargs)
             if self.closed and self.values is not None and not current.closed:
                 # A method of a value of an earlier round: the round recording now records it.
@@ -954,7 +972,9 @@ class _Recorder:
         if session is not None and session.rounds and kind == "torch":
             computed = _computed(self, args, kwargs)
             if computed is not None:  # only values of earlier rounds: eager, as they are
-                return fn(*computed[0], **computed[1])
+                out = fn(*computed[0], **computed[1])
+                _note_shared(fn, out, (*args, *kwargs.values()), computed[0])
+                return out
         try:
             out = self._record(fn, kind, args, kwargs)
         except AttributeError:
@@ -1192,7 +1212,9 @@ class _Recorder:
         computed = _computed(session.current, args, kwargs) if session is not None else None
         if computed is None:  # (the round ran: every value of this round has its row)
             return _MISS
-        return fn(*computed[0], **computed[1])
+        out = fn(*computed[0], **computed[1])
+        _note_shared(fn, out, (*args, *kwargs.values()), computed[0])
+        return out
 
     def _sized_read(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that a one-number integer argument sizes (x.repeat(n), torch.arange(n),
@@ -1250,7 +1272,10 @@ class _Recorder:
         (the session's examples finish eagerly: nothing of this round is lazy)."""
         session = self.session
         kw = {k: _eager_value(v, session) for k, v in kwargs.items()} if kwargs else {}
-        return self._eager(fn, kind, tuple([_eager_value(a, session) for a in args]), kw)
+        given = tuple([_eager_value(a, session) for a in args])
+        out = self._eager(fn, kind, given, kw)
+        _note_shared(fn, out, (*args, *kwargs.values()), given)
+        return out
 
     def _eager(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kind == "module":

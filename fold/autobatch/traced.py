@@ -244,6 +244,7 @@ class _Trace:
         # and ``calls``, not the trace (a trace kept with its tables, which hold the
         # recorders, makes no reference cycle; see _TRACES).
         self._size = [inputs]
+        self.inputs = inputs  # (handles below it are the rows given)
         self.calls: list[tuple[_Op, tuple[Any, ...], int, int | None]] = []
         # The fast tables of the recorder that recorded into it last (see _TRACES).
         self.tables: tuple[dict[Any, Any], ...] | None = None
@@ -255,7 +256,7 @@ class _Trace:
     def reset(self, inputs: int) -> None:
         """Empty, for another recording of the same function (its op recorders, which
         append to ``calls``, stay valid)."""
-        self._size[0] = inputs
+        self._size[0] = self.inputs = inputs
         self.calls.clear()
 
     def op(self, op: _Op, outputs: int | None) -> Callable[..., Any]:

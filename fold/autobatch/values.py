@@ -5,6 +5,7 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import math
@@ -12,6 +13,7 @@ import operator
 import os
 import struct
 import sys
+import weakref
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -73,7 +75,7 @@ class _PyLazyBase:
     constructor (Lazy refuses later changes, as the C storage's read-only fields do; its
     node is set again by an in-place change, ``buffers.write_lazy``)."""
 
-    __slots__ = ("node", "meta", "rec")
+    __slots__ = ("node", "meta", "rec", "__weakref__")
 
     def __new__(cls, node: Any, meta: _Meta, rec: _Recorder) -> Any:
         self = object.__new__(cls)
@@ -786,11 +788,9 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if rec.values is not None and not kwargs:  # (in-place methods never come here)
         session = rec.session
         cur = session.current if session is not None else None
-        if cur is not None and session.eager and cur is _LOCAL.rec:
-            # The examples finish as eager code: the method on the value's row, at once.
-            return func(_value_of(args[0]), *[_eager_value(a, session) for a in args[1:]])
         # Only inside the call that made the value, while it records (a value kept beyond
-        # its call is refused by the recorder's path).
+        # its call is refused by the recorder's path), or its examples finish eagerly (as
+        # the C path, ``earlier_method``, takes both).
         if cur is not None and cur is not rec and cur is _LOCAL.rec and session.rounds:
             for a in args[1:]:
                 t = type(a)
@@ -800,7 +800,15 @@ def _record_method(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 row = _value_of(args[0])
                 if func in _PURE_METHODS and not _any_autocast():
                     return _memoised(session, func, args[0], row, args[1:])
-                return func(row, *args[1:])
+                out = func(row, *args[1:])
+                _note_shared(func, out, args, (row,))
+                return out
+        if cur is not None and session.eager and cur is _LOCAL.rec:
+            # The examples finish as eager code: the method on the value's row, at once.
+            row, given = _value_of(args[0]), [_eager_value(a, session) for a in args[1:]]
+            out = func(row, *given)
+            _note_shared(func, out, args, (row, *given))
+            return out
     return rec.record(func, "torch", args, kwargs)
 
 
@@ -819,6 +827,128 @@ _PURE_METHODS = frozenset(
     ).split()
 )
 
+# Those whose result may share the value's memory (a view, or the value itself): it is kept
+# once per value and arguments, as eager views of one slice share its memory, and the value
+# and the result are marked shared (``_Recorder.shared``: an in-place change of either is
+# refused).  Any other result is a value of its own each call (an in-place change of one
+# must not reach another).
+_VIEW_METHODS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "__getitem__ view reshape flatten squeeze unsqueeze t transpose permute narrow select "
+        "expand contiguous"
+    ).split()
+)
+
+
+def _note_shared(func: Any, out: Any, args: tuple[Any, ...], given: Any) -> None:
+    """After ``func`` ran at once on the rows ``given`` of ``args``: where its result may share
+    memory with one (see fold/_clazy.c, ``may_share``), the lazy values among ``args`` are
+    marked (``_mark_shared``)."""
+    if func is _DETACH or torch.is_inference_mode_enabled():
+        _mark_shared(args, out)
+        return
+    outs = out if type(out) is tuple or type(out) is list else (out,)
+    for o in outs:
+        if isinstance(o, torch.Tensor) and (o._base is not None or any(o is g for g in given)):
+            _mark_shared(args, out)
+            return
+
+
+_DETACH = torch.Tensor.detach
+
+
+def _mark_shared(args: tuple[Any, ...], out: Any) -> None:
+    """``out``, the result of a call run at once on the rows of earlier rounds' values among
+    ``args`` (one level of lists and tuples too), may share memory with one (a view,
+    ``detach``, the row itself: the C path and ``_note_shared`` call this where it may): its
+    tensors are noted, held weakly, as sharing memory with those values (in their
+    recorders' ``eager_of``; under inference mode, whose views keep no base, only those
+    whose row's memory a tensor shares)."""
+    outs = out if type(out) is tuple or type(out) is list else (out,)
+    exact = torch.is_inference_mode_enabled()
+    for a in args:
+        for x in a if type(a) is list or type(a) is tuple else (a,):
+            if type(x) is Lazy and getattr(x.rec, "values", None) is not None:
+                memory = None
+                if exact:
+                    row = _value_of(x)
+                    memory = None if row is None else row.untyped_storage().data_ptr()
+                for o in outs:
+                    if isinstance(o, torch.Tensor) and (
+                        memory is None or o.untyped_storage().data_ptr() == memory
+                    ):
+                        x.rec.eager_of.setdefault(x.node, []).append(weakref.ref(o))
+
+
+def _share(a: Any, b: Any) -> None:
+    """Note that ``a`` and ``b`` (lazy values or tensors) may share memory: they join one
+    group of such values (through others too: a view of a view shares its base's memory
+    after the view between is gone), which each lazy member finds in its recorder's
+    ``shared`` by its node.  A group holds its members weakly, each with its node then (a
+    member changed in place since is a value of its own).  An in-place change of a value of
+    an earlier round reads it (``in_use``)."""
+    ga, gb = _group_of(a), _group_of(b)
+    if ga is None or gb is None or ga is gb:
+        group = gb if ga is None else ga
+        if group is None:
+            group = []
+    else:  # two groups: one, the members of the smaller found in the larger's
+        group, other = (ga, gb) if len(ga) >= len(gb) else (gb, ga)
+        for ref, node in other:
+            o = ref()
+            if o is not None:
+                group.append((ref, node))
+                if type(o) is Lazy and o.node is node:
+                    o.rec.shared[node] = group
+    for v, g in ((a, ga), (b, gb)):
+        if g is None:
+            lazy = type(v) is Lazy
+            group.append((weakref.ref(v), v.node if lazy else None))
+            if lazy:
+                v.rec.shared[v.node] = group
+
+
+def _group_of(v: Any) -> list[Any] | None:
+    return v.rec.shared.get(v.node) if type(v) is Lazy else None
+
+
+def in_use(x: Lazy) -> bool:
+    """Whether a value that may share memory with lazy value ``x`` is still in use: through
+    its group (``_share``), the views of it kept once per value (``_memo_wrap``, in its
+    recorder's ``views_of``) and the tensors made of its row at once (``eager_of``), and
+    theirs in turn: a tensor alive, or a lazy value held beyond autobatch's own references
+    (a kept view is held by the memo too)."""
+    seen = {id(x)}
+    todo = [x]
+    while todo:
+        v = todo.pop()
+        rec, node = v.rec, v.node
+        for ref in rec.eager_of.get(node, ()):
+            if ref() is not None:
+                return True
+        for ref in rec.views_of.get(node, ()):
+            o = ref()
+            if o is not None and id(o) not in seen:
+                seen.add(id(o))
+                # (this name, getrefcount's argument, the memo)
+                if sys.getrefcount(o) > 3:
+                    return True
+                todo.append(o)
+        for ref, stamp in rec.shared.get(node, ()):
+            o = ref()
+            if o is None or id(o) in seen:
+                continue
+            if type(o) is not Lazy:
+                return True  # (a tensor: alive)
+            if o.node is not stamp:
+                continue  # changed in place since: a value of its own
+            seen.add(id(o))
+            if sys.getrefcount(o) > 2 + (o.node in o.rec.fixed):
+                return True
+            todo.append(o)
+    return False
+
 
 def _memoised(session: Any, func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
     """``func(row, *rest)`` for a method of ``x``, a value of an earlier round (its row
@@ -829,14 +959,16 @@ def _memoised(session: Any, func: Any, x: Lazy, row: torch.Tensor, rest: tuple[A
     (fold/_clazy.c, ``earlier_method``) builds the same key and shares the memo."""
     key = _memo_key(func, x, row, rest)
     if key is None:
-        return func(row, *rest)
+        out = func(row, *rest)
+        _note_shared(func, out, (x,), (row,))
+        return out
     got = session.memo.get(key)
     if got is None:
         out = func(row, *rest)
         if type(out) is not torch.Tensor:
             return out
-        got = _memo_wrap(x.rec, out, key, session.memo)
-    return got
+        return _memo_wrap(x.rec, out, key, session.memo, x)
+    return got if func in _VIEW_METHODS else Lazy(got.node, got.meta, got.rec)
 
 
 def _memo_key(func: Any, x: Lazy, row: torch.Tensor, rest: tuple[Any, ...]) -> Any:
@@ -875,15 +1007,24 @@ def _memo_part(a: Any, nested: bool) -> Any:
 _DOUBLE, _DOUBLE_BITS = struct.Struct("<d"), struct.Struct("<q")
 
 
-def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any]) -> Lazy:
-    """``out``, a method's result on a value of ``rec``'s round, as a lazy value of that
-    round (a node of its own, after the round's: its row ``out``), kept in ``memo`` under
-    ``key``."""
+def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any], x: Any) -> Lazy:
+    """``out``, a method's result on ``x``, a value of ``rec``'s round, as a lazy value of
+    that round (a node of its own, after the round's: its row ``out``), kept in ``memo``
+    under ``key`` (the method ``key[0]``).  What the caller gets: that value where the method
+    is a view (``x`` and it marked shared), else a value of its own on the same node (see
+    ``_VIEW_METHODS``).  An in-place change of a value of an earlier round makes its new
+    value so too, under a key of its own (``buffers.write_lazy``, ``x`` None)."""
     node = -1 - len(memo)  # (the round's nodes are handles, >= 0)
     rec.values[node] = (out.unsqueeze(0), 0)
     rec.rows_of[node] = out
     got = memo[key] = Lazy(node, _meta(out.shape, out.dtype, out.device), rec)
-    return got
+    if x is None:
+        return got
+    if key[0] in _VIEW_METHODS:
+        rec.fixed.add(node)  # (an in-place change of the view itself is refused)
+        x.rec.views_of.setdefault(x.node, []).append(weakref.ref(got))
+        return got
+    return Lazy(node, got.meta, rec)
 
 
 def _unfilled(what: str) -> FoldError:
@@ -925,13 +1066,45 @@ def _inplace_operator(name: str) -> Callable[..., Any]:
     def operator(self: Lazy, other: Any) -> Any:
         rec = _LOCAL.rec
         if rec is not None and not rec.paused:
-            out = rec.write_lazy(func, (self, other), {}, True)
+            how = _ITEM_OPERATOR if _stored_into_item(sys._getframe(1)) else True
+            out = rec.write_lazy(func, (self, other), {}, how)
             if out is not _MISS:
                 return out
         return plain(self, other)
 
     operator.__name__ = name
     return operator
+
+
+# An augmented assignment to an item, ``h[i] += v``: Python takes the view ``h[i]``, changes
+# it in place, and sets it back with ``h[i] = ...``, which writes ``h`` (see
+# buffers.write_lazy: where the view cannot change in place, ``h[i] + v`` does the same).
+_ITEM_OPERATOR = 2
+
+# Per code object and instruction offset of an augmented assignment, whether its result is
+# stored into an item (``h[i] += v``), from the instructions that follow it.
+_STORED_INTO_ITEM: dict[tuple[Any, int], bool] = {}
+
+
+def _stored_into_item(frame: Any) -> bool:
+    """Whether the augmented assignment ``frame`` runs stores its result into an item
+    (``h[i] += v``: the stack reordered, then a subscript store) rather than a name or an
+    attribute."""
+    key = (frame.f_code, frame.f_lasti)
+    got = _STORED_INTO_ITEM.get(key)
+    if got is None:
+        got, after = False, False
+        for ins in dis.get_instructions(frame.f_code):
+            if after:
+                if ins.opname not in ("SWAP", "COPY", "ROT_THREE", "ROT_TWO", "DUP_TOP"):
+                    got = ins.opname == "STORE_SUBSCR"
+                    break
+            elif ins.offset == frame.f_lasti:
+                after = True
+        if len(_STORED_INTO_ITEM) > 4096:  # (code made on the fly: keep it bounded)
+            _STORED_INTO_ITEM.clear()
+        _STORED_INTO_ITEM[key] = got
+    return got
 
 
 _OPERATORS = (
@@ -1375,5 +1548,12 @@ if _C is not None:
         torch.get_default_dtype,
         Known,
     )
-    _C.configure_memo(_PURE_METHODS, _memo_wrap, torch.is_inference_mode_enabled)
+    _C.configure_memo(
+        _PURE_METHODS,
+        _VIEW_METHODS,
+        _memo_wrap,
+        torch.is_inference_mode_enabled,
+        _mark_shared,
+        _DETACH,
+    )
     _C.configure_defaults(_KW_DEFAULTS, _POSITIONAL, _FILLS)
