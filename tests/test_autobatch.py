@@ -2240,6 +2240,17 @@ def _accumulated_across_reads(x):
     return totals[0] + 0.0
 
 
+def _two_alike_results_changed_after_a_read(x):
+    h = lin_of_3(x)
+    int(h.argmax())
+    a = h * 2.0  # of h's row at once, kept for the call: b is another value on it
+    b = h * 2.0
+    a += 1.0  # eager code leaves b as it was
+    c = h[0:2]  # one view kept: d is the same value
+    d = h[0:2]
+    return a, b, torch.cat([c, d[1:]])
+
+
 def _a_copy_of_a_view_changed_after_a_read(x):
     h = lin_of_3(x)
     v = h[0:2]
@@ -2275,6 +2286,7 @@ _LIN3 = nn.Linear(3, 3)
         _earlier_round,
         _changed_after_a_read,
         _accumulated_across_reads,
+        _two_alike_results_changed_after_a_read,
         _a_copy_of_a_view_changed_after_a_read,
     ],
     ids=lambda f: f.__name__.strip("_"),
