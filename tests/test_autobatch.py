@@ -2243,12 +2243,13 @@ def _accumulated_across_reads(x):
 def _two_alike_results_changed_after_a_read(x):
     h = lin_of_3(x)
     int(h.argmax())
-    a = h * 2.0  # of h's row at once, kept for the call: b is another value on it
+    a = h * 2.0  # of h's row at once, kept for the call: b and c are other values on it
     b = h * 2.0
-    a += 1.0  # eager code leaves b as it was
-    c = h[0:2]  # one view kept: d is the same value
-    d = h[0:2]
-    return a, b, torch.cat([c, d[1:]])
+    c = h * 2.0
+    b += 1.0  # eager code leaves a and c as they were
+    v = h[0:2]  # one view kept: w is the same value
+    w = h[0:2]
+    return a + c, b, torch.cat([v, w[1:]])
 
 
 def _a_copy_of_a_view_changed_after_a_read(x):
