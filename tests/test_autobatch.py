@@ -1705,6 +1705,42 @@ def test_tensor_rows_that_cannot_be_traced_record_per_example():
         assert f.calls == 4, fn.__name__
 
 
+def test_a_recording_made_once_changes_its_own_values_in_place():
+    """Recorded once for every row, a function that changes a value it computed in place
+    (``h += b``, ``h.mul_(2)``, ``h[0] = 0``, a list holding ``h`` first) stays recorded once:
+    the value object becomes its new value, as per example (values and gradients equal
+    eager's, float64).  A change eager code would see through a view (``v = h[0:2]; v += 1``)
+    records per example instead, which refuses it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+
+    def changes(x):
+        h = lin(x)
+        kept = [h]
+        h += x
+        h.mul_(2.0)
+        h[0] = 0.0
+        return kept[0] * 1.0
+
+    def through_a_view(x):
+        h = lin(x)
+        v = h[0:2]
+        v += 1.0
+        return h
+
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    traced._UNTRACEABLE.clear()
+    f = Counted(changes)
+    assert_same(f, list(lin.parameters()), xs)
+    f.calls = 0
+    fold.autobatch(f, xs)
+    assert f.calls == 1  # (once for every row)
+    f = Counted(through_a_view)
+    with pytest.raises(fold.FoldError, match=r"example 0: in-place \.__iadd__\(\) .*view"):
+        fold.autobatch(f, xs)
+    assert f.calls == 1 + 1  # (the recording once, then the first example)
+
+
 def test_random_draws_are_not_shared_by_a_recording_made_once():
     """A tensor drawn eagerly inside fn (torch.randn with no lazy argument) differs per
     example: a recording made once would share one draw, so autobatch records per example,

@@ -494,9 +494,12 @@ def write_lazy(
             f"autobatch: example {getattr(rec, 'example', '?')}: in-place {what} on a lazy "
             f"value {_OUTSIDE_WHY if why is _OUTSIDE else why}"
         )
-    table = rec.session.written
-    rest = _held(args[1:], table, rec)
-    kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
+    if rec.session is not None:
+        table = rec.session.written
+        rest = _held(args[1:], table, rec)
+        kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
+    else:  # (recorded once for every row: no buffers)
+        rest, kw = args[1:], kwargs
     new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value")
     if type(new) is Lazy and new.rec is rec:
         _SET(x, "node", new.node)
