@@ -1740,6 +1740,14 @@ def test_a_recording_made_once_changes_its_own_values_in_place():
         fold.autobatch(f, xs)
     assert f.calls == 1 + 1  # (the recording once, then the first example)
 
+    def a_row(x):  # (eager code changes the caller's tensor: per example, so does autobatch)
+        x += 1.0
+        return lin(x)
+
+    rows = xs.clone()
+    torch.testing.assert_close(fold.autobatch(a_row, rows), eager_stack(a_row, xs.clone()))
+    torch.testing.assert_close(rows, xs + 1.0)
+
 
 def test_random_draws_are_not_shared_by_a_recording_made_once():
     """A tensor drawn eagerly inside fn (torch.randn with no lazy argument) differs per
