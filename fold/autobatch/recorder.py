@@ -728,7 +728,7 @@ class _Recorder:
             self.segments.append((ids.issued, i))
         elif type(self.fold) is Fold:
             self.segments.append((self.fold.issued(), i))
-        self.forget_views(True)
+        self.forget_views()
 
     def example_of(self, node: int) -> int | None:
         """The example that recorded node ``node`` of this round (the first, for a node
@@ -741,15 +741,16 @@ class _Recorder:
             found = i
         return found
 
-    def forget_views(self, absorb: bool = False) -> None:
+    def forget_views(self) -> None:
         """Empty the view log as another example starts or resumes: only the running
         example's values of this round can change in place (a paused one's are values of
         an earlier round when it resumes), so the log holds that example's views alone,
-        and the lazy values it holds are let go as eager code lets them go.  ``absorb``:
-        the views still in use are noted first, for in-place changes in later rounds
-        (``buffers.absorb_views``; not as the recorder closes)."""
+        and the lazy values it holds are let go as eager code lets them go.  In a call
+        whose examples read (``session``; a recording once for every row has no later
+        rounds), the views still in use are noted first, for in-place changes in later
+        rounds (``buffers.absorb_views``)."""
         if self.view_log:
-            if absorb and self.session is not None:
+            if self.session is not None:
                 buffers.absorb_views(self)
             self.view_log.clear()
             self.view_seen = self.view_absorbed = 0
