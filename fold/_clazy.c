@@ -63,6 +63,10 @@ static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out,
 static PyObject *g_memo_views;     /* values._VIEW_METHODS: memoised methods whose result is a view */
 static PyObject *g_note_shared;    /* buffers.note_shared(args, out) (configure_memo) */
 static PyObject *g_detach;         /* torch.Tensor.detach (configure_memo) */
+static PyObject *g_inplace_index;  /* values._INPLACE_INDEX: function -> its inplace parameter */
+static PyObject *g_inplace_modules; /* values._IN_PLACE_MODULES (configure_in_place) */
+static int in_place_call(PyObject *func, PyObject *const *args, Py_ssize_t n);
+static int in_place_module(PyObject *module);
 
 static PyObject *s_rec, *s_paused, *s_running, *s_fast, *s_item, *s_ndim, *s_requires_grad,
     *s_dtype, *s_device, *s_call, *s_number, *s_meta, *s_value, *s_fast_nograd, *s_is_leaf,
@@ -2149,7 +2153,7 @@ module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObj
             Py_DECREF(session);
             goto pass;
         }
-        PyObject *out = kwnames == NULL
+        PyObject *out = kwnames == NULL && !in_place_module(args[0])
                             ? eager_call_now(self->inner, args[0], args + 1, n - 1, session)
                             : miss();
         Py_DECREF(session);
@@ -2691,7 +2695,10 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
                 call = given;
         }
     }
-    if (call != NULL) {
+    int flagged = call == NULL ? 0 : in_place_call(args[1], call, n);
+    if (flagged < 0)
+        return NULL;
+    if (call != NULL && !flagged) {
         PyObject *rec = current_recorder();
         if (rec == NULL && PyErr_Occurred())
             return NULL;
@@ -2834,6 +2841,54 @@ fail:
     return NULL;
 }
 
+/* 1 where a call of ``func`` on ``args`` passes ``inplace=True`` (F.relu(h, True)), which the
+   recorder records as a change of its first argument (values.in_place_form): the slow path
+   takes it.  0 where not, -1 on error. */
+static int
+in_place_call(PyObject *func, PyObject *const *args, Py_ssize_t n)
+{
+    if (g_inplace_index == NULL)
+        return 0;
+    PyObject *index = PyDict_GetItemWithError(g_inplace_index, func); /* borrowed */
+    if (index == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i == -1 && PyErr_Occurred())
+        return -1;
+    return i < n && args[i] == Py_True;
+}
+
+/* 1 where ``module`` is of a type that changes its input in place where built so
+   (nn.ReLU(inplace=True): values._IN_PLACE_MODULES; the slow path looks), else 0. */
+static int
+in_place_module(PyObject *module)
+{
+    if (g_inplace_modules == NULL)
+        return 0;
+    int found = PySet_Contains(g_inplace_modules, (PyObject *)Py_TYPE(module));
+    if (found < 0)
+        PyErr_Clear();
+    return found > 0;
+}
+
+/* configure_in_place(index, modules): values._INPLACE_INDEX and values._IN_PLACE_MODULES. */
+static PyObject *
+configure_in_place(PyObject *module, PyObject *args)
+{
+    PyObject *index, *modules;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &index, &modules))
+        return NULL;
+    if (!PyAnySet_Check(modules)) {
+        PyErr_SetString(PyExc_TypeError, "configure_in_place: modules must be a set");
+        return NULL;
+    }
+    Py_INCREF(index);
+    Py_XSETREF(g_inplace_index, index);
+    Py_INCREF(modules);
+    Py_XSETREF(g_inplace_modules, modules);
+    Py_RETURN_NONE;
+}
+
 /* configure_memo(pure, views, wrap, inference, note_shared, detach): values._PURE_METHODS,
    values._VIEW_METHODS, values._memo_wrap, torch.is_inference_mode_enabled,
    buffers.note_shared and torch.Tensor.detach. */
@@ -2920,6 +2975,8 @@ static PyMethodDef functions[] = {
                "keywords a call may drop or pass by position")},
     {"configure_subscript", configure_subscript, METH_O,
      PyDoc_STR("configure_subscript(method): the Method recording x[key]")},
+    {"configure_in_place", configure_in_place, METH_VARARGS,
+     PyDoc_STR("configure_in_place(inplace parameter index per function, module types)")},
     {"views_in_use", views_in_use, METH_VARARGS,
      PyDoc_STR("views_in_use(log, start): the view log's entries in use, last first")},
     {"configure_memo", configure_memo, METH_VARARGS,

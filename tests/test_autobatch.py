@@ -714,6 +714,42 @@ def test_autobatch_leaves_no_cyclic_garbage(cls):
         assert gc.collect() == 0
 
 
+@pytest.mark.parametrize("per_example", [False, True], ids=["rows-once", "per-example"])
+@pytest.mark.parametrize("how", ["module", "functional"])
+def test_in_place_activations_change_their_input_as_eager(finish, how, per_example):
+    """An activation or dropout with ``inplace=True`` (``nn.ReLU(inplace=True)(h)``,
+    ``F.relu(h, inplace=True)``) changes its input, as ``h.relu_()`` does: the value object
+    becomes the result, for a value of the round and one computed before the example's last
+    read alike, and code that reads ``h`` after sees the change (values and gradients equal
+    eager, float64).  It ran on the group's batch in place, where a later use of ``h`` kept
+    the old value (its rows gathered anew), and on an earlier round's row at once, which
+    torch refused (a view of a split)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    relu = nn.ReLU(inplace=True)
+    drop = nn.Dropout(0.0, inplace=True)
+
+    def act(h):
+        return relu(h) if how == "module" else F.relu(h, inplace=True)
+
+    def fn(x):
+        h = lin(x)
+        g = h * 2.0  # (recorded before the change: the value before it)
+        y = act(h)  # y is h
+        k = lin(h) * 1.5
+        # a read: k is a value of an earlier round after it (what reads it saves nothing)
+        w = k * 0.5 if float(k.detach().sum()) > 0 else k + 1.0
+        y2 = act(k)  # y2 is k
+        z = drop(lin(y2)) if how == "module" else F.dropout(lin(y2), 0.0, True, True)
+        return g + y + h + w + k + y2 * 3.0 + z
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    got = fold.autobatch(fn, torch.stack(xs), per_example=per_example)
+    want = eager_stack(fn, xs)
+    torch.testing.assert_close(got, want)
+    assert_same_grads(got, want, list(lin.parameters()))
+
+
 def test_autobatch_with_reads_leaves_no_cyclic_garbage():
     """A call whose examples read (rounds), take views of earlier rounds' values (kept once
     per value), detach them, hold a view across a read and change a value of an earlier

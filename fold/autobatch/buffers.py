@@ -457,13 +457,20 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def write_lazy(
-    rec: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: int
+    rec: Any,
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    operator: int,
+    plain: tuple[Any, str] | None = None,
 ) -> Any:
     """An in-place torch call, method or operator ``fn`` on a lazy value (``args[0]``:
     ``x.masked_fill_(m, v)``, ``x[i] = v``, ``torch.relu_(x)``, ``x += y``): recorded out
     of place, and the lazy value becomes the node of its new value (the same object: every
     name and list that holds it sees the change, as in eager code).  What it returns (the
-    value; None for ``x[i] = v``).
+    value; None for ``x[i] = v``).  ``plain``: the call's out-of-place form and kind, where
+    its name does not give it (``values.in_place_form``: an activation with
+    ``inplace=True``, a module holding one).
 
     Only for a value that shares memory with no other value in use, which eager code would
     change too: of the round recording, no view itself (``x[0]``, ``x.view(...)``,
@@ -488,7 +495,7 @@ def write_lazy(
         # (h[i] += v of a view that cannot change in place: h[i] + v, set back by h[i] = ...)
         return _MISS
     if why is not None:
-        name = getattr(fn, "__name__", "?")
+        name = getattr(fn, "__name__", None) or type(fn).__name__
         what = "__setitem__ (x[...] = v)" if fn is _SETITEM else f".{name}()"
         raise FoldError(
             f"autobatch: example {getattr(rec, 'example', '?')}: in-place {what} on a lazy "
@@ -500,7 +507,7 @@ def write_lazy(
         kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
     else:  # (recorded once for every row: no buffers)
         rest, kw = args[1:], kwargs
-    new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value")
+    new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value", plain)
     if type(new) is Lazy and new.rec is rec:
         _SET(x, "node", new.node)
         if earlier:  # (a value of the round recording now)
@@ -694,10 +701,15 @@ def _out_of_place(
     shape: torch.Size,
     dtype: torch.dtype,
     what: str = "a buffer written with recorded values",
+    plain: tuple[Any, str] | None = None,
 ) -> Any:
     """In-place ``fn`` on value ``x`` (of ``what``, of ``shape`` and ``dtype``: a buffer, a
-    lazy value), recorded out of place: its result, the new value."""
+    lazy value), recorded out of place (as ``plain``, the function and kind, where given):
+    its result, the new value."""
     name = getattr(fn, "__name__", "?")
+    if plain is not None:
+        out = rec.record(plain[0], plain[1], (x, *rest), kwargs)
+        return out if out.dtype == dtype else out.to(dtype)
     if fn is _SETITEM:
         index, value = rest if len(rest) == 2 else (None, None)
         if (

@@ -28,6 +28,7 @@ from fold.autobatch.values import (
     _eager_value,
     _is_count,
     _meta,
+    in_place_form,
 )
 from fold.errors import FoldError
 
@@ -122,7 +123,10 @@ def _make_module_call(inner: Any, token: object) -> Any:
 def _eager_call(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A module call while the examples finish as eager code, its lazy and known arguments
     (in lists and tuples too) converted to their rows and tensors."""
-    session = _LOCAL.rec.session
+    rec = _LOCAL.rec
+    if args and type(args[0]) is Lazy and in_place_form(module, "module", args, kwargs):
+        return rec.record(module, "module", args, kwargs)  # (nn.ReLU(inplace=True)(h))
+    session = rec.session
     return inner(
         module,
         *[_eager_value(a, session) for a in args],

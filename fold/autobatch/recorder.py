@@ -87,6 +87,7 @@ from fold.autobatch.values import (
     _note_shared,
     _unfilled,
     _value_of,
+    in_place_form,
 )
 from fold.errors import FoldError
 from fold.executor import ModelBatched
@@ -714,10 +715,15 @@ class _Recorder:
         return views
 
     def write_lazy(
-        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operator: int
+        self,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        operator: int,
+        plain: tuple[Any, str] | None = None,
     ) -> Any:
         """An in-place change of lazy value ``args[0]`` (see ``buffers.write_lazy``)."""
-        return buffers.write_lazy(self, fn, args, kwargs, operator)
+        return buffers.write_lazy(self, fn, args, kwargs, operator, plain)
 
     def start_example(self, i: int) -> None:
         """Example ``i`` runs (starts, or resumes after its round): it is the one recording,
@@ -960,6 +966,11 @@ class _Recorder:
         goes through ``_fast``; others build their key here."""
         session = self.session
         current = session.current if session is not None else None
+        if args and type(args[0]) is Lazy:
+            form = in_place_form(fn, kind, args, kwargs)
+            if form is not None:  # (F.relu(h, inplace=True), nn.ReLU(inplace=True)(h))
+                rec = current if current is not None else self
+                return rec.write_lazy(fn, form[2], form[3], 0, form[:2])
         if current is not None:  # (None: the call has ended; _record refuses the value)
             if session.eager:  # the rest runs as eager code
                 if kind == "torch" and not kwargs:

@@ -5,6 +5,7 @@ recorder; reads, in-place changes and autograd attributes are FoldErrors naming 
 
 from __future__ import annotations
 
+import copy
 import dis
 import functools
 import inspect
@@ -729,6 +730,78 @@ def _write(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = "__setitem__ (x[...] = v)" if fn is _SETITEM else f".{fn.__name__}()"
         _inplace(args[0], name)
     return rec.write_lazy(fn, args, kwargs, False)
+
+
+# The modules of torch.nn that change their input in place where built with
+# ``inplace=True`` (an activation, a dropout).
+_IN_PLACE_MODULES = frozenset(
+    getattr(nn, name)
+    for name in (
+        "ReLU ReLU6 LeakyReLU ELU CELU SELU SiLU Mish Hardswish Hardsigmoid Hardtanh Threshold "
+        "RReLU Dropout Dropout1d Dropout2d Dropout3d AlphaDropout FeatureAlphaDropout"
+    ).split()
+    if hasattr(nn, name)
+)
+
+# Per torch function, the index of its ``inplace`` parameter (None: it has none); and those
+# of torch.nn.functional that have one, which the C path leaves to the recorder where
+# ``inplace=True`` (``configure_in_place``).
+_INPLACE_PARAMETER: dict[Any, int | None] = {}
+
+
+def _inplace_index(fn: Any) -> int | None:
+    index = _INPLACE_PARAMETER.get(fn, -1)
+    if index == -1:
+        try:
+            names = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        index = _INPLACE_PARAMETER[fn] = names.index("inplace") if "inplace" in names else None
+    return index
+
+
+_INPLACE_INDEX = {
+    f: i
+    for f in (getattr(torch.nn.functional, name) for name in dir(torch.nn.functional))
+    if callable(f) and not isinstance(f, type) and (i := _inplace_index(f)) is not None
+}
+
+# Per module of ``_IN_PLACE_MODULES`` met with ``inplace=True``: (its settings then, a copy of
+# it with ``inplace=False``), the copy recorded in its place (one op however many calls).
+_OUT_OF_PLACE: weakref.WeakKeyDictionary[Any, tuple[dict[str, Any], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def in_place_form(
+    fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, str, tuple[Any, ...], dict[str, Any]] | None:
+    """Where a call changes its first argument in place through an ``inplace=True`` flag
+    (``F.relu(h, inplace=True)``; a module of ``_IN_PLACE_MODULES`` built with it,
+    ``nn.ReLU(inplace=True)(h)``): its out-of-place form (function, kind, arguments,
+    keywords), which the recorder records as an in-place change of the lazy value
+    (``buffers.write_lazy``: the value object becomes the result, as the tensor does in
+    eager code); else None."""
+    if kind == "module":
+        if type(fn) not in _IN_PLACE_MODULES or fn.__dict__.get("inplace") is not True:
+            return None
+        settings = {k: v for k, v in fn.__dict__.items() if k != "inplace"}
+        got = _OUT_OF_PLACE.get(fn)
+        if got is None or got[0] != settings:
+            twin = copy.copy(fn)
+            twin.inplace = False
+            got = _OUT_OF_PLACE[fn] = (settings, twin)
+        return got[1], kind, args, kwargs
+    if kind != "torch":
+        return None
+    index = _inplace_index(fn)
+    if index is None:
+        return None
+    if kwargs.get("inplace") is True:
+        return fn, kind, args, {**kwargs, "inplace": False}
+    if len(args) > index and args[index] is True:
+        return fn, kind, (*args[:index], False, *args[index + 1 :]), kwargs
+    return None
 
 
 def _inplace(self: Lazy, name: str, out: bool = False) -> None:
@@ -1557,3 +1630,4 @@ if _C is not None:
         _DETACH,
     )
     _C.configure_defaults(_KW_DEFAULTS, _POSITIONAL, _FILLS)
+    _C.configure_in_place(_INPLACE_INDEX, set(_IN_PLACE_MODULES))
