@@ -706,10 +706,14 @@ def _out_of_place(
     """In-place ``fn`` on value ``x`` (of ``what``, of ``shape`` and ``dtype``: a buffer, a
     lazy value), recorded out of place (as ``plain``, the function and kind, where given):
     its result, the new value."""
-    name = getattr(fn, "__name__", "?")
     if plain is not None:
-        out = rec.record(plain[0], plain[1], (x, *rest), kwargs)
+        out = _MISS
+        if _C is not None and not kwargs and len(rest) < _C.MAX_FAST:  # (a call seen before)
+            out = _C.fast(rec, plain[0], plain[1], (x, *rest))
+        if out is _MISS:
+            out = rec.record(plain[0], plain[1], (x, *rest), kwargs)
         return out if out.dtype == dtype else out.to(dtype)
+    name = getattr(fn, "__name__", "?")
     if fn is _SETITEM:
         index, value = rest if len(rest) == 2 else (None, None)
         if (

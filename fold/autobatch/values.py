@@ -767,10 +767,15 @@ _INPLACE_INDEX = {
 }
 
 # Per module of ``_IN_PLACE_MODULES`` met with ``inplace=True``: (its settings then, a copy of
-# it with ``inplace=False``), the copy recorded in its place (one op however many calls).
-_OUT_OF_PLACE: weakref.WeakKeyDictionary[Any, tuple[dict[str, Any], Any]] = (
-    weakref.WeakKeyDictionary()
-)
+# it with ``inplace=False``, the recorder that last looked, held weakly), the copy recorded
+# in its place (one op however many calls).  Its settings are compared once per recorder (a
+# round's: within it, a module set anew after a call read it is refused,
+# recorder._guard_class).
+_OUT_OF_PLACE: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _NO_RECORDER() -> None:
+    return None
 
 
 def in_place_form(
@@ -785,12 +790,15 @@ def in_place_form(
     if kind == "module":
         if type(fn) not in _IN_PLACE_MODULES or fn.__dict__.get("inplace") is not True:
             return None
-        settings = {k: v for k, v in fn.__dict__.items() if k != "inplace"}
         got = _OUT_OF_PLACE.get(fn)
-        if got is None or got[0] != settings:
-            twin = copy.copy(fn)
-            twin.inplace = False
-            got = _OUT_OF_PLACE[fn] = (settings, twin)
+        rec = _LOCAL.rec
+        if got is None or got[2]() is not rec:
+            settings = {k: v for k, v in fn.__dict__.items() if k != "inplace"}
+            if got is None or got[0] != settings:
+                twin = copy.copy(fn)
+                twin.inplace = False
+                got = _OUT_OF_PLACE[fn] = [settings, twin, None]
+            got[2] = _NO_RECORDER if rec is None else weakref.ref(rec)  # (not kept alive)
         return got[1], kind, args, kwargs
     if kind != "torch":
         return None
