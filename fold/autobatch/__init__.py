@@ -130,7 +130,8 @@ How a call is recorded (the choices the contract leaves open):
   (``driver._Session.pause``).  Inside a
   ``@batchable`` body, which runs batched, a read is a FoldError naming torch.where.
   In-place ops on a Lazy value (``scores.masked_fill_(mask, -inf)``, ``h[i] = v``,
-  ``h += y``) are recorded out of place, the value object becoming the result (every name
+  ``h += y``; an activation or dropout with ``inplace=True``, a function's or a module's:
+  ``values.in_place_form``) are recorded out of place, the value object becoming the result (every name
   and list holding it sees the change; ``buffers.write_lazy``), for a value of the round
   and for one of an earlier round alike (``scores[tok] = -inf`` after ``tok =
   int(scores.argmax())``; ``total += loss`` across reads).  Where eager code would change
