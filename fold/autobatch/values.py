@@ -756,6 +756,8 @@ def _inplace_index(fn: Any) -> int | None:
             names = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             names = []
+        if len(_INPLACE_PARAMETER) > 4096:  # (functions made on the fly: kept bounded)
+            _INPLACE_PARAMETER.clear()
         index = _INPLACE_PARAMETER[fn] = names.index("inplace") if "inplace" in names else None
     return index
 
