@@ -5461,31 +5461,8 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
     torch.manual_seed(0)
     lin = nn.Linear(3, 3)
 
-    def fn(x, program):
-        h = torch.sin(lin(x))
-        views = []
-        out = torch.zeros(3)
-        for step, i in program:
-            if step == 0:
-                views.append(h[i:])
-            elif step == 1:
-                views.append(h.view(3, 1)[:, 0])
-            elif step == 2:
-                views.append(h.detach())
-            elif step == 3 and views:
-                views.append(views[-1][:1])  # a view of a view
-            elif step == 4:
-                h.mul_(0.5)
-            elif step == 5 and views:
-                views[i % len(views)].add_(1.0)
-            elif step == 6:
-                h[i] = x[i]
-            elif step == 7:
-                views.extend(torch.split(h, 2))  # views of several outputs
-            else:
-                out = out + sum(v.sum() for v in views) + h  # read them all
-                views = []  # (dropped: changes after this may run)
-        return out + h + sum((v.sum() for v in views), torch.zeros(()))
+    def fn(x, program):  # (its step 8: read the views and let them go)
+        return _view_program(lin, x, [(10 if s == 8 else s, i) for s, i in program])
 
     xs = [torch.randn(3) for _ in programs]
     try:
@@ -5496,6 +5473,41 @@ def test_random_in_place_changes_with_views_held_are_eager_or_refused(finish, pr
             any(s in (0, 1, 2, 3, 7) for s, _ in p) and any(s in (4, 5, 6) for s, _ in p)
             for p in programs
         ), (programs, err)
+
+
+def _view_program(lin, x, program):
+    """The program of the random in-place tests below on one example: each (step, i) takes
+    a view of the value (0-3, 7), changes the value or a view in place (4-6, 8), reads the
+    value (9), or reads the views and lets them go (10)."""
+    h = torch.sin(lin(x))
+    views = []
+    out = torch.zeros(3)
+    for step, i in program:
+        if step == 0:
+            views.append(h[i:])
+        elif step == 1:
+            views.append(h.view(3, 1)[:, 0])
+        elif step == 2:
+            views.append(h.detach())
+        elif step == 3 and views:
+            views.append(views[-1][:1])  # a view of a view
+        elif step == 4:
+            h.mul_(0.5)
+        elif step == 5 and views:
+            views[i % len(views)].add_(1.0)
+        elif step == 6:
+            h[i] = x[i]
+        elif step == 7:
+            views.extend(torch.split(h, 2))  # views of several outputs
+        elif step == 8 and views:
+            v = views[i % len(views)]
+            v += 1.0  # (on the view: eager code changes h too)
+        elif step == 9:  # a read: h and its views are values of an earlier round after
+            out = out * (2.0 if float(h.detach()[i]) > 0 else -1.0)
+        elif step == 10:
+            out = out + sum(v.sum() for v in views) + h  # read them all
+            views = []  # (dropped: changes after this may run)
+    return out + h + sum((v.sum() for v in views), torch.zeros(()))
 
 
 def _views_held_when_changed(program):
@@ -5530,35 +5542,7 @@ def test_random_in_place_changes_across_reads_with_views_are_eager_or_refused(fi
     lin = nn.Linear(3, 3)
 
     def fn(x, program):
-        h = torch.sin(lin(x))
-        views = []
-        out = torch.zeros(3)
-        for step, i in program:
-            if step == 0:
-                views.append(h[i:])
-            elif step == 1:
-                views.append(h.view(3, 1)[:, 0])
-            elif step == 2:
-                views.append(h.detach())
-            elif step == 3 and views:
-                views.append(views[-1][:1])  # a view of a view
-            elif step == 4:
-                h.mul_(0.5)
-            elif step == 5 and views:
-                views[i % len(views)].add_(1.0)
-            elif step == 6:
-                h[i] = x[i]
-            elif step == 7:
-                views.extend(torch.split(h, 2))  # views of several outputs
-            elif step == 8 and views:
-                v = views[i % len(views)]
-                v += 1.0  # (on the view: eager code changes h too)
-            elif step == 9:  # a read: h and its views are values of an earlier round after
-                out = out * (2.0 if float(h.detach()[i]) > 0 else -1.0)
-            elif step == 10:
-                out = out + sum(v.sum() for v in views) + h  # read them all
-                views = []  # (dropped: changes after this may run)
-        return out + h + sum((v.sum() for v in views), torch.zeros(()))
+        return _view_program(lin, x, program)
 
     xs = [torch.randn(3) for _ in programs]
     try:
