@@ -704,14 +704,19 @@ def test_autobatch_leaves_no_cyclic_garbage(cls):
     cells, ts = cls(), trees()
     fold.autobatch(lambda t: encode(cells, t), ts)  # ops and shapes made
     for fn in (lambda t: encode(cells, t), lambda t: encode(cells, t)[0]):
-        gc.collect()
-        gc.disable()  # (else a collection could come first, after recording)
-        try:
-            out = fold.autobatch(fn, ts)
-            del out
-        finally:
-            gc.enable()
-        assert gc.collect() == 0
+        _assert_no_cyclic_garbage(fn, ts)
+
+
+def _assert_no_cyclic_garbage(fn, *iterables):
+    """``fold.autobatch(fn, *iterables)`` and its result freed leave nothing for a collection."""
+    gc.collect()
+    gc.disable()  # (else a collection could come first, after recording)
+    try:
+        out = fold.autobatch(fn, *iterables)
+        del out
+    finally:
+        gc.enable()
+    assert gc.collect() == 0
 
 
 @pytest.mark.parametrize("per_example", [False, True], ids=["rows-once", "per-example"])
@@ -771,14 +776,7 @@ def test_autobatch_with_reads_leaves_no_cyclic_garbage():
 
     xs = [torch.randn(3) for _ in range(4)]
     fold.autobatch(fn, xs)  # ops and shapes made
-    gc.collect()
-    gc.disable()  # (else a collection could come first)
-    try:
-        out = fold.autobatch(fn, xs)
-        del out
-    finally:
-        gc.enable()
-    assert gc.collect() == 0
+    _assert_no_cyclic_garbage(fn, xs)
 
 
 def test_results_of_other_structures_than_the_first_are_refused():
