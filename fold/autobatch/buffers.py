@@ -708,7 +708,13 @@ def _out_of_place(
     its result, the new value."""
     if plain is not None:
         out = _MISS
-        if _C is not None and not kwargs and len(rest) < _C.MAX_FAST:  # (a call seen before)
+        session = rec.session
+        if (  # (a call seen before; not where the examples finish as eager code)
+            _C is not None
+            and not kwargs
+            and len(rest) < _C.MAX_FAST
+            and (session is None or not session.eager)
+        ):
             out = _C.fast(rec, plain[0], plain[1], (x, *rest))
         if out is _MISS:
             out = rec.record(plain[0], plain[1], (x, *rest), kwargs)
