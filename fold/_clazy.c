@@ -2760,23 +2760,98 @@ configure_subscript(PyObject *module, PyObject *method)
     Py_RETURN_NONE;
 }
 
-/* The number of times ``o`` is among the arguments (tuples) of entries ``start`` on of
-   ``log``, as buffers._views_in_use counts them. */
+/* views_in_use's work: the participants of the view log's entries (the views, parts of a
+   tuple of them, the arguments, items of a list or tuple argument: lazy values and tensors
+   only) and the containers of some (a tuple of views, a list argument). */
+typedef struct {
+    PyObject **obj;       /* unique participants */
+    Py_ssize_t *parent;   /* union-find over them */
+    Py_ssize_t n, cap;
+} Parts;
+
+static int
+is_part(PyObject *o)
+{
+    return (PyObject *)Py_TYPE(o) == g_lazy_type ||
+           PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type);
+}
+
 static Py_ssize_t
-held_by_args(PyObject *log, Py_ssize_t start, PyObject *o)
+part_index(Parts *p, PyObject *o)
+{
+    for (Py_ssize_t i = 0; i < p->n; i++)
+        if (p->obj[i] == o)
+            return i;
+    if (p->n == p->cap) {
+        Py_ssize_t cap = p->cap ? 2 * p->cap : 32;
+        PyObject **obj = PyMem_Realloc(p->obj, cap * sizeof(PyObject *));
+        if (obj == NULL)
+            return -1;
+        p->obj = obj;
+        Py_ssize_t *parent = PyMem_Realloc(p->parent, cap * sizeof(Py_ssize_t));
+        if (parent == NULL)
+            return -1;
+        p->parent = parent;
+        p->cap = cap;
+    }
+    p->obj[p->n] = o;
+    p->parent[p->n] = p->n;
+    return p->n++;
+}
+
+static Py_ssize_t
+part_root(Parts *p, Py_ssize_t i)
+{
+    while (p->parent[i] != i)
+        i = p->parent[i] = p->parent[p->parent[i]];
+    return i;
+}
+
+/* The references the entries from ``start`` on hold to ``o`` directly: as their views, and
+   in their arguments' tuples. */
+static Py_ssize_t
+held_by_log(PyObject *log, Py_ssize_t start, PyObject *o)
 {
     Py_ssize_t count = 0, n = PyList_GET_SIZE(log);
     for (Py_ssize_t j = start; j < n; j++) {
-        PyObject *args = PyTuple_GET_ITEM(PyList_GET_ITEM(log, j), 1);
+        PyObject *e = PyList_GET_ITEM(log, j), *args = PyTuple_GET_ITEM(e, 1);
+        count += PyTuple_GET_ITEM(e, 0) == o;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
             count += PyTuple_GET_ITEM(args, i) == o;
     }
     return count;
 }
 
-/* views_in_use(log, start): buffers._views_in_use on the C side (the entries of the view log
-   from ``start`` on, last first, whose view is held beyond the log or was taken of by one
-   kept): a list of their indices, last first. */
+/* The references ``o`` has beyond the log: its references less the log's own, and less
+   those of the containers in the log (a tuple of views, a list argument) that nothing else
+   holds. */
+static Py_ssize_t
+held_beyond(PyObject *log, Py_ssize_t start, PyObject *o)
+{
+    Py_ssize_t refs = Py_REFCNT(o) - held_by_log(log, start, o), n = PyList_GET_SIZE(log);
+    for (Py_ssize_t j = start; j < n; j++) {
+        PyObject *e = PyList_GET_ITEM(log, j), *args = PyTuple_GET_ITEM(e, 1);
+        for (Py_ssize_t k = -1; k < PyTuple_GET_SIZE(args); k++) {
+            PyObject *c = k < 0 ? PyTuple_GET_ITEM(e, 0) : PyTuple_GET_ITEM(args, k);
+            int list = PyList_CheckExact(c);
+            if (!list && !PyTuple_CheckExact(c))
+                continue;
+            if (Py_REFCNT(c) > held_by_log(log, start, c))
+                continue; /* (held beyond the log: its items are) */
+            Py_ssize_t m = list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c);
+            for (Py_ssize_t i = 0; i < m; i++)
+                refs -= (list ? PyList_GET_ITEM(c, i) : PyTuple_GET_ITEM(c, i)) == o;
+        }
+    }
+    return refs;
+}
+
+/* views_in_use(log, start): the indices, in order, of the entries of the view log from
+   ``start`` on whose views may share memory with a value in use: joined through their
+   participants (a view and what it was taken of, views of views), the entries of a group
+   with two participants or more held beyond the log (buffers._views_in_use, the same in
+   Python).  A view taken and let go, or one of a value nothing else holds, shares memory
+   with nothing in use. */
 static PyObject *
 views_in_use(PyObject *module, PyObject *args)
 {
@@ -2784,8 +2859,12 @@ views_in_use(PyObject *module, PyObject *args)
     Py_ssize_t start;
     if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &log, &start))
         return NULL;
+    if (!configured())
+        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(log);
-    for (Py_ssize_t j = start < 0 ? 0 : start; j < n; j++) {
+    if (start < 0)
+        start = 0;
+    for (Py_ssize_t j = start; j < n; j++) {
         PyObject *e = PyList_GET_ITEM(log, j);
         if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2 ||
             !PyTuple_CheckExact(PyTuple_GET_ITEM(e, 1))) {
@@ -2793,52 +2872,61 @@ views_in_use(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    PyObject *kept = PyList_New(0);
-    PyObject *needed = PySet_New(NULL); /* (ids of the arguments of the entries kept) */
-    if (kept == NULL || needed == NULL)
+    Parts p = {NULL, NULL, 0, 0};
+    Py_ssize_t *first = n > start ? PyMem_Calloc(n - start, sizeof(Py_ssize_t)) : NULL;
+    PyObject *kept = NULL;
+    if (n > start && first == NULL)
         goto fail;
-    for (Py_ssize_t j = n - 1; j >= start && j >= 0; j--) {
-        PyObject *e = PyList_GET_ITEM(log, j);
-        PyObject *out = PyTuple_GET_ITEM(e, 0), *eargs = PyTuple_GET_ITEM(e, 1);
-        PyObject *id = PyLong_FromVoidPtr(out);
-        if (id == NULL)
-            goto fail;
-        int want = PySet_Contains(needed, id);
-        Py_DECREF(id);
-        if (want < 0)
-            goto fail;
-        if (!want) {
-            /* held by its entry alone (and the arguments of views of it) */
-            int dead = Py_REFCNT(out) <= 1 + held_by_args(log, start, out);
-            if (dead && PyTuple_CheckExact(out))
-                for (Py_ssize_t i = 0; dead && i < PyTuple_GET_SIZE(out); i++) {
-                    PyObject *o = PyTuple_GET_ITEM(out, i);
-                    dead = Py_REFCNT(o) <= 1 + held_by_args(log, start, o);
+    for (Py_ssize_t j = start; j < n; j++) {
+        PyObject *e = PyList_GET_ITEM(log, j), *eargs = PyTuple_GET_ITEM(e, 1);
+        first[j - start] = -1;
+        for (Py_ssize_t k = -1; k < PyTuple_GET_SIZE(eargs); k++) {
+            PyObject *a = k < 0 ? PyTuple_GET_ITEM(e, 0) : PyTuple_GET_ITEM(eargs, k);
+            int list = PyList_CheckExact(a), many = list || PyTuple_CheckExact(a);
+            Py_ssize_t m = many ? (list ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a)) : 1;
+            for (Py_ssize_t i = 0; i < m; i++) {
+                PyObject *o = !many ? a : list ? PyList_GET_ITEM(a, i) : PyTuple_GET_ITEM(a, i);
+                if (!is_part(o))
+                    continue;
+                Py_ssize_t at = part_index(&p, o);
+                if (at < 0) {
+                    PyErr_NoMemory();
+                    goto fail;
                 }
-            if (dead)
-                continue;
-        }
-        PyObject *index = PyLong_FromSsize_t(j);
-        if (index == NULL || PyList_Append(kept, index) < 0) {
-            Py_XDECREF(index);
-            goto fail;
-        }
-        Py_DECREF(index);
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(eargs); i++) {
-            PyObject *a = PyLong_FromVoidPtr(PyTuple_GET_ITEM(eargs, i));
-            if (a == NULL || PySet_Add(needed, a) < 0) {
-                Py_XDECREF(a);
-                goto fail;
+                if (first[j - start] < 0)
+                    first[j - start] = at;
+                else {
+                    Py_ssize_t r1 = part_root(&p, first[j - start]), r2 = part_root(&p, at);
+                    if (r1 != r2)
+                        p.parent[r2] = r1;
+                }
             }
-            Py_DECREF(a);
         }
     }
-    Py_DECREF(needed);
-    return kept;
+    Py_ssize_t *alive = p.n ? PyMem_Calloc(p.n, sizeof(Py_ssize_t)) : NULL;
+    if (p.n && alive == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < p.n; i++)
+        if (held_beyond(log, start, p.obj[i]) > 0)
+            alive[part_root(&p, i)] += 1;
+    kept = PyList_New(0);
+    for (Py_ssize_t j = start; kept != NULL && j < n; j++) {
+        Py_ssize_t at = first[j - start];
+        if (at < 0 || alive[part_root(&p, at)] < 2)
+            continue;
+        PyObject *index = PyLong_FromSsize_t(j);
+        if (index == NULL || PyList_Append(kept, index) < 0)
+            Py_CLEAR(kept);
+        Py_XDECREF(index);
+    }
+    PyMem_Free(alive);
 fail:
-    Py_XDECREF(kept);
-    Py_XDECREF(needed);
-    return NULL;
+    PyMem_Free(first);
+    PyMem_Free(p.obj);
+    PyMem_Free(p.parent);
+    return kept;
 }
 
 /* 1 where a call of ``func`` on ``args`` passes ``inplace=True`` (F.relu(h, True)), which the

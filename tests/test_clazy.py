@@ -1484,13 +1484,15 @@ def test_torch_tensor_of_a_number_in_c_agrees_with_the_python_wrapper(
 
 
 @pytest.mark.skipif(C is None, reason="the C extension is not built")
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(
         st.tuples(
             st.integers(0, 2),  # the output: one view, a split's tuple of two, a list argument
             st.lists(st.integers(-1, 12), max_size=3),  # arguments: earlier outputs, -1 a value
             st.booleans(),  # the output held by a name beside the log
+            st.booleans(),  # a new argument value held by a name
+            st.booleans(),  # a list argument (kind 2) held by a name
         ),
         max_size=10,
     ),
@@ -1499,20 +1501,29 @@ def test_torch_tensor_of_a_number_in_c_agrees_with_the_python_wrapper(
 def test_the_c_view_log_walk_keeps_what_the_python_one_keeps(entries, start):
     """``views_in_use`` (fold/_clazy.c) and ``buffers._views_in_use`` keep the same entries of
     random view logs: views held by a name or not, parts of a split's tuple, views of views
-    (an argument that is an earlier entry's output), list arguments, from ``start`` on."""
+    (an argument that is an earlier entry's output), list arguments held or not, from
+    ``start`` on; and they keep an entry only where its group holds two values held by a
+    name."""
     from fold.autobatch import buffers
 
-    class Value:  # (a stand-in for a lazy value: only identities and references count)
-        pass
-
     log: list[tuple[Any, tuple[Any, ...]]] = []
-    names: list[Any] = []  # (the references beside the log: names that hold outputs)
+    names: list[Any] = []  # (the references beside the log: names that hold values)
     outs: list[Any] = []
-    for kind, picks, named in entries:
-        args = tuple(outs[p] if 0 <= p < len(outs) else Value() for p in picks)
+    for kind, picks, named, named_arg, named_list in entries:
+        args = []
+        for p in picks:
+            if 0 <= p < len(outs):
+                args.append(outs[p])
+            else:
+                args.append(torch.empty(0))  # (a tensor: a participant)
+                if named_arg:
+                    names.append(args[-1])
+        args = tuple(args)
         if kind == 2:
             args = (list(args),)
-        out = (Value(), Value()) if kind == 1 else Value()
+            if named_list:
+                names.append(args[0])
+        out = (torch.empty(0), torch.empty(0)) if kind == 1 else torch.empty(0)
         if named:
             names.append(out[0] if kind == 1 else out)
         outs.extend(out if kind == 1 else (out,))
@@ -1522,5 +1533,6 @@ def test_the_c_view_log_walk_keeps_what_the_python_one_keeps(entries, start):
     start = min(start, len(log))
     kept = C.views_in_use(log, start)
     assert kept == buffers._views_in_use(log, start)
-    assert set(kept) <= set(range(start, len(log)))
-    assert len(names) >= 0  # (held to here)
+    assert kept == sorted(set(kept)) and set(kept) <= set(range(start, len(log)))
+    held = sum(len(x) if type(x) is list else 1 for x in names)
+    assert len(kept) == 0 or held >= 2  # (a group in use holds two values held by a name)

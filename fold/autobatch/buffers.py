@@ -591,32 +591,73 @@ def absorb_views(rec: Any) -> None:
 
 
 def _views_in_use(log: list[tuple[Any, tuple[Any, ...]]], start: int) -> list[int]:
-    """The indices, last first, of the entries of view log ``log`` from ``start`` on whose
-    view is in use: held beyond the log (its entry, and the arguments of views of it: a view
-    of a view holds the view; a part of a split held by its tuple alone is not), or one a
-    view kept later was taken of.  Most views are taken and let go in one line (``h[0]``,
-    ``x.view(1, 1, -1)``): they share memory with nothing in use.  The C path
-    (``views_in_use``) gives the same."""
-    getrefcount = sys.getrefcount
+    """The indices, in order, of the entries of view log ``log`` from ``start`` on whose
+    views may share memory with a value in use: the entries joined through their
+    participants (the views, parts of a tuple of them, the arguments, items of a list or
+    tuple argument: lazy values and tensors; a view and what it was taken of, views of
+    views) into a group with two participants or more held beyond the log (its entries and
+    the containers in it that nothing else holds).  A view taken and let go in one line
+    (``h[0]``), or one of a value nothing else holds, shares memory with nothing in use.
+    The C path (``views_in_use``) gives the same."""
+    n = len(log)
+    parts: list[Any] = []  # (the unique participants; every count below allows for this list)
+    at: dict[int, int] = {}
+    parent: list[int] = []
+    first: list[int] = []
+    containers: list[Any] = []  # (unique)
+    held: dict[int, int] = {}
 
-    def held(o: Any) -> int:  # (the log's entries' arguments)
-        return sum(a is o for j in range(start, len(log)) for a in log[j][1])
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
 
-    kept: list[int] = []
-    needed: set[int] = set()
-    for j in range(len(log) - 1, start - 1, -1):
-        out, args = log[j]
-        if id(out) not in needed:
-            # (held by its entry, this name and getrefcount's argument; a part by its tuple,
-            # the loop's name and the argument)
-            dead = getrefcount(out) <= 3 + held(out)
-            if dead and type(out) is tuple:
-                dead = all(getrefcount(o) <= 3 + held(o) for o in out)
-            if dead:
-                continue
-        kept.append(j)
-        needed.update(id(a) for a in args)
-    return kept
+    for j in range(start, n):
+        e = log[j]
+        f = -1
+        for a in (e[0], *e[1]):
+            many = type(a) is list or type(a) is tuple
+            if many and id(a) not in held:
+                held[id(a)] = len(containers)
+                containers.append(a)
+            for o in a if many else (a,):
+                if type(o) is not Lazy and not isinstance(o, torch.Tensor):
+                    continue
+                i = at.get(id(o))
+                if i is None:
+                    i = at[id(o)] = len(parts)
+                    parts.append(o)
+                    parent.append(i)
+                if f < 0:
+                    f = i
+                else:
+                    r1, r2 = root(f), root(i)
+                    if r1 != r2:
+                        parent[r2] = r1
+        first.append(f)
+    e = a = o = None  # (the loop's names hold nothing counted below)
+
+    def by_log(x: Any) -> int:  # (the entries' own references: views, argument tuples)
+        return sum((log[j][0] is x) + sum(y is x for y in log[j][1]) for j in range(start, n))
+
+    # A container held beyond the log (its entry or argument tuples; ``containers`` and
+    # getrefcount's argument: 2 beside them) holds its items for someone else too.
+    free = [
+        k
+        for k in range(len(containers))
+        if sys.getrefcount(containers[k]) - 2 <= by_log(containers[k])
+    ]
+    alive = [0] * len(parts)
+    for i in range(len(parts)):
+        # (``parts`` and getrefcount's argument: 2 beside the log's)
+        refs = sys.getrefcount(parts[i]) - 2 - by_log(parts[i])
+        refs -= sum(sum(y is parts[i] for y in containers[k]) for k in free)
+        if refs > 0:
+            alive[root(i)] += 1
+    return [
+        j for j in range(start, n) if first[j - start] >= 0 and alive[root(first[j - start])] >= 2
+    ]
 
 
 # Why an in-place change of a lazy value is refused where the value is not one the example
