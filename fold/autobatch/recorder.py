@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -235,17 +236,19 @@ def _fresh_nodes(f: Any, op: _Op, fargs: Any) -> Any:
 class _Watched:
     """The recorder of a fast table entry for a module call holding a Dropout (see
     ``_random_modules``): while one of its modules is training, a call draws, so it is
-    recorded as a node of its own (``_fresh_nodes``); else as the pure call it is."""
+    recorded as a node of its own (``_fresh_nodes``); else as the pure call it is.  It holds
+    its Fold (or trace) weakly: the table that holds it is the Fold's (a trace's ``tables``),
+    and a reference back would be a cycle left for the collector at every call."""
 
     __slots__ = ("op", "record", "fold")
 
     def __init__(self, op: _Op, record: Callable[..., Any], fold: Any) -> None:
-        self.op, self.record, self.fold = op, record, fold
+        self.op, self.record, self.fold = op, record, weakref.ref(fold)
 
     def __call__(self, *fargs: Any) -> Any:
         for m in self.op.random_modules:
             if m.training:
-                return _fresh_nodes(self.fold, self.op, fargs)
+                return _fresh_nodes(self.fold(), self.op, fargs)
         return self.record(*fargs)
 
 

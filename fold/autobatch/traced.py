@@ -58,6 +58,8 @@ def _flatten(out: Any) -> tuple[list[Any], Any]:
         return [out], _LEAF_SPEC
     if t is Known:  # torch.tensor(tokens) of a decoder: the tensor it stands for
         return [out.tensor()], _LEAF_SPEC
+    if t is str or t is int or t is float or t is bool:  # (a decoded name, a count)
+        return [out], _LEAF_SPEC
     if t is tuple and len(out) <= 8:
         for x in out:
             tx = type(x)
