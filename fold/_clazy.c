@@ -2760,14 +2760,17 @@ configure_subscript(PyObject *module, PyObject *method)
     Py_RETURN_NONE;
 }
 
-/* views_in_use's work: the participants of the view log's entries (the views, parts of a
-   tuple of them, the arguments, items of a list or tuple argument: lazy values and tensors
-   only) and the containers of some (a tuple of views, a list argument). */
+/* views_in_use's work: the unique objects of the view log's entries from ``start`` on (the
+   participants: lazy values and tensors, the views, the parts of a tuple of them, the
+   arguments, the items of a list or tuple argument; and the containers: a tuple of views, a
+   list or tuple argument), each with the references the log holds to it directly, and a
+   union-find over the participants. */
 typedef struct {
-    PyObject **obj;       /* unique participants */
-    Py_ssize_t *parent;   /* union-find over them */
+    PyObject **obj;
+    Py_ssize_t *parent; /* (participants: their group; containers: unused) */
+    Py_ssize_t *refs;   /* the log's references */
     Py_ssize_t n, cap;
-} Parts;
+} Objs;
 
 static int
 is_part(PyObject *o)
@@ -2776,8 +2779,9 @@ is_part(PyObject *o)
            PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type);
 }
 
+/* ``o``'s index in ``p``, added where new; -1 where out of memory. */
 static Py_ssize_t
-part_index(Parts *p, PyObject *o)
+obj_index(Objs *p, PyObject *o)
 {
     for (Py_ssize_t i = 0; i < p->n; i++)
         if (p->obj[i] == o)
@@ -2792,64 +2796,31 @@ part_index(Parts *p, PyObject *o)
         if (parent == NULL)
             return -1;
         p->parent = parent;
+        Py_ssize_t *refs = PyMem_Realloc(p->refs, cap * sizeof(Py_ssize_t));
+        if (refs == NULL)
+            return -1;
+        p->refs = refs;
         p->cap = cap;
     }
     p->obj[p->n] = o;
     p->parent[p->n] = p->n;
+    p->refs[p->n] = 0;
     return p->n++;
 }
 
 static Py_ssize_t
-part_root(Parts *p, Py_ssize_t i)
+obj_root(Objs *p, Py_ssize_t i)
 {
     while (p->parent[i] != i)
         i = p->parent[i] = p->parent[p->parent[i]];
     return i;
 }
 
-/* The references the entries from ``start`` on hold to ``o`` directly: as their views, and
-   in their arguments' tuples. */
-static Py_ssize_t
-held_by_log(PyObject *log, Py_ssize_t start, PyObject *o)
-{
-    Py_ssize_t count = 0, n = PyList_GET_SIZE(log);
-    for (Py_ssize_t j = start; j < n; j++) {
-        PyObject *e = PyList_GET_ITEM(log, j), *args = PyTuple_GET_ITEM(e, 1);
-        count += PyTuple_GET_ITEM(e, 0) == o;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
-            count += PyTuple_GET_ITEM(args, i) == o;
-    }
-    return count;
-}
-
-/* The references ``o`` has beyond the log: its references less the log's own, and less
-   those of the containers in the log (a tuple of views, a list argument) that nothing else
-   holds. */
-static Py_ssize_t
-held_beyond(PyObject *log, Py_ssize_t start, PyObject *o)
-{
-    Py_ssize_t refs = Py_REFCNT(o) - held_by_log(log, start, o), n = PyList_GET_SIZE(log);
-    for (Py_ssize_t j = start; j < n; j++) {
-        PyObject *e = PyList_GET_ITEM(log, j), *args = PyTuple_GET_ITEM(e, 1);
-        for (Py_ssize_t k = -1; k < PyTuple_GET_SIZE(args); k++) {
-            PyObject *c = k < 0 ? PyTuple_GET_ITEM(e, 0) : PyTuple_GET_ITEM(args, k);
-            int list = PyList_CheckExact(c);
-            if (!list && !PyTuple_CheckExact(c))
-                continue;
-            if (Py_REFCNT(c) > held_by_log(log, start, c))
-                continue; /* (held beyond the log: its items are) */
-            Py_ssize_t m = list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c);
-            for (Py_ssize_t i = 0; i < m; i++)
-                refs -= (list ? PyList_GET_ITEM(c, i) : PyTuple_GET_ITEM(c, i)) == o;
-        }
-    }
-    return refs;
-}
-
 /* views_in_use(log, start): the indices, in order, of the entries of the view log from
    ``start`` on whose views may share memory with a value in use: joined through their
    participants (a view and what it was taken of, views of views), the entries of a group
-   with two participants or more held beyond the log (buffers._views_in_use, the same in
+   with two participants or more held beyond the log (its entries' references, and those of
+   the containers in it that nothing else holds) (buffers._views_in_use, the same in
    Python).  A view taken and let go, or one of a value nothing else holds, shares memory
    with nothing in use. */
 static PyObject *
@@ -2872,60 +2843,95 @@ views_in_use(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    Parts p = {NULL, NULL, 0, 0};
-    Py_ssize_t *first = n > start ? PyMem_Calloc(n - start, sizeof(Py_ssize_t)) : NULL;
+    Objs p = {NULL, NULL, NULL, 0, 0}, c = {NULL, NULL, NULL, 0, 0};
+    Py_ssize_t *first = n > start ? PyMem_Malloc((n - start) * sizeof(Py_ssize_t)) : NULL;
+    /* (container, item) pairs: the items a container holds, by index */
+    Py_ssize_t *pairs = NULL, npairs = 0, cappairs = 0;
+    Py_ssize_t *alive = NULL;
     PyObject *kept = NULL;
     if (n > start && first == NULL)
-        goto fail;
+        goto nomem;
     for (Py_ssize_t j = start; j < n; j++) {
         PyObject *e = PyList_GET_ITEM(log, j), *eargs = PyTuple_GET_ITEM(e, 1);
         first[j - start] = -1;
         for (Py_ssize_t k = -1; k < PyTuple_GET_SIZE(eargs); k++) {
             PyObject *a = k < 0 ? PyTuple_GET_ITEM(e, 0) : PyTuple_GET_ITEM(eargs, k);
             int list = PyList_CheckExact(a), many = list || PyTuple_CheckExact(a);
+            Py_ssize_t ci = -1;
+            int again = 0; /* (a container met before: its items are paired once) */
+            if (many) {
+                Py_ssize_t known = c.n;
+                if ((ci = obj_index(&c, a)) < 0)
+                    goto nomem;
+                again = ci < known;
+                c.refs[ci] += 1;
+            }
+            else if (!is_part(a))
+                continue;
             Py_ssize_t m = many ? (list ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a)) : 1;
             for (Py_ssize_t i = 0; i < m; i++) {
                 PyObject *o = !many ? a : list ? PyList_GET_ITEM(a, i) : PyTuple_GET_ITEM(a, i);
                 if (!is_part(o))
                     continue;
-                Py_ssize_t at = part_index(&p, o);
-                if (at < 0) {
-                    PyErr_NoMemory();
-                    goto fail;
+                Py_ssize_t at = obj_index(&p, o);
+                if (at < 0)
+                    goto nomem;
+                if (!many)
+                    p.refs[at] += 1;
+                else if (!again) {
+                    if (npairs + 2 > cappairs) {
+                        cappairs = cappairs ? 2 * cappairs : 64;
+                        Py_ssize_t *more = PyMem_Realloc(pairs, cappairs * sizeof(Py_ssize_t));
+                        if (more == NULL)
+                            goto nomem;
+                        pairs = more;
+                    }
+                    pairs[npairs++] = ci;
+                    pairs[npairs++] = at;
                 }
                 if (first[j - start] < 0)
                     first[j - start] = at;
                 else {
-                    Py_ssize_t r1 = part_root(&p, first[j - start]), r2 = part_root(&p, at);
+                    Py_ssize_t r1 = obj_root(&p, first[j - start]), r2 = obj_root(&p, at);
                     if (r1 != r2)
                         p.parent[r2] = r1;
                 }
             }
         }
     }
-    Py_ssize_t *alive = p.n ? PyMem_Calloc(p.n, sizeof(Py_ssize_t)) : NULL;
-    if (p.n && alive == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
+    /* an item of a container nothing else holds: the log holds it through the container */
+    for (Py_ssize_t q = 0; q < npairs; q += 2)
+        if (Py_REFCNT(c.obj[pairs[q]]) <= c.refs[pairs[q]])
+            p.refs[pairs[q + 1]] += 1;
+    alive = p.n ? PyMem_Calloc(p.n, sizeof(Py_ssize_t)) : NULL;
+    if (p.n && alive == NULL)
+        goto nomem;
     for (Py_ssize_t i = 0; i < p.n; i++)
-        if (held_beyond(log, start, p.obj[i]) > 0)
-            alive[part_root(&p, i)] += 1;
+        if (Py_REFCNT(p.obj[i]) > p.refs[i])
+            alive[obj_root(&p, i)] += 1;
     kept = PyList_New(0);
     for (Py_ssize_t j = start; kept != NULL && j < n; j++) {
         Py_ssize_t at = first[j - start];
-        if (at < 0 || alive[part_root(&p, at)] < 2)
+        if (at < 0 || alive[obj_root(&p, at)] < 2)
             continue;
         PyObject *index = PyLong_FromSsize_t(j);
         if (index == NULL || PyList_Append(kept, index) < 0)
             Py_CLEAR(kept);
         Py_XDECREF(index);
     }
+    goto done;
+nomem:
+    PyErr_NoMemory();
+done:
     PyMem_Free(alive);
-fail:
+    PyMem_Free(pairs);
     PyMem_Free(first);
     PyMem_Free(p.obj);
     PyMem_Free(p.parent);
+    PyMem_Free(p.refs);
+    PyMem_Free(c.obj);
+    PyMem_Free(c.parent);
+    PyMem_Free(c.refs);
     return kept;
 }
 
