@@ -61,7 +61,7 @@ static PyObject *g_pure;           /* fold.autobatch.values._PURE_METHODS (set b
 static PyObject *g_inference_enabled; /* torch.is_inference_mode_enabled (configure_memo) */
 static PyObject *g_memo_wrap;      /* fold.autobatch.values._memo_wrap(rec, out, key, memo, x) */
 static PyObject *g_memo_views;     /* values._VIEW_METHODS: memoised methods whose result is a view */
-static PyObject *g_note_shared;    /* buffers.note_shared(args, out) (configure_memo) */
+static PyObject *g_note_shared;    /* values._mark_shared(args, out) (configure_memo) */
 static PyObject *g_detach;         /* torch.Tensor.detach (configure_memo) */
 static PyObject *g_inplace_index;  /* values._INPLACE_INDEX: function -> its inplace parameter */
 static PyObject *g_inplace_modules; /* values._IN_PLACE_MODULES (configure_in_place) */
@@ -1560,10 +1560,11 @@ may_share(PyObject *func, PyObject *out, PyObject *const *conv, Py_ssize_t n)
     return v == Py_True;
 }
 
-/* buffers.note_shared(args, out) where ``out``, the result of ``func`` run at once on
+/* values._mark_shared(args, out) where ``out``, the result of ``func`` run at once on
    ``conv`` (``args`` converted: lazy values of earlier rounds their rows), may share memory
-   with a lazy value among ``args``: that value is marked, and an in-place change of it
-   refused (eager code would change ``out`` too).  0, or -1 on error. */
+   with a lazy value among ``args``: ``out`` is noted among that value's tensors, and an
+   in-place change of the value refused while ``out`` lives (eager code would change it
+   too).  0, or -1 on error. */
 static int
 note_shared(PyObject *func, PyObject *out, PyObject *const *args, PyObject *const *conv,
             Py_ssize_t n)
@@ -2985,7 +2986,7 @@ configure_in_place(PyObject *module, PyObject *args)
 
 /* configure_memo(pure, views, wrap, inference, note_shared, detach): values._PURE_METHODS,
    values._VIEW_METHODS, values._memo_wrap, torch.is_inference_mode_enabled,
-   buffers.note_shared and torch.Tensor.detach. */
+   values._mark_shared (None: nothing noted) and torch.Tensor.detach. */
 static PyObject *
 configure_memo(PyObject *module, PyObject *args)
 {

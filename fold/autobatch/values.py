@@ -911,10 +911,10 @@ _PURE_METHODS = frozenset(
 )
 
 # Those whose result may share the value's memory (a view, or the value itself): it is kept
-# once per value and arguments, as eager views of one slice share its memory, and the value
-# and the result are marked shared (``_Recorder.shared``: an in-place change of either is
-# refused).  Any other result is a value of its own each call (an in-place change of one
-# must not reach another).
+# once per value and arguments, as eager views of one slice share its memory, noted among
+# the value's views (its recorder's ``views_of``: an in-place change of the value is refused
+# while it is in use, ``in_use``) and never changed in place itself (``fixed``).  Any other
+# result is a value of its own each call (an in-place change of one must not reach another).
 _VIEW_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
@@ -1094,8 +1094,8 @@ def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any], x: A
     """``out``, a method's result on ``x``, a value of ``rec``'s round, as a lazy value of
     that round (a node of its own, after the round's: its row ``out``), kept in ``memo``
     under ``key`` (the method ``key[0]``).  What the caller gets: that value where the method
-    is a view (``x`` and it marked shared), else a value of its own on the same node (see
-    ``_VIEW_METHODS``).  An in-place change of a value of an earlier round makes its new
+    is a view (noted among ``x``'s views, and ``fixed``), else a value of its own on the same
+    node (see ``_VIEW_METHODS``).  An in-place change of a value of an earlier round makes its new
     value so too, under a key of its own (``buffers.write_lazy``, ``x`` None)."""
     node = -1 - len(memo)  # (the round's nodes are handles, >= 0)
     rec.values[node] = (out.unsqueeze(0), 0)
