@@ -2474,6 +2474,24 @@ def _detached_after_a_read(x):
     return h, d
 
 
+def _detached_view_let_go(x):
+    h = lin_of_3(x)
+    v = h[0:2]
+    int(h.argmax())
+    a = v.detach()  # one memory with v, and so with h
+    del v
+    h.mul_(2.0)  # eager code changes a too
+    return h, torch.cat([a, a[:1]])
+
+
+def _array_of_an_earlier_value(x):
+    with torch.no_grad():
+        h = lin_of_3(x)
+        arr = h.numpy()  # a read: h is of an earlier round after it; arr is its memory
+        h.add_(1.0)  # eager code changes arr too
+        return h, torch.tensor(arr.copy())
+
+
 def _unbound_after_a_read(x):
     h = lin_of_3(x)
     int(h.argmax())
@@ -2525,6 +2543,8 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         (_same_round_view_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
         (_detached_after_a_read, r"\.add_\(\) .* of an earlier round that shares memory"),
         (_unbound_after_a_read, _EARLIER_SHARED),
+        (_detached_view_let_go, _EARLIER_SHARED),
+        (_array_of_an_earlier_value, r"\.add_\(\) .* of an earlier round that shares memory"),
         (_out_into_lazy, r"in-place torch\.add on a lazy value.*Fix: "),
         (_random_fill, r"uniform_ on a lazy value has no out-of-place form.*Fix: .*rand_like"),
         (_split_held, r"\.mul_\(\) on a lazy value while a view of it is in use"),
@@ -2539,6 +2559,8 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         "same-round-view-changed",
         "detached-after-a-read",
         "unbound-after-a-read",
+        "detached-view-let-go",
+        "array-of-an-earlier-value",
         "out=",
         "random-fill",
         "split-held",

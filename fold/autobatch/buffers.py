@@ -527,6 +527,8 @@ def _untraceable_write(rec: Any, x: Lazy) -> str | None:
         return _OUTSIDE
     if getattr(x.node, "i", -1) < inputs:
         return "that is a row of the examples (eager code would change the caller's tensor)"
+    if values.in_use(x):  # (an array of its value read)
+        return "that shares memory with a value in use (recorded once for every row)"
     for out, args in rec.view_log:
         for a in (*(out if type(out) is tuple else (out,)), *args):
             for y in a if type(a) is list or type(a) is tuple else (a,):
@@ -559,8 +561,8 @@ def _shared_earlier(rec: Any, x: Lazy) -> str | None:
         return None
     return (
         "of an earlier round that shares memory with another value in use: a view of it "
-        "(x[i], x.view(...), x.detach(), x.unbind(), torch.narrow(x, ...)) is held, or it "
-        "is a view itself. Eager code would change those too, which autobatch does not "
+        "(x[i], x.view(...), x.detach(), x.unbind(), torch.narrow(x, ...), x.numpy()) is "
+        "held, or it is a view itself. Eager code would change those too, which autobatch does not "
         "follow once a round has run. Fix: change a copy (x = x.clone(), then change x), "
         "take the view after the change, or compute out of place (x = x + y, "
         "x = x.masked_fill(...))."

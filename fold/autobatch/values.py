@@ -590,10 +590,11 @@ class Lazy(_PyLazyBase if _C is None else _C.LazyBase):  # type: ignore[misc]
         return self._read(".tolist()", lambda t: t.tolist())
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
-        return self._read(".numpy()", lambda t: t.numpy(*args, **kwargs))
+        return _array_noted(self, self._read(".numpy()", lambda t: t.numpy(*args, **kwargs)))
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._read("numpy conversion", lambda t: t.__array__(*args, **kwargs))
+        out = self._read("numpy conversion", lambda t: t.__array__(*args, **kwargs))
+        return _array_noted(self, out)
 
     def __contains__(self, item: Any) -> bool:
         return self._read("`in`", lambda t: item in t)
@@ -924,6 +925,17 @@ _VIEW_METHODS = frozenset(
 )
 
 
+def _array_noted(x: Lazy, out: Any) -> Any:
+    """``out``, a numpy array of ``x``'s value (``.numpy()``, ``np.asarray``), which shares
+    its memory as eager code's does: noted (``_note_tensor``), so that an in-place change of
+    ``x`` while it lives is refused (eager code would change the array too)."""
+    try:
+        _note_tensor(x, out)
+    except TypeError:  # (no weak reference to it: not an array of the row's memory)
+        pass
+    return out
+
+
 def _note_shared(func: Any, out: Any, args: tuple[Any, ...], given: Any) -> None:
     """After ``func`` ran at once on the rows ``given`` of ``args``: where its result may share
     memory with one (see fold/_clazy.c, ``may_share``), the lazy values among ``args`` are
@@ -961,7 +973,18 @@ def _mark_shared(args: tuple[Any, ...], out: Any) -> None:
                     if isinstance(o, torch.Tensor) and (
                         memory is None or o.untyped_storage().data_ptr() == memory
                     ):
-                        x.rec.eager_of.setdefault(x.node, []).append(weakref.ref(o))
+                        _note_tensor(x, o)
+
+
+def _note_tensor(x: Lazy, o: Any) -> None:
+    """Note ``o`` (a tensor, a numpy array) as sharing lazy value ``x``'s memory: in its
+    recorder's ``eager_of``, held weakly; where ``x`` is in a group (a view, or a value a view
+    was taken of: ``_share``), in the group, which outlives ``x`` (``a = v.detach(); del v``
+    still ties ``a`` to what ``v`` viewed)."""
+    if x.rec.shared.get(x.node) is not None:
+        _share(x, o)
+    else:
+        x.rec.eager_of.setdefault(x.node, []).append(weakref.ref(o))
 
 
 def _share(a: Any, b: Any) -> None:
