@@ -2349,6 +2349,18 @@ def _accumulated_across_reads(x):
     return totals[0] + 0.0
 
 
+def _changed_under_no_grad(x):
+    h = lin_of_3(x)
+    with torch.no_grad():
+        h.mul_(2.0)  # eager code changes the value and keeps h's graph (the change unseen)
+    g = lin_of_3(x * 2.0)
+    int(g.detach().argmax())  # a read: g is of an earlier round after it
+    with torch.no_grad():
+        g[0] = 0.5
+        g += 1.0
+    return h * 3.0 + g
+
+
 def _two_alike_results_changed_after_a_read(x):
     h = lin_of_3(x)
     int(h.argmax())
@@ -2398,6 +2410,7 @@ _LIN3 = nn.Linear(3, 3)
         _accumulated_across_reads,
         _two_alike_results_changed_after_a_read,
         _a_copy_of_a_view_changed_after_a_read,
+        _changed_under_no_grad,
     ],
     ids=lambda f: f.__name__.strip("_"),
 )

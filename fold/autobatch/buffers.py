@@ -508,6 +508,12 @@ def write_lazy(
     else:  # (recorded once for every row: no buffers)
         rest, kw = args[1:], kwargs
     new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value", plain)
+    if not torch.is_grad_enabled() and (rec.session is None or rec.session.grad):
+        # Under no_grad eager code changes the value and keeps its graph: the gradient flows
+        # back through it as if unchanged.  (Where the call began with gradients off, no
+        # value needs one.)
+        with torch.enable_grad():
+            new = rec.record(_changed_without_grad, "torch", (x, new), {})
     if type(new) is Lazy and new.rec is rec:
         _SET(x, "node", new.node)
         if earlier:  # (a value of the round recording now)
@@ -515,6 +521,12 @@ def write_lazy(
     else:  # run at once on earlier rounds' rows (all its lazy arguments are of those)
         _SET(x, "node", values._memo_wrap(x.rec, new, object(), rec.session.memo, None).node)
     return None if fn is _SETITEM else x
+
+
+def _changed_without_grad(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``x`` changed in place to ``new`` under no_grad, as eager code changes it: ``new``'s
+    value, and ``x``'s gradient (the change is not recorded by autograd)."""
+    return x + (new - x).detach()
 
 
 def _untraceable_write(rec: Any, x: Lazy) -> str | None:

@@ -234,6 +234,9 @@ class _Session:
         # made below; see recorder._guard_class).
         self.structures: dict[int, Any] = {}
         self.guarded: dict[type, Any] = {}
+        # The grad mode the call began in: where it was off, no value the examples make
+        # needs a gradient, unless one turns it on (buffers.write_lazy reads it).
+        self.grad = torch.is_grad_enabled()
         # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
         # Fold): taken here, and given back by ``autobatch`` once its results are out
         # (``tables`` keeps the fast tables of the last round that recorded, where the
