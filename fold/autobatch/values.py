@@ -907,7 +907,7 @@ _PURE_METHODS = frozenset(
     for name in (
         "__getitem__ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ "
         "__rtruediv__ __neg__ __pow__ __rpow__ view reshape flatten squeeze unsqueeze t "
-        "transpose permute narrow select expand contiguous sum mean"
+        "transpose permute narrow select expand contiguous detach sum mean"
     ).split()
 )
 
@@ -920,7 +920,7 @@ _VIEW_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
         "__getitem__ view reshape flatten squeeze unsqueeze t transpose permute narrow select "
-        "expand contiguous"
+        "expand contiguous detach"
     ).split()
 )
 
@@ -1129,6 +1129,8 @@ def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any], x: A
     if key[0] in _VIEW_METHODS:
         rec.fixed.add(node)  # (an in-place change of the view itself is refused)
         x.rec.views_of.setdefault(x.node, []).append(weakref.ref(got))
+        if x.rec.shared.get(x.node) is not None:  # (x a view, or viewed: see _note_tensor)
+            _share(x, got)
         return got
     return Lazy(node, got.meta, rec)
 
