@@ -141,8 +141,9 @@ How a call is recorded (the choices the contract leaves open):
   ``views``), or of an earlier round's value, kept across a read, taken of its row at once
   (``h[0]``, ``h.detach()``, ``h.unbind()``, ``torch.narrow(h, ...)``) or through views of
   views: what may share memory with a value is noted as it is made, held weakly
-  (``values.in_use``; a view let go in the line that took it shares nothing).  A value
-  recorded once for every row (tensor rows, below) that is a row itself or shares memory
+  (``values.in_use``; a view let go in the line that took it shares nothing).  A change
+  under ``torch.no_grad()`` keeps the value's gradient, as eager code's does
+  (``buffers._changed_without_grad``).  A value recorded once for every row (tensor rows, below) that is a row itself or shares memory
   with a view records per example instead.  Writes of Lazy values into an eager tensor the
   example did not make are FoldErrors (see **Buffers**).  So is an eager tensor (not a view) that
   the function changes in place after a recorded call took it as an argument (a mask
