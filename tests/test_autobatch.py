@@ -5696,6 +5696,10 @@ def test_random_programs_writing_buffers_match_eager(finish, programs):
                 part = buf[1:3]
                 part[row % 2] = h * 2  # a slice kept, written
                 h = h + part.sum(0)
+                # (let go with its step: held, a recorded write into buf later would be
+                # refused, as a view it could not follow; where h was computed at once,
+                # torch.where of an earlier round's value, the write above was eager)
+                del part
             elif step == 10:
                 buf.view(-1)[row] = h[1]  # a flat view
             elif step == 11:  # a recorded value first, the buffer's view after it
