@@ -2353,6 +2353,10 @@ def _changed_under_no_grad(x):
     h = lin_of_3(x)
     with torch.no_grad():
         h.mul_(2.0)  # eager code changes the value and keeps h's graph (the change unseen)
+    k = lin_of_3(x * 3.0)
+    with torch.no_grad():
+        _RELU_IN_PLACE(k)  # (an in-place activation, no view taken: its fast path)
+    h = h + k
     g = lin_of_3(x * 2.0)
     int(g.detach().argmax())  # a read: g is of an earlier round after it
     with torch.no_grad():
@@ -2384,6 +2388,9 @@ def _a_copy_of_a_view_changed_after_a_read(x):
 
 def lin_of_3(x):
     return _LIN3(x)
+
+
+_RELU_IN_PLACE = nn.ReLU(inplace=True)
 
 
 _LIN3 = nn.Linear(3, 3)

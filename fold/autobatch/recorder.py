@@ -650,10 +650,9 @@ class _Recorder:
         # at once too, negative): its group of views and values views were taken of, held
         # weakly (values._share, from the view log); the views of it kept once per value,
         # held weakly (views_of, values._memo_wrap), whose nodes are in ``fixed``; the
-        # tensors made of
-        # its row at once, held weakly (eager_of, values._mark_shared).  Once a round has
-        # run, an in-place change of a value is refused while one of those is in use
-        # (values.in_use), and of a kept view always (buffers.write_lazy).
+        # tensors made of its row at once, held weakly (eager_of, values._mark_shared).
+        # Once a round has run, an in-place change of a value is refused while one of those
+        # is in use (values.in_use), and of a kept view always (buffers.write_lazy).
         self.shared: dict[Any, list[Any]] = {}
         self.views_of: dict[Any, list[Any]] = {}
         self.eager_of: dict[Any, list[Any]] = {}
@@ -980,9 +979,11 @@ class _Recorder:
                     and type(rec.fold) is Fold
                     and type(x.node) is rec.fold._node_type
                     and not rec.closed
+                    and torch.is_grad_enabled()
                 ):
                     # A value of the round where the example took no view in it: nothing
                     # shares its memory (buffers.write_lazy's checks pass), the common case.
+                    # (Under no_grad, write_lazy keeps the value's gradient.)
                     new = _MISS
                     if _C is not None and not form[3] and len(form[2]) <= _C.MAX_FAST:
                         new = _C.fast(rec, form[0], form[1], form[2])
