@@ -484,8 +484,21 @@ def write_lazy(
     ``values._ITEM_OPERATOR``), ``_MISS``, and the caller records ``x = x + y`` (a new
     value, the name rebound; set back by ``h[i] = ...``)."""
     x = args[0]
-    earlier = _of_an_earlier_round(rec, x)
-    if earlier:
+    earlier = False
+    if (
+        plain is not None
+        and rec is not None
+        and x.rec is rec
+        and not rec.view_log
+        and type(rec.fold) is Fold
+        and type(x.node) is rec.fold._node_type
+        and not rec.closed
+    ):
+        # An activation's inplace=True on a value of the round where the example took no
+        # view in the round (the common case): nothing shares its memory (_unwritable's
+        # checks pass), without their cost.
+        why = None
+    elif earlier := _of_an_earlier_round(rec, x):
         why = _shared_earlier(rec, x)
     elif rec is not None and x.rec is rec and type(rec.fold) is not Fold and not rec.closed:
         why = _untraceable_write(rec, x)
@@ -501,11 +514,12 @@ def write_lazy(
             f"autobatch: example {getattr(rec, 'example', '?')}: in-place {what} on a lazy "
             f"value {_OUTSIDE_WHY if why is _OUTSIDE else why}"
         )
-    if rec.session is not None:
+    if rec.session is not None and rec.session.written:
         table = rec.session.written
         rest = _held(args[1:], table, rec)
         kw = {k: _held(v, table, rec) for k, v in kwargs.items()}
-    else:  # (recorded once for every row: no buffers)
+    else:  # (no buffer written in the call: none among the arguments; none in a recording
+        # once for every row)
         rest, kw = args[1:], kwargs
     new = _out_of_place(rec, fn, x, rest, kw, x.shape, x.dtype, "a lazy value", plain)
     if not torch.is_grad_enabled() and (rec.session is None or rec.session.grad):
@@ -542,25 +556,22 @@ def _untraceable_write(rec: Any, x: Lazy) -> str | None:
     if values.in_use(x):  # (an array of its value read)
         return "that shares memory with a value in use (recorded once for every row)"
     for out, args in rec.view_log:
-        for a in (*(out if type(out) is tuple else (out,)), *args):
-            for y in a if type(a) is list or type(a) is tuple else (a,):
-                if y is x:
-                    return "that shares memory with a view (recorded once for every row)"
+        for y in _entry_values(out, args):
+            if y is x:
+                return "that shares memory with a view (recorded once for every row)"
     return None
 
 
 def _of_an_earlier_round(rec: Any, x: Lazy) -> bool:
     """Whether ``x`` is a value computed by an earlier round of ``rec``'s call (its row made,
     or a value a method made of one at once), while ``rec`` records."""
-    old = x.rec
     return (
         rec is not None
-        and old is not rec
+        and x.rec is not rec
         and not rec.closed
         and rec.session is not None
         and type(rec.fold) is Fold
-        and getattr(old, "values", None) is not None
-        and getattr(old, "session", None) is rec.session
+        and rec._earlier(x)
     )
 
 
@@ -594,14 +605,19 @@ def absorb_views(rec: Any) -> None:
         return
     for j in _C.views_in_use(log, start) if _C is not None else _views_in_use(log, start):
         out, args = log[j]
-        found = []
-        for a in (*(out if type(out) is tuple else (out,)), *args):
-            for x in a if type(a) is list or type(a) is tuple else (a,):
-                if type(x) is Lazy or isinstance(x, torch.Tensor):
-                    found.append(x)
+        found = [
+            x for x in _entry_values(out, args) if type(x) is Lazy or isinstance(x, torch.Tensor)
+        ]
         for k, x in enumerate(found):
             for y in found[k + 1 :]:
                 values._share(x, y)
+
+
+def _entry_values(out: Any, args: tuple[Any, ...]) -> Any:
+    """The values of a view log entry: its outputs (the parts of a tuple of them) and its
+    arguments (the items of a list or tuple argument)."""
+    for a in (*(out if type(out) is tuple else (out,)), *args):
+        yield from a if type(a) is list or type(a) is tuple else (a,)
 
 
 def _views_in_use(log: list[tuple[Any, tuple[Any, ...]]], start: int) -> list[int]:

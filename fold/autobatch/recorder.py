@@ -972,27 +972,6 @@ class _Recorder:
             form = in_place_form(fn, kind, args, kwargs)
             if form is not None:  # (F.relu(h, inplace=True), nn.ReLU(inplace=True)(h))
                 rec = current if current is not None else self
-                x = args[0]
-                if (
-                    x.rec is rec
-                    and not rec.view_log
-                    and type(rec.fold) is Fold
-                    and type(x.node) is rec.fold._node_type
-                    and not rec.closed
-                    and torch.is_grad_enabled()
-                ):
-                    # A value of the round where the example took no view in it: nothing
-                    # shares its memory (buffers.write_lazy's checks pass), the common case.
-                    # (Under no_grad, write_lazy keeps the value's gradient.)
-                    new = _MISS
-                    if _C is not None and not form[3] and len(form[2]) <= _C.MAX_FAST:
-                        new = _C.fast(rec, form[0], form[1], form[2])
-                    if new is _MISS:
-                        new = rec.record(form[0], form[1], form[2], form[3])
-                    if type(new) is Lazy and new.rec is rec and new.meta == x.meta:
-                        object.__setattr__(x, "node", new.node)
-                        return x
-                    return rec.write_lazy(fn, form[2], form[3], 0, form[:2])
                 return rec.write_lazy(fn, form[2], form[3], 0, form[:2])
         if current is not None:  # (None: the call has ended; _record refuses the value)
             if session.eager:  # the rest runs as eager code
