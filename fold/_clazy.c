@@ -397,19 +397,24 @@ row_version(PyObject *row)
    ``rec.aliases``, for a tensor (not a view: views of one tensor share its version) whose
    literal row is a view of it (a change in place before its round runs is an error there,
    naming the call, not a silent change of the recorded call's argument).  1 for a view of
-   a tensor that needs no gradient (recorder._snapshot: the caller copies its row now), 0
-   for any other view or once noted, -1 on error. */
+   any tensor but a leaf that needs a gradient (recorder._snapshot: the caller copies its
+   row now), 0 for any other view or once noted, -1 on error. */
 static int
 note_alias(PyObject *rec, PyObject *a, PyObject *version, PyObject *fn, PyObject *kind)
 {
     PyObject *base = PyObject_GetAttr(a, s_base);
     if (base == NULL)
         return -1;
-    if (base != Py_None) {
+    if (base != Py_None) { /* copied unless a leaf that needs a gradient (a parameter) */
         PyObject *grad = PyObject_GetAttr(base, s_requires_grad);
-        Py_DECREF(base);
         int needs = grad == NULL ? -1 : PyObject_IsTrue(grad);
         Py_XDECREF(grad);
+        if (needs > 0) {
+            PyObject *leaf = PyObject_GetAttr(base, s_is_leaf);
+            needs = leaf == NULL ? -1 : PyObject_IsTrue(leaf);
+            Py_XDECREF(leaf);
+        }
+        Py_DECREF(base);
         return needs < 0 ? -1 : !needs;
     }
     Py_DECREF(base);

@@ -396,16 +396,20 @@ def _state_changed(obj: Any, state: Any, structures: dict[int, Any]) -> str | No
 
 def _snapshot(a: torch.Tensor) -> bool:
     """Whether eager tensor ``a``, a call's literal argument, is taken as a copy of its value
-    now: a view of a tensor that needs no gradient (a row of a buffer the example fills, of
-    its one-hot input, of an input tensor it was given).  The call runs later, in its round;
+    now: a view of any tensor but a leaf that needs a gradient (a row of a buffer the
+    example fills, of its one-hot input, of an input tensor it was given, of a tensor it
+    computed at once from an earlier round's values).  The call runs later, in its round;
     a change in place of the tensor viewed before then (``buf[0] = 7.0`` after ``h +
     buf[0]``) would reach it, and the views of one tensor share its version counter, so no
-    check tells a change of this view from a change elsewhere in its tensor.  (A tensor
-    itself is checked by its version instead, see check_aliases; a view of one that needs
-    a gradient, ``self.pos[:n]`` of a parameter, is taken as it is: the example does not
-    change parameters in place.)  The C fast path (``note_alias``) takes the same rule."""
+    check tells a change of this view from a change elsewhere in its tensor.  (A copy also
+    leaves the tensor's memory to the example: a recorded write into a buffer it fills
+    sees no view of it held.)  A tensor itself is checked by its version instead, see
+    check_aliases; a view of a leaf that needs a gradient, ``self.pos[:n]`` of a
+    parameter, is taken as it is: torch refuses to change such a leaf in place, and the
+    example does not change parameters under ``torch.no_grad()``.  The C fast path
+    (``note_alias``) takes the same rule."""
     base = a._base
-    return base is not None and not base.requires_grad
+    return base is not None and not (base.requires_grad and base.is_leaf)
 
 
 def _computed(rec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
