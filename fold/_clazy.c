@@ -526,11 +526,39 @@ shared_tensor(Key *k, PyObject *a)
    no row of a tensor autobatch iterates over (rec._rows): as the slow path's _part, a
    batch-of-one literal row, keyed by (torch.Tensor, shape, dtype, device).  1 where put in
    ``k``, 0 where the slow path takes it, -1 on error. */
+/* Whether the thread runs inside a torch.func transform (torch._C._functorch's
+   peek_interpreter_stack gives a level): a call there runs at once, the slow path's
+   _Recorder._in_transform.  1, 0, -1 on error. */
+static PyObject *g_peek; /* (looked up once) */
+
+static int
+in_transform(void)
+{
+    if (g_peek == NULL) {
+        PyObject *c = PyImport_ImportModule("torch._C");
+        PyObject *f = c ? PyObject_GetAttrString(c, "_functorch") : NULL;
+        Py_XDECREF(c);
+        g_peek = f ? PyObject_GetAttrString(f, "peek_interpreter_stack") : NULL;
+        Py_XDECREF(f);
+        if (g_peek == NULL)
+            return -1;
+    }
+    PyObject *level = PyObject_CallNoArgs(g_peek);
+    if (level == NULL)
+        return -1;
+    int inside = level != Py_None;
+    Py_DECREF(level);
+    return inside;
+}
+
 static int
 tensor_row(Key *k, PyObject *rec, PyObject *a)
 {
     if (k->nk + 4 > MAX_ITEMS || k->nn >= MAX_NODES)
         return 0;
+    int transform = in_transform(); /* (its tensors are the transform's: run at once) */
+    if (transform != 0)
+        return transform < 0 ? -1 : 0;
     int shared = leaf_with_grad(a);
     if (shared != 0)
         return shared < 0 ? -1 : shared_tensor(k, a);

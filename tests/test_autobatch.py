@@ -3201,6 +3201,49 @@ def test_misuse_of_a_lazy_value_is_a_fold_error_naming_the_fix(misuse, match):
         fold.autobatch(lambda x: misuse(lazy_of(x)), [torch.randn(3)] * 2)
 
 
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap", "grad-after-read"])
+def test_torch_func_transforms_inside_the_function_run_at_once_as_eager(finish, transform):
+    """A torch.func transform the function opens (per-example input gradients with
+    ``torch.func.grad``, a Jacobian, a vmap over the example's own rows) runs its calls at
+    once, as eager code does, on the example's tensors and the rows of earlier rounds'
+    values: values and gradients equal eager (float64).  (A module call in it was recorded
+    and ran later, outside the transform: torch.func.grad and vmap raised torch's errors.)"""
+    torch.manual_seed(0)
+    lin, out = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def fn(x):
+        if transform == "grad":
+            return torch.func.grad(lambda z: out(torch.tanh(lin(z))).sum())(x)
+        if transform == "jacrev":
+            return torch.func.jacrev(lambda z: torch.tanh(lin(z)))(x)
+        if transform == "vmap":
+            return torch.func.vmap(lin)(x.view(2, 2).repeat(1, 2)) + lin(x)
+        h = torch.tanh(lin(x))
+        if float(h.detach().sum()) > 0:  # a read: h is a value of an earlier round
+            h = h * 2
+        return torch.func.grad(lambda z: out(z * h).sum())(x) + h
+
+    params = [*lin.parameters(), *out.parameters()]
+    assert_same(fn, params, [torch.randn(4) for _ in range(4)])
+
+
+@pytest.mark.parametrize(
+    "inside, match",
+    [
+        (lambda h, x: torch.func.grad(lambda z: (z * h).sum())(x), r"Tensor\.mul inside a torch"),
+        (lambda h, x: torch.func.grad(lambda z: z.sum())(h), r"transform .*was given"),
+    ],
+    ids=["closed-over", "given"],
+)
+def test_a_lazy_value_of_the_round_inside_a_torch_func_transform_is_a_fold_error(inside, match):
+    """A value the function computed in the round recording has no value yet where a
+    transform runs its function at once: a FoldError naming the fix (read first, or compute
+    it inside), not torch's error about a type it does not know."""
+    lin = nn.Linear(3, 3)
+    with pytest.raises(fold.FoldError, match=rf"example 0: .*{match}.*Fix: .*read a value"):
+        fold.autobatch(lambda x: inside(torch.tanh(lin(x)), x), [torch.randn(3) for _ in range(2)])
+
+
 def test_copy_of_a_lazy_value_is_its_value_cut_from_the_history_as_eager():
     lin = nn.Linear(3, 3)
     xs = [torch.randn(3) for _ in range(3)]

@@ -521,7 +521,7 @@ def _example(fn: Callable[..., Any], example: tuple[Any, ...], i: int) -> Callab
     def run() -> Any:
         try:
             return fn(*example)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RuntimeError) as err:
             explained = _misuse(err, i)
             if explained is err:
                 _name_example(err, i)
@@ -588,11 +588,21 @@ def _row_or_lazy(v: Any, rec: _Recorder | None) -> Any:
 def _misuse(err: Exception, i: int) -> Exception:
     """A FoldError for what torch raises where it meets a lazy value it cannot take
     (``err`` itself for any other error): an unbound tensor method, or ``torch.func.vmap``
-    inside the per-example function."""
+    or another torch.func transform given a lazy value inside the per-example function."""
     text = str(err)
     if isinstance(err, FoldError) or "Lazy" not in text:
         return err
-    if "vmap" in text:
+    if re.search(
+        r"\b(grad_and_value|vjp|jvp|jacrev|jacfwd|hessian|linearize|transform API)\b", text
+    ):
+        fix = (
+            "a torch.func transform (torch.func.grad, vjp, jacrev, ...) was given, or its "
+            "function returned, a lazy value the function computed in this round; the "
+            "transform runs its function at once, on tensors. Fix: compute the value inside "
+            "the transformed function from its inputs, or read a value before the transform "
+            "starts (after float(v.sum()), what was computed before it is a tensor)."
+        )
+    elif "vmap" in text:
         fix = (
             "torch.func.vmap (or torch.vmap) inside the function autobatch runs: autobatch "
             "already batches it. Fix: call the vmapped function on the example's values "

@@ -394,6 +394,13 @@ def _state_changed(obj: Any, state: Any, structures: dict[int, Any]) -> str | No
     return None
 
 
+# The torch.func transform the thread runs inside of (its innermost level), None outside any:
+# a call recorded there would run later, outside the transform (see _Recorder._in_transform).
+_IN_TRANSFORM: Callable[[], Any] = getattr(
+    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
+)
+
+
 def _snapshot(a: torch.Tensor) -> bool:
     """Whether eager tensor ``a``, a call's literal argument, is taken as a copy of its value
     now: a view of any tensor but a leaf that needs a gradient (a row of a buffer the
@@ -972,6 +979,8 @@ class _Recorder:
         goes through ``_fast``; others build their key here."""
         session = self.session
         current = session.current if session is not None else None
+        if _IN_TRANSFORM() is not None:  # inside torch.func.grad, vjp, jacrev, ...
+            return (current or self)._in_transform(fn, kind, args, kwargs)
         if args and type(args[0]) is Lazy:
             form = in_place_form(fn, kind, args, kwargs)
             if form is not None:  # (F.relu(h, inplace=True), nn.ReLU(inplace=True)(h))
@@ -1287,6 +1296,62 @@ class _Recorder:
             tuple(kwargs),
             tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
         )
+
+    def _in_transform(
+        self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A call made inside a torch.func transform the function opened (``torch.func.grad(
+        loss)(x)``, ``vjp``, ``jacrev``): run at once, as eager code runs it, on the rows of
+        earlier rounds' values; the transform differentiates (or maps) what it runs, so a
+        recorded call, run later outside it, would escape it.  A value of the round
+        recording has no row yet, and reading it would pause the example inside the
+        transform, whose state belongs to the thread: a FoldError naming the fix.  Where
+        the function is recorded once for every row (``traced``), a FoldError too: the
+        examples are then recorded one by one, and their calls run so."""
+        name = _fn_name(fn, kind)
+        if self.lockstep is not None:
+            raise FoldError(f"autobatch: {name} inside a torch.func transform, rows recorded once")
+        session = self.session
+
+        def value(a: Any) -> Any:
+            t = type(a)
+            if t is Lazy:
+                row = _value_of(a) if a.rec.session is session else None
+                if row is None:
+                    raise FoldError(
+                        f"autobatch: example {self.example}: {name} inside a torch.func "
+                        "transform (torch.func.grad, vjp, jacrev, ...) was given a lazy value "
+                        "the function computed in this round: the transform runs its "
+                        "function at once, and the value is computed only when the round "
+                        "runs. Fix: compute the value inside the transformed function from "
+                        "its inputs, or read a value before the transform starts (after a "
+                        "read such as float(v.sum()), what was computed before it is a value "
+                        "of an earlier round, which the transform takes as a tensor)."
+                    )
+                return row
+            if t is Known:
+                return a.tensor()
+            if t is list or t is tuple:
+                return t([value(x) for x in a])
+            if t is _Written:  # a buffer the example fills: the value it holds
+                return value(buffers.held_by(a, self))
+            return a
+
+        given = tuple([value(a) for a in args])
+        kw = {k: value(v) for k, v in kwargs.items()} if kwargs else {}
+        if (
+            args
+            and type(args[0]) is Lazy
+            and (
+                in_place_form(fn, kind, args, kwargs) is not None
+                or getattr(fn, "__name__", "").endswith("_")
+            )
+        ):
+            raise FoldError(
+                f"autobatch: example {self.example}: in-place {name} on a lazy value inside a "
+                "torch.func transform. Fix: compute out of place (x = x.add(1), not x.add_(1))."
+            )
+        return self._eager(fn, kind, given, kw)
 
     def _now(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call run at once as eager code, on the computed rows of earlier rounds' values
