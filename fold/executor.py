@@ -18,6 +18,7 @@ The executor reads the snapshot and the plan only: never the Fold that recorded 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -103,6 +104,49 @@ def _read_order(rows: np.ndarray) -> np.ndarray | None:
 
 
 _CHEAP = (How.SOURCE, How.PIECES)
+
+
+# What runs a group on this thread now: the Executor in its ``run``, or a ``RowsOf`` where a
+# graph of one op runs as one call (fold.run._one_call); see ``group_rows``.
+_NOW = threading.local()
+
+
+class RowsOf:
+    """A group of nodes running as one call outside an executor, set for a ``with`` block:
+    their handles in row order, their ids (``running``, as an executor's) made only where
+    ``group_rows`` asks (a per-sample step's one call runs with it every step)."""
+
+    __slots__ = ("arrays", "handles", "outer")
+
+    def __init__(self, handles: Any) -> None:
+        self.handles, self.arrays, self.outer = handles, None, None
+
+    @property
+    def running(self) -> np.ndarray:
+        return np.fromiter((node_id(h) for h in self.handles), np.int64)
+
+    def __enter__(self) -> RowsOf:
+        self.outer, _NOW.running = getattr(_NOW, "running", None), self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _NOW.running = self.outer
+
+
+def group_rows(n: int) -> np.ndarray | None:
+    """The node ids of the rows of the group whose op is called now on this thread, in the
+    order of its values, where it has ``n`` of them (an op run in chunks or padded parts
+    sees fewer); None outside a group's call.  For an op that must know which calls its
+    rows are: autobatch's norms in training, whose running statistics take the calls in the
+    order eager code makes them (fold.autobatch.running)."""
+    now = getattr(_NOW, "running", None)
+    members = None if now is None else now.running
+    if members is None:
+        return None
+    if type(members) is SignatureNodes:
+        members = members.ids(now.arrays)
+    members = np.asarray(members)
+    return members if members.ndim == 1 and len(members) == n else None
 
 
 _UNSEEN = object()  # a column key no group of the pass has read (see Executor._copies)
@@ -255,6 +299,13 @@ class Executor:
         return self._values
 
     def run(self, plan: Plan) -> None:
+        outer, _NOW.running = getattr(_NOW, "running", None), self
+        try:
+            self._run_plan(plan)
+        finally:
+            _NOW.running = outer
+
+    def _run_plan(self, plan: Plan) -> None:
         if plan.whole:  # nodes are read only if an output needs rows, after every group
             for s, step in enumerate(plan.steps):
                 for g, group in enumerate(step.groups):

@@ -19,7 +19,7 @@ import torch
 from fold._encoding import LIST, NODE, SCALAR_KINDS, key_rows, node_id
 from fold.arrays import GraphArrays, literal_column
 from fold.errors import FoldError, describe, op_name
-from fold.executor import Executor, ModelBatched
+from fold.executor import Executor, ModelBatched, RowsOf
 from fold.node import Node, UnfoldNode
 from fold.ops import (
     bad_split,
@@ -233,7 +233,8 @@ def _one_call(
     fn = resolve_op(obj, op, False)
     fold.last_run = []
     try:
-        out = fn(*values)
+        with RowsOf(memo.values()):  # (the rows' nodes, for an op that asks: group_rows)
+            out = fn(*values)
     except Exception as err:
         raise op_failed(op, 0, n, values, err) from err
     outs = check_outputs(op, 0, n, out, False)

@@ -64,9 +64,8 @@ def test_batch_norm_in_training_updates_its_state_once_per_example(momentum, pat
     as eager code does: the statistics and the call count equal eager's (with momentum
     None, the count weighs the average).  Shape inference ran the norm on zeros, and the
     round's vmap trial counted a call before it failed: each moved the state.  (Calls of
-    several shapes, or in several rounds, update in fold's order, group by group: with a
-    momentum, an exponential average, the statistics weigh them in that order; see the
-    README.)"""
+    several shapes, depths or rounds are taken in eager order: see
+    test_running_statistics_take_the_calls_in_eager_order.)"""
     a, b = _twins(_net(momentum))
     if path == "rows":  # one shape: the function recorded once on lazy rows
         xs = [torch.randn(3, 4) for _ in range(5)]
@@ -147,7 +146,7 @@ def test_batch_norm_runs_batched_in_eval_mode_after_looping_in_training(monkeypa
     """A batch norm's groups run one call per example in training mode (each call its own
     statistics, and an update of the running ones); that verdict holds in training mode
     only: evaluated after training, its groups run as one call again.  Values equal
-    eager's in both modes (momentum None: calls of several shapes update in fold's order)."""
+    eager's in both modes."""
     a, b = _twins(_net(None))
     xs = [torch.randn(k, 4) for k in (2, 3, 3, 4, 2, 3)]
     fn = lambda x: b(x)  # noqa: E731
@@ -389,9 +388,6 @@ def test_norms_of_ones_own_update_running_statistics_once_per_example(monkeypatc
         return nn.Sequential(*(layers if instance else layers[::2]))
 
     a, b = _twins(make)
-    # (Groups of several shapes run one after another; with a momentum, the running
-    # statistics weigh the calls in fold's order, which is eager's where the examples come
-    # in the order of their shapes: see the README.)
     sizes = (2, 2, 3, 3, 4) if path == "lists" else (3,) * 5
     xs = [torch.randn(k, 5, 4) if instance else torch.randn(k, 4) for k in sizes]
     fn = _read_before if path == "rounds" else (lambda m: lambda x: m(x).pow(2).sum())
@@ -415,6 +411,98 @@ def test_norms_of_ones_own_update_running_statistics_once_per_example(monkeypatc
         want.sum().backward()
         got.sum().backward()
         _assert_grads_equal(a, b)
+
+
+_ORDER_NORMS = {"batch norm": lambda: nn.BatchNorm1d(6), **_NORMS}
+
+
+@pytest.mark.parametrize(
+    "norm, path",
+    [
+        (norm, path)
+        for norm in _ORDER_NORMS
+        for path in ("twice", "shapes", "rounds", "eager-finish", "per-example")
+    ]
+    + [("batch norm", "momentum None"), ("batch norm subclass", "momentum None")],
+)
+def test_running_statistics_take_the_calls_in_eager_order(monkeypatch, norm, path):
+    """Eager code updates a norm's running statistics at every call: example 0's calls in
+    its order, then example 1's.  With a momentum the order weighs the calls, and autobatch
+    runs them in its own order: the norm's second call in an example after every
+    example's first (a group a depth), calls on values of several shapes (the examples not
+    in the order of their shapes) a group a shape, calls after a read in later rounds (or
+    at once, as the examples finish as eager code), a norm functional on a tensor the
+    example was given at once.  The statistics and the call count equal eager's on every
+    path (they were updated group by group, in fold's order), as do values and gradients,
+    over two calls (the first infers shapes: the norm functional's inference on zeros
+    updated the statistics, once)."""
+    from fold.autobatch import driver
+
+    instance = "instance" in norm
+
+    def make():
+        norm_ = _ORDER_NORMS[norm]()
+        if path == "momentum None":
+            norm_.momentum = None
+        layers = [nn.Linear(4, 6), _Channels(), norm_]
+        return nn.Sequential(*(layers if instance else layers[::2]))
+
+    a, b = _twins(make)
+    torch.manual_seed(1)
+    sizes = (4, 2, 3, 2, 3) if path == "shapes" else (3,) * 5
+
+    def fn(m):
+        def step(x):
+            if path in ("rounds", "eager-finish") and float(x.sum()) > 0:  # a read
+                x = x * 2
+            h = m(x)
+            if path == "per-example":  # the norm on the example's own tensor first
+                own = torch.cat([x, x], -1)[..., :6]
+                h = m[-1](own.transpose(1, 2) if instance else own) + h
+            return m[-1](torch.tanh(h) * 2).pow(2).sum()
+
+        return step
+
+    if path == "rounds":
+        monkeypatch.setattr(driver, "EAGER_GROUP", 0)  # every round batched
+    for _step in range(2):
+        xs = [torch.randn(k, 5, 4) if instance else torch.randn(k, 4) for k in sizes]
+        want = torch.stack([fn(a)(x) for x in xs])
+        got = fold.autobatch(fn(b), xs, per_example=path == "per-example")
+        torch.testing.assert_close(got, want)
+        _assert_state_equal(a, b)
+        want.sum().backward()
+        got.sum().backward()
+        _assert_grads_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["batch", "instance"])
+def test_shape_inference_of_a_norm_function_leaves_the_running_statistics(kind):
+    """``F.batch_norm`` (or ``F.instance_norm``) in training on running statistics, called
+    in the function itself on a recorded value: its shape inference runs it on zeros,
+    which updated the statistics on the call that first recorded it (a silent drift of the
+    statistics, once per new shape).  Statistics, values and gradients equal eager's from
+    the first call on."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    stats = [torch.zeros(4), torch.ones(4)]
+    norm = F.batch_norm if kind == "batch" else F.instance_norm
+
+    def fn(x):
+        h = lin(x) if kind == "batch" else lin(x).T[None]
+        return norm(h, *stats, None, None, True, 0.3, 1e-5).pow(2).sum()
+
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    want = torch.stack([fn(x) for x in xs])
+    grad = torch.autograd.grad(want.sum(), lin.weight)
+    eager = [t.clone() for t in stats]
+    for t, start in zip(stats, (0.0, 1.0)):
+        t.data.fill_(start)  # (as before the eager calls)
+    got = fold.autobatch(fn, xs, per_example=True)
+    torch.testing.assert_close(got, want)
+    for t, e in zip(stats, eager):
+        torch.testing.assert_close(t, e)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), lin.weight), grad)
 
 
 @pytest.mark.parametrize("norm", ["module", "subclass", "functional"])

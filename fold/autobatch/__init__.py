@@ -2,8 +2,9 @@
 
 The package, one job per file, each importing only the ones above it in this list:
 ``common`` (the C extension, per-thread state, modes, names), ``values`` (lazy values),
-``buffers`` (tensors an example made and writes recorded values into), ``patches`` (what is installed in torch while a call runs), ``batchable``, ``ops`` (recorded
-ops and how a group runs), ``tables`` (which torch calls run directly, which work in
+``buffers`` (tensors an example made and writes recorded values into), ``running`` (norms'
+running statistics, updated in eager order), ``patches`` (what is installed in torch while
+a call runs), ``batchable``, ``ops`` (recorded ops and how a group runs), ``tables`` (which torch calls run directly, which work in
 place), ``recorder`` (op keys, the fast table, shape inference), ``traced`` (recordings that
 stand for a whole batch or group), ``driver`` (``autobatch`` itself, stacking the results).
 ``fold.autobatch`` is the function; the parts are imported as ``from fold.autobatch import

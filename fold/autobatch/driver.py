@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from fold._encoding import node_id, split_code
 from fold.arrays import handles_array
-from fold.autobatch import buffers
+from fold.autobatch import buffers, running
 from fold.autobatch.common import (
     _BATCHED,
     _DIRECT,
@@ -129,22 +129,27 @@ def autobatch(
             "autobatch: called inside a function autobatch is running. Fix: call the inner "
             "function directly; it is recorded into the same graph."
         )
-    if stack and not per_example and iterables:
-        out = _traced(fn, iterables)  # installs the patches where it needs them
-        if out is not _MISS:
-            return out
-    # The collector stays paused until the call's own objects (every round's values, by
-    # node) are freed: a collection started inside it would walk them all (1.4 ms a call
-    # on the decoder of benchmarks/control_flow.py, every call).
-    with collector_paused():
-        with _installed():
-            rec, results, specs = _record(fn, iterables, stack, pooled=True)
-            if stack:
-                out = pytree.tree_unflatten(_stack(rec, results), specs[0])
-            else:
-                out = _unstacked(rec, results, specs)
-        _give_back(fn, rec)
-        del rec, results, specs
+    # (the running statistics of norms in training: updated in eager order as it returns)
+    with running.Updates() as updates:
+        if stack and not per_example and iterables:
+            updates.traced = True
+            out = _traced(fn, iterables)  # installs the patches where it needs them
+            updates.traced = False
+            if out is not _MISS:
+                return out
+            updates.entries.clear()  # (a recording that gave way: recorded again below)
+        # The collector stays paused until the call's own objects (every round's values,
+        # by node) are freed: a collection started inside it would walk them all (1.4 ms a
+        # call on the decoder of benchmarks/control_flow.py, every call).
+        with collector_paused():
+            with _installed():
+                rec, results, specs = _record(fn, iterables, stack, pooled=True)
+                if stack:
+                    out = pytree.tree_unflatten(_stack(rec, results), specs[0])
+                else:
+                    out = _unstacked(rec, results, specs)
+            _give_back(fn, rec)
+            del rec, results, specs
     return out
 
 
@@ -367,6 +372,9 @@ def _materialize(rec: _Recorder) -> dict[Any, tuple[torch.Tensor, int]]:
     if not len(f):
         return {}
     rec.check_aliases()
+    updates = running.active()
+    if updates is not None:  # (whose nodes run: their examples, see running.Updates)
+        updates.rec = rec
     device = _device(rec)
     obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
     try:
@@ -424,6 +432,9 @@ def _record(
     the last recorder's ``kept`` holds the fast tables to give back with its Fold."""
     session = _Session(fn if pooled else None)
     rec = session.current
+    updates = running.active()
+    if updates is not None:
+        updates.session = session
     results: list[Any] = []
     specs: list[Any] = []
     _LOCAL.rec = rec
@@ -658,6 +669,9 @@ def _stack(rec: _Recorder, results: list[list[Any]]) -> list[Any]:
             )
     if lists:
         rec.check_aliases()
+        updates = running.active()
+        if updates is not None:  # (whose nodes run: their examples, see running.Updates)
+            updates.rec = rec
         device = _device(rec)
         obj = _DeviceAnchor(device) if device is not None and device.type != "cpu" else None
         try:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as _F
 
+from fold.autobatch import running
 from fold.autobatch.buffers import note_made
 from fold.autobatch.common import _C, _LOCAL, _MISS
 from fold.autobatch.values import (
@@ -813,6 +814,30 @@ def _norm_forward(self: Any, input: Any) -> Any:
             return rec.record(self, "module", (input,), {})
         self._check_input_dim(input)
         return rec.record(batch_norm_forward, "torch", (self, input), {})
+    if (
+        rec is not None
+        and not rec.paused
+        and self.training
+        and self.track_running_stats
+        and self.running_mean is not None
+        and type(input) is torch.Tensor
+    ):
+        # Run at once by an example (finishing as eager code): its update kept, to be
+        # made in eager order when the call ends (fold.autobatch.running).
+        self._check_input_dim(input)
+        out = running.eager_norm(
+            rec,
+            input,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            self.weight,
+            self.bias,
+            self.momentum,
+            self.eps,
+        )
+        if out is not None:
+            return out
     return _BATCH_NORM_FORWARD(self, input)
 
 
@@ -872,7 +897,16 @@ def running_norm(
             running_norm, (input, weight, bias), input, weight, bias, momentum, eps, stats
         )
     mean, var = stats.tensors()
-    norm = _F.batch_norm if stats.kind == "batch" else _F.instance_norm
+    instance = stats.kind == "instance"
+    rec = _LOCAL.rec
+    if rec is not None and rec.paused:  # shape inference, on zeros: the statistics untouched
+        mean, var = mean.clone(), var.clone()
+    elif rec is not None and type(input) is torch.Tensor:
+        # (run at once by an example: its update kept, see _norm_forward)
+        out = running.eager_norm(rec, input, mean, var, None, weight, bias, momentum, eps, instance)
+        if out is not None:
+            return out
+    norm = _INSTANCE_NORM_F if instance else _BATCH_NORM_F
     return norm(input, mean, var, weight, bias, True, momentum, eps)
 
 
@@ -921,6 +955,72 @@ def instance_norm_rewrite(
         return _MISS
     stats = RunningStats.of("instance", running_mean, running_var)
     return running_norm(input, weight, bias, momentum, eps, stats)
+
+
+_BATCH_NORM_F = _F.batch_norm
+_INSTANCE_NORM_F = _F.instance_norm
+
+
+def _eager_batch_norm(
+    input: Any,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    """``F.batch_norm`` while autobatch runs: a call in training on running statistics that
+    an example runs at once on a tensor (its input, a value computed at once) keeps its
+    update for the call's end, in eager order (fold.autobatch.running); any other call as
+    it is (one on a lazy value is recorded: batch_norm_rewrite)."""
+    rec = _LOCAL.rec
+    if (
+        rec is not None
+        and not rec.paused
+        and type(input) is torch.Tensor
+        and _updates(training, running_mean, running_var)
+    ):
+        out = running.eager_norm(
+            rec, input, running_mean, running_var, None, weight, bias, momentum, eps
+        )
+        if out is not None:
+            return out
+    return _BATCH_NORM_F(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _eager_instance_norm(
+    input: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    """``F.instance_norm`` while autobatch runs: as ``_eager_batch_norm``."""
+    rec = _LOCAL.rec
+    if (
+        rec is not None
+        and not rec.paused
+        and type(input) is torch.Tensor
+        and _updates(use_input_stats, running_mean, running_var)
+    ):
+        out = running.eager_norm(
+            rec, input, running_mean, running_var, None, weight, bias, momentum, eps, True
+        )
+        if out is not None:
+            return out
+    return _INSTANCE_NORM_F(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+
+
+# (named as torch's: a call recorded of them names the op so)
+functools.update_wrapper(_eager_batch_norm, _BATCH_NORM_F)
+functools.update_wrapper(_eager_instance_norm, _INSTANCE_NORM_F)
 
 
 # Torch functions recorded with the module (or statistics) they change, by the argument's
@@ -999,6 +1099,8 @@ def _users_of(fn: Any) -> list[Any]:
 # calls after it).
 recorded_calls = _Installed(
     (_BATCH_NORM, "forward", _norm_forward),
+    (_F, "batch_norm", _eager_batch_norm),
+    (_F, "instance_norm", _eager_instance_norm),
     (_DISTRIBUTION, "_validate_sample", _validate_sample),
     modules=_users_of(_BROADCAST_ALL),
     name="broadcast_all",

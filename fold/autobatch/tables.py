@@ -14,12 +14,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fold.autobatch import buffers
+from fold.autobatch import buffers, running
 from fold.autobatch.common import _DIRECT, _MODELS, _RNN, _VMAP
 from fold.autobatch.ops import _LOSSES, _fill, _Slot, _slots, _tensors
 from fold.autobatch.patches import (
     _READ_FUNCTIONS,
     _call_module,
+    _eager_batch_norm,
+    _eager_instance_norm,
     batch_norm_forward,
     batch_norm_rewrite,
     instance_norm_rewrite,
@@ -541,12 +543,8 @@ def _merged_batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor)
         return forward(module, x.flatten(0, 1)).unflatten(0, (n, per[0]))
     out, means, var, count = _own_statistics(x, module.weight, module.bias, module.eps, False)
     if module.training and module.track_running_stats:
-        calls = module.num_batches_tracked
-        before = int(calls) if calls is not None else 0
-        if calls is not None:
-            calls.add_(n)
         running = (module.running_mean, module.running_var)
-        _update_running(*running, module.momentum, before, means, var, count)
+        _update_running(*running, module.num_batches_tracked, module.momentum, means, var, count)
     return out
 
 
@@ -560,7 +558,7 @@ def _merged_instance_norm(module: nn.modules.instancenorm._InstanceNorm, x: torc
         x = x.unsqueeze(1)
     momentum = module.momentum if module.momentum is not None else 0.0
     out, means, var, count = _own_statistics(x, module.weight, module.bias, module.eps, True)
-    _update_running(module.running_mean, module.running_var, momentum, 0, means, var, count)
+    _update_running(module.running_mean, module.running_var, None, momentum, means, var, count)
     return out.squeeze(1) if unbatched else out
 
 
@@ -571,7 +569,7 @@ def _running_norm_group(
     ``F.instance_norm``, on running statistics ``stats``), each on its example's ``(N, C,
     *S)``: as ``_merged_instance_norm`` does for a module."""
     out, means, var, count = _own_statistics(x, weight, bias, eps, stats.kind == "instance")
-    _update_running(*stats.tensors(), momentum, 0, means, var, count)
+    _update_running(*stats.tensors(), None, momentum, means, var, count)
     return out
 
 
@@ -614,31 +612,28 @@ def _own_statistics(
 def _update_running(
     running_mean: torch.Tensor,
     running_var: torch.Tensor,
+    calls: torch.Tensor | None,
     momentum: float | None,
-    before: int,
     means: torch.Tensor,
     var: torch.Tensor,
     count: int,
 ) -> None:
-    """Running statistics after k calls whose batches' statistics are ``means`` (k, C) and
-    biased ``var``, in the order of their rows, in closed form: with a momentum m, k calls
-    give ``(1 - m)^k r + sum_j m (1 - m)^(k-1-j) s_j``; without (``None``), the cumulative
-    average over every call counted (``before`` of them before these)."""
-    k = means.shape[0]
+    """The running statistics (and call count ``calls``, None where there is none) after a
+    group of k calls whose batches' statistics are ``means`` (k, C) and biased ``var`` over
+    ``count`` values each: kept to be applied in eager order when the autobatch call ends
+    (fold.autobatch.running), or where the group's rows cannot be told, at once in the
+    order of its rows."""
     with torch.no_grad():
-        means = means.to(running_mean.dtype)
         variances = var.to(running_var.dtype) * (count / (count - 1))
-        m = momentum
-        # (through .data: written as torch's kernel writes them, without a bump of their
-        # version, which a graph that saved them (an eager call's batch norm, before this
-        # one) checks in its backward)
-        for running, stats in ((running_mean.data, means), (running_var.data, variances)):
-            if m is None:  # the cumulative average over every call counted
-                running.mul_(before).add_(stats.sum(0)).div_(before + k)
-            else:
-                powers = torch.arange(k - 1, -1, -1, dtype=stats.dtype, device=stats.device)
-                weights = m * (1 - m) ** powers
-                running.mul_((1 - m) ** k).add_((weights[:, None] * stats).sum(0))
+    updates = running.active()
+    keys = None if updates is None else updates.group_keys(means.shape[0])
+    if keys is not None:
+        updates.add(keys, running_mean, running_var, calls, momentum, means, variances)
+        return
+    before = int(calls) if calls is not None else 0
+    if calls is not None:
+        calls.add_(means.shape[0])
+    running.update(running_mean, running_var, momentum, before, means, variances)
 
 
 def _norm_forward_fits(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -852,6 +847,10 @@ _REWRITES: dict[Any, Any] = {
     # A norm call that updates running statistics, recorded with them by identity.
     F.batch_norm: batch_norm_rewrite,
     F.instance_norm: instance_norm_rewrite,
+    # (the same while autobatch runs: torch's dispatch to a lazy value names the function
+    # torch.nn.functional holds then, patches._eager_batch_norm)
+    _eager_batch_norm: batch_norm_rewrite,
+    _eager_instance_norm: instance_norm_rewrite,
 }
 
 
