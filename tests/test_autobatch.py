@@ -3244,6 +3244,44 @@ def test_a_lazy_value_of_the_round_inside_a_torch_func_transform_is_a_fold_error
         fold.autobatch(lambda x: inside(torch.tanh(lin(x)), x), [torch.randn(3) for _ in range(2)])
 
 
+@pytest.mark.parametrize("stack", [True, False])
+def test_an_object_holding_lazy_values_returned_is_a_fold_error_or_registered(stack):
+    """A result torch's pytree does not look into (a dataclass, an object of one's own)
+    holding lazy values: a FoldError naming the example and the fix, where the values left
+    the call uncomputed (the first use of one raised far from the call, telling the user to
+    use what autobatch returns).  A dataclass registered with the pytree comes back with
+    its fields computed (stacked, with ``stack``), equal to eager's."""
+    import dataclasses
+
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(3) for _ in range(3)]
+
+    @dataclasses.dataclass
+    class Out:
+        h: torch.Tensor
+        n: int
+
+    class Own:
+        def __init__(self, h):
+            self.hs = [h]
+
+    for make in (lambda x: Out(lin(x), 2), lambda x: Own(lin(x))):
+        with pytest.raises(fold.FoldError, match=r"example 0 returned an object of type .*Fix:"):
+            fold.autobatch(make, xs, stack=stack)
+    torch.utils._pytree.register_dataclass(Out)
+    try:
+        got = fold.autobatch(lambda x: Out(torch.tanh(lin(x)), 2), xs, stack=stack)
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Out)
+    want = [torch.tanh(lin(x)) for x in xs]
+    rows = got.h if stack else torch.stack([o.h for o in got])
+    torch.testing.assert_close(rows, torch.stack(want))
+    torch.testing.assert_close(
+        torch.autograd.grad(rows.sum(), lin.weight),
+        torch.autograd.grad(torch.stack(want).sum(), lin.weight),
+    )
+
+
 def test_copy_of_a_lazy_value_is_its_value_cut_from_the_history_as_eager():
     lin = nn.Linear(3, 3)
     xs = [torch.randn(3) for _ in range(3)]

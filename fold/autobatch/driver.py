@@ -571,8 +571,35 @@ def _finished(result: Any, i: int, results: list[Any], specs: list[Any]) -> None
     """Example ``i``'s result, flat (a written buffer the value it holds), and its
     structure."""
     leaves, specs[i] = _flatten(result)
+    for v in leaves:
+        if type(v) not in _PLAIN_LEAVES and not isinstance(v, torch.Tensor):
+            _check_opaque(v, i)
     rec = _LOCAL.rec
     results[i] = leaves if rec is None or rec.session is None else buffers.results_held(leaves, rec)
+
+
+# Result leaves that hold no lazy value inside them (or are one).
+_PLAIN_LEAVES = frozenset((Lazy, int, float, bool, str, bytes, type(None), complex))
+
+
+def _check_opaque(v: Any, i: int) -> None:
+    """A FoldError where result leaf ``v``, an object torch's pytree does not look into (a
+    dataclass, an object of one's own), holds lazy values among its attributes: they would
+    leave the call as lazy values, not as their rows (the first use a FoldError far from
+    here)."""
+    fields = getattr(v, "__dict__", None)
+    if type(fields) is not dict:
+        return
+    inside = pytree.tree_leaves(list(fields.values()))
+    if any(type(x) is Lazy for x in inside):
+        name = type(v).__name__
+        raise FoldError(
+            f"autobatch: example {i} returned an object of type {name} holding lazy values "
+            f"among its attributes, which autobatch cannot look into (torch's pytree does not "
+            f"know the class), so they would leave the call uncomputed. Fix: return a tuple, "
+            f"list, dict or namedtuple of them, or register the class with torch's pytree "
+            f"(torch.utils._pytree.register_dataclass({name}) for a dataclass)."
+        )
 
 
 def _check_structures(specs: list[Any]) -> None:
