@@ -1814,6 +1814,38 @@ def test_a_recording_made_once_changes_its_own_values_in_place():
     torch.testing.assert_close(rows, xs + 1.0)
 
 
+def test_a_seed_set_inside_the_function_warns_where_a_recorded_value_draws():
+    """``torch.manual_seed`` inside the function: a random call on a recorded value (here
+    ``F.dropout`` of a computed value) draws when its group runs, so the seed cannot give it
+    eager's numbers (a silent difference before): a warning says so and names the fix.  A
+    draw with no recorded argument runs at once and follows the seed, as eager's (equal
+    values and gradients, no warning).  torch.manual_seed stays torch's own."""
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(3) for _ in range(3)]
+    real = torch.manual_seed
+
+    def at_once(x):
+        torch.manual_seed(7)
+        return lin(x) * (torch.rand(3) > 0.5)
+
+    got = fold.autobatch(at_once, xs)  # (no warning: the suite's warnings are errors)
+    want = torch.stack([at_once(x) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), lin.weight), torch.autograd.grad(want.sum(), lin.weight)
+    )
+
+    def recorded(x):
+        torch.manual_seed(11)
+        return F.dropout(torch.tanh(lin(x)), 0.5)
+
+    for rows in (xs, [x[None] for x in xs]):  # (one recording for all rows; per example)
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"example \d+: .*after torch.manual_seed.*Fix:"):
+            fold.autobatch(recorded, rows, per_example=rows is not xs)
+    assert torch.manual_seed is real
+
+
 def test_random_draws_are_not_shared_by_a_recording_made_once():
     """A tensor drawn eagerly inside fn (torch.randn with no lazy argument) differs per
     example: a recording made once would share one draw, so autobatch records per example,

@@ -242,6 +242,8 @@ class _Session:
         # The grad mode the call began in: where it was off, no value the examples make
         # needs a gradient, unless one turns it on (buffers.write_lazy reads it).
         self.grad = torch.is_grad_enabled()
+        # The seed of torch's generator as the call began (see _Recorder._seeded).
+        self.seed = torch.initial_seed()
         # A Fold and fast tables kept from an earlier call of ``fn`` (see _POOL; None: a new
         # Fold): taken here, and given back by ``autobatch`` once its results are out
         # (``tables`` keeps the fast tables of the last round that recorded, where the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -602,6 +603,9 @@ class _Recorder:
         # (the Fold's C counter of node ids, read directly: see start_example)
         ids = getattr(self.fold, "_ids", None)
         self._ids = ids if _Counter is not None and type(ids) is _Counter else None
+        # The seed of torch's generator as the call began (the session's, across rounds):
+        # an example that seeds it anew meets a random call on a recorded value (_seeded).
+        self.seed = session.seed if session is not None else torch.initial_seed()
         self.paused = False
         # Set when the autobatch call (or the recording made once) that this recorder serves
         # has ended: a lazy value kept beyond it records nothing (see close).
@@ -1160,9 +1164,11 @@ class _Recorder:
         if self.trial is not None:
             self.trial.append(op)
         if op.random:  # (no fast table entry: every call comes here)
+            self._seeded(op)
             return self._logged(op, self._record_fresh(op, fargs), args)
         watched = op.random_modules
         if watched and any(m.training for m in watched):  # (eval mode: no draw, pure)
+            self._seeded(op)
             return self._logged(op, self._record_fresh(op, fargs), args)
         r = self._recorders.get(op)
         if r is None:  # the first call specialises Fold.op's recorder: keep that one
@@ -1295,6 +1301,27 @@ class _Recorder:
             _KW,
             tuple(kwargs),
             tuple([part(v, fargs, shared, ragged) for v in kwargs.values()]),
+        )
+
+    def _seeded(self, op: _Op) -> None:
+        """A random call on a recorded value draws when its group runs, for every example
+        at once: where an example seeded torch's generator anew (``torch.manual_seed(i)``
+        inside the function: its seed differs from the one the call began with), the seed
+        cannot give it eager's numbers, and a warning says so (once per new seed)."""
+        seed = torch.initial_seed()
+        if seed == self.seed:
+            return
+        self.seed = seed
+        if self.session is not None:
+            self.session.seed = seed
+        warnings.warn(
+            f"autobatch: example {self.example}: {op.name} draws random numbers from a "
+            "recorded value after torch.manual_seed inside the function: it draws when its "
+            "group runs, for every example at once, so the seed does not fix its numbers as "
+            "eager code's (a draw with no recorded argument, torch.rand(3), runs at once and "
+            "follows it). Fix: seed before the autobatch call; where each example's numbers "
+            "must be eager's, draw them at once (torch.rand(h.shape) < p) and apply them.",
+            stacklevel=2,
         )
 
     def _in_transform(
