@@ -142,8 +142,10 @@ class Updates:
             _, running_mean, running_var, calls, _, _, _ = entries[0]
             keys = np.concatenate([e[0] for e in entries], 1)
             order = torch.from_numpy(np.lexsort(keys[::-1]))
-            means = torch.cat([e[5] for e in entries]).index_select(0, order)
-            variances = torch.cat([e[6] for e in entries]).index_select(0, order)
+            means = torch.cat([e[5] for e in entries])
+            at = order.to(means.device)  # (the statistics' device: a GPU's norm)
+            means = means.index_select(0, at)
+            variances = torch.cat([e[6] for e in entries]).index_select(0, at)
             momenta = [m for e in entries for m in [e[4]] * e[0].shape[1]]
             momenta = [momenta[i] for i in order.tolist()]
             before = int(calls) if calls is not None else 0
