@@ -961,6 +961,24 @@ _BATCH_NORM_F = _F.batch_norm
 _INSTANCE_NORM_F = _F.instance_norm
 
 
+def _kept(input: Any, mean: Any, var: Any, stats: Any, args: tuple[Any, ...], kind: str) -> Any:
+    """A norm call in training on running statistics that an example runs at once on a
+    tensor (its input, a value computed at once): its output, its update kept for the
+    call's end, in eager order (fold.autobatch.running); ``_MISS`` for any other call.
+    ``stats``: whether the call uses the batch's statistics (``training``,
+    ``use_input_stats``); ``args``: weight, bias, momentum, eps."""
+    rec = _LOCAL.rec
+    if (
+        rec is None
+        or rec.paused
+        or type(input) is not torch.Tensor
+        or not _updates(stats, mean, var)
+    ):
+        return _MISS
+    out = running.eager_norm(rec, input, mean, var, None, *args, kind == "instance")
+    return _MISS if out is None else out
+
+
 def _eager_batch_norm(
     input: Any,
     running_mean: Any,
@@ -972,22 +990,13 @@ def _eager_batch_norm(
     eps: float = 1e-5,
 ) -> Any:
     """``F.batch_norm`` while autobatch runs: a call in training on running statistics that
-    an example runs at once on a tensor (its input, a value computed at once) keeps its
-    update for the call's end, in eager order (fold.autobatch.running); any other call as
-    it is (one on a lazy value is recorded: batch_norm_rewrite)."""
-    rec = _LOCAL.rec
-    if (
-        rec is not None
-        and not rec.paused
-        and type(input) is torch.Tensor
-        and _updates(training, running_mean, running_var)
-    ):
-        out = running.eager_norm(
-            rec, input, running_mean, running_var, None, weight, bias, momentum, eps
-        )
-        if out is not None:
-            return out
-    return _BATCH_NORM_F(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    an example runs at once keeps its update for the call's end (``_kept``); any other call
+    as it is (one on a lazy value is recorded: batch_norm_rewrite)."""
+    args = (weight, bias, momentum, eps)
+    out = _kept(input, running_mean, running_var, training, args, "batch")
+    if out is _MISS:
+        out = _BATCH_NORM_F(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return out
 
 
 def _eager_instance_norm(
@@ -1001,21 +1010,13 @@ def _eager_instance_norm(
     eps: float = 1e-5,
 ) -> Any:
     """``F.instance_norm`` while autobatch runs: as ``_eager_batch_norm``."""
-    rec = _LOCAL.rec
-    if (
-        rec is not None
-        and not rec.paused
-        and type(input) is torch.Tensor
-        and _updates(use_input_stats, running_mean, running_var)
-    ):
-        out = running.eager_norm(
-            rec, input, running_mean, running_var, None, weight, bias, momentum, eps, True
+    args = (weight, bias, momentum, eps)
+    out = _kept(input, running_mean, running_var, use_input_stats, args, "instance")
+    if out is _MISS:
+        out = _INSTANCE_NORM_F(
+            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
         )
-        if out is not None:
-            return out
-    return _INSTANCE_NORM_F(
-        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
-    )
+    return out
 
 
 # (named as torch's: a call recorded of them names the op so)
