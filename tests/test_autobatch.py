@@ -2518,6 +2518,23 @@ def _same_round_view_changed(x):
     return h
 
 
+def _view_in_a_list_changed(x):
+    h = lin_of_3(x)
+    parts = [h[0:2], h[2:]]
+    parts[0] += 1.0  # eager code changes h too (the list's item was rebound, silently)
+    return h
+
+
+_HELD = [None]
+
+
+def _view_in_a_global_list_changed(x):
+    h = lin_of_3(x)
+    _HELD[0] = h[1:]
+    _HELD[0] += 1.0  # the same, the list a global
+    return h
+
+
 def _detached_after_a_read(x):
     h = lin_of_3(x)
     int(h.argmax())
@@ -2593,6 +2610,8 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         (_view_taken_after_a_read, _EARLIER_SHARED),
         (_earlier_view_changed, r"__iadd__\(\) .* of an earlier round that shares memory"),
         (_same_round_view_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
+        (_view_in_a_list_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
+        (_view_in_a_global_list_changed, r"__iadd__\(\) on a lazy value that is a view of"),
         (_detached_after_a_read, r"\.add_\(\) .* of an earlier round that shares memory"),
         (_unbound_after_a_read, _EARLIER_SHARED),
         (_detached_view_let_go, _EARLIER_SHARED),
@@ -2609,6 +2628,8 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         "view-taken-after-a-read",
         "earlier-view-changed",
         "same-round-view-changed",
+        "view-in-a-list-changed",
+        "view-in-a-global-list-changed",
         "detached-after-a-read",
         "unbound-after-a-read",
         "detached-view-let-go",
@@ -2626,6 +2647,30 @@ def test_in_place_changes_autobatch_cannot_follow_are_fold_errors(finish, fn, ma
     _LIN3.to(torch.float64)
     with pytest.raises(fold.FoldError, match=r"example 0: .*" + match):
         fold.autobatch(fn, [torch.randn(3) for _ in range(3)])
+
+
+def test_augmented_assignments_to_items_of_lists_and_tensors_match_eager(finish):
+    """``hs[1] += v`` of a value in a list changes the value in place (every name holding it
+    sees the change), ``h[i] += v`` and ``h[i, j] += v`` write ``h`` through the item's
+    view, a dict's item the same: values and gradients equal eager's (float64), before and
+    after a read."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        h = torch.tanh(lin(x)) * 1.0  # (tanh's output is saved for backward: not changed)
+        hs, by = [h, h * 2], {"a": h * 3}
+        hs[1] += h
+        by["a"] -= hs[1]
+        i = 1
+        h[i] += hs[1][0]
+        if float(h.detach().sum()) > -1e9:  # a read: h is a value of an earlier round
+            h[0] *= 2.0
+        m = torch.outer(h, h)
+        m[i, 2] += h[3]
+        return hs[0], hs[1], by["a"], m
+
+    assert_same(fn, list(lin.parameters()), [torch.randn(4) for _ in range(3)])
 
 
 def test_error_inside_a_batched_call_names_the_source_line():

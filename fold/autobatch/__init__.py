@@ -137,7 +137,8 @@ How a call is recorded (the choices the contract leaves open):
   and for one of an earlier round alike (``scores[tok] = -inf`` after ``tok =
   int(scores.argmax())``; ``total += loss`` across reads).  Where eager code would change
   another tensor too, they are FoldErrors: a view changed (``v = h[0:2]; v += 1``; an
-  augmented assignment to an item, ``h[i] += v``, sets the view back and so writes ``h``),
+  augmented assignment to an item, ``h[i] += v``, sets the view back and so writes ``h``;
+  one to an item of a list, ``parts[0] += v``, does not: refused as ``v += 1``),
   or a value changed while a view of it is held: taken in the round (recorder
   ``views``), or of an earlier round's value, kept across a read, taken of its row at once
   (``h[0]``, ``h.detach()``, ``h.unbind()``, ``torch.narrow(h, ...)``) or through views of

@@ -1174,8 +1174,7 @@ def _inplace_operator(name: str) -> Callable[..., Any]:
     def operator(self: Lazy, other: Any) -> Any:
         rec = _LOCAL.rec
         if rec is not None and not rec.paused:
-            how = _ITEM_OPERATOR if _stored_into_item(sys._getframe(1)) else True
-            out = rec.write_lazy(func, (self, other), {}, how)
+            out = rec.write_lazy(func, (self, other), {}, _how_stored(sys._getframe(1)))
             if out is not _MISS:
                 return out
         return plain(self, other)
@@ -1189,30 +1188,98 @@ def _inplace_operator(name: str) -> Callable[..., Any]:
 # buffers.write_lazy: where the view cannot change in place, ``h[i] + v`` does the same).
 _ITEM_OPERATOR = 2
 
-# Per code object and instruction offset of an augmented assignment, whether its result is
-# stored into an item (``h[i] += v``), from the instructions that follow it.
-_STORED_INTO_ITEM: dict[tuple[Any, int], bool] = {}
+# Per code object and instruction offset of an augmented assignment: False where its result
+# is stored into a name or an attribute; where into an item (``h[i] += v``), how the
+# container is loaded (an instruction's name and its name argument: ``LOAD_FAST lst``), or
+# None where it is not one instruction that loads a name.
+_STORED_INTO_ITEM: dict[tuple[Any, int], Any] = {}
+
+# The instructions of jumps: an expression that holds one is not followed back (_start_of).
+_BRANCHES = ("JUMP", "POP_JUMP", "FOR_ITER", "SEND")
 
 
-def _stored_into_item(frame: Any) -> bool:
-    """Whether the augmented assignment ``frame`` runs stores its result into an item
-    (``h[i] += v``: the stack reordered, then a subscript store) rather than a name or an
-    attribute."""
+def _how_stored(frame: Any) -> int:
+    """How the augmented assignment ``frame`` runs stores its result (``write_lazy``'s
+    ``operator``): ``_ITEM_OPERATOR`` into an item of a tensor or lazy value (``h[i] +=
+    v``: Python sets the item back, which writes ``h``), or of a container it cannot tell;
+    True into a name, an attribute, or an item of a list, tuple or dict (``lst[0] += v``:
+    setting a list's item back writes no tensor, so a view there must change in place as
+    ``v += 1`` would, or be refused)."""
     key = (frame.f_code, frame.f_lasti)
-    got = _STORED_INTO_ITEM.get(key)
-    if got is None:
-        got, after = False, False
-        for ins in dis.get_instructions(frame.f_code):
-            if after:
-                if ins.opname not in ("SWAP", "COPY", "ROT_THREE", "ROT_TWO", "DUP_TOP"):
-                    got = ins.opname == "STORE_SUBSCR"
-                    break
-            elif ins.offset == frame.f_lasti:
-                after = True
+    how = _STORED_INTO_ITEM.get(key, _MISS)
+    if how is _MISS:
+        how = _item_loader(frame.f_code, frame.f_lasti)
         if len(_STORED_INTO_ITEM) > 4096:  # (code made on the fly: keep it bounded)
             _STORED_INTO_ITEM.clear()
-        _STORED_INTO_ITEM[key] = got
-    return got
+        _STORED_INTO_ITEM[key] = how
+    if how is False:
+        return True
+    if how is None:
+        return _ITEM_OPERATOR
+    op, name = how
+    if op == "LOAD_GLOBAL":
+        scopes: tuple[Any, ...] = (frame.f_globals, frame.f_builtins)
+    elif op == "LOAD_NAME":
+        scopes = (frame.f_locals, frame.f_globals, frame.f_builtins)
+    else:  # (LOAD_FAST, LOAD_DEREF)
+        scopes = (frame.f_locals,)
+    for scope in scopes:
+        if name in scope:
+            if type(scope[name]) in (list, tuple, dict):
+                return True
+            break
+    return _ITEM_OPERATOR
+
+
+def _item_loader(code: Any, offset: int) -> Any:
+    """For the augmented assignment at ``offset`` of ``code``: False where its result is not
+    stored into an item; else the instruction that loads the container, where it is one
+    that loads a name (``(opname, name)``), else None.  Read from the instructions around
+    it: ``<container> <index> COPY 2 COPY 2 BINARY_SUBSCR <operand> BINARY_OP ... SWAP
+    STORE_SUBSCR``."""
+    instructions = list(dis.get_instructions(code))
+    at = next((k for k, ins in enumerate(instructions) if ins.offset == offset), None)
+    if at is None:
+        return False
+    for ins in instructions[at + 1 :]:
+        if ins.opname not in ("SWAP", "COPY", "ROT_THREE", "ROT_TWO", "DUP_TOP"):
+            if ins.opname != "STORE_SUBSCR":
+                return False
+            break
+    operand = _start_of(instructions, at)
+    if operand is None or operand < 3:
+        return None
+    names = [instructions[operand - k].opname for k in (1, 2, 3)]
+    if names != ["BINARY_SUBSCR", "COPY", "COPY"]:
+        return None
+    index = _start_of(instructions, operand - 3)
+    container = None if index is None else _start_of(instructions, index)
+    if container is None or index - container != 1:
+        return None
+    ins = instructions[container]
+    if ins.opname in ("LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"):
+        return ins.opname, ins.argval
+    return None
+
+
+def _start_of(instructions: list[Any], end: int) -> int | None:
+    """The index of the first of the instructions before ``end`` that leave one value on the
+    stack (an expression's), followed back by their stack effects; None where a jump comes
+    between or the effects do not add up."""
+    total = 0
+    for j in range(end - 1, -1, -1):
+        ins = instructions[j]
+        if ins.opname.startswith(_BRANCHES):
+            return None
+        try:
+            total += dis.stack_effect(ins.opcode, ins.arg, jump=False)
+        except (ValueError, TypeError):
+            return None
+        if total == 1:
+            return j
+        if total > 1:
+            return None
+    return None
 
 
 _OPERATORS = (
