@@ -2535,6 +2535,19 @@ def _view_in_a_global_list_changed(x):
     return h
 
 
+class _Parts:
+    def __init__(self):
+        self.parts = []
+
+
+def _view_in_an_attribute_list_changed(x):
+    h = lin_of_3(x)
+    holder = _Parts()
+    holder.parts.append(h[0:2])
+    holder.parts[0] += 1.0  # the same, the list an attribute of an object
+    return h
+
+
 def _detached_after_a_read(x):
     h = lin_of_3(x)
     int(h.argmax())
@@ -2612,6 +2625,7 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         (_same_round_view_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
         (_view_in_a_list_changed, r"__iadd__\(\) on a lazy value that is a view of another"),
         (_view_in_a_global_list_changed, r"__iadd__\(\) on a lazy value that is a view of"),
+        (_view_in_an_attribute_list_changed, r"__iadd__\(\) on a lazy value that is a view"),
         (_detached_after_a_read, r"\.add_\(\) .* of an earlier round that shares memory"),
         (_unbound_after_a_read, _EARLIER_SHARED),
         (_detached_view_let_go, _EARLIER_SHARED),
@@ -2630,6 +2644,7 @@ _EARLIER_SHARED = r"(\.mul_\(\)|__setitem__) .* of an earlier round that shares 
         "same-round-view-changed",
         "view-in-a-list-changed",
         "view-in-a-global-list-changed",
+        "view-in-an-attribute-list-changed",
         "detached-after-a-read",
         "unbound-after-a-read",
         "detached-view-let-go",
@@ -2668,7 +2683,10 @@ def test_augmented_assignments_to_items_of_lists_and_tensors_match_eager(finish)
             h[0] *= 2.0
         m = torch.outer(h, h)
         m[i, 2] += h[3]
-        return hs[0], hs[1], by["a"], m
+        holder = _Parts()
+        holder.parts.append(m * 1.0)
+        holder.parts[0] += h[0]  # (a value in an attribute's list: changed in place)
+        return hs[0], hs[1], by["a"], m, holder.parts[0]
 
     assert_same(fn, list(lin.parameters()), [torch.randn(4) for _ in range(3)])
 

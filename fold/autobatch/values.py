@@ -1190,8 +1190,8 @@ _ITEM_OPERATOR = 2
 
 # Per code object and instruction offset of an augmented assignment: False where its result
 # is stored into a name or an attribute; where into an item (``h[i] += v``), how the
-# container is loaded (an instruction's name and its name argument: ``LOAD_FAST lst``), or
-# None where it is not one instruction that loads a name.
+# container is loaded (an instruction's name, its name argument and the attributes read
+# after it: ``LOAD_FAST self`` then ``.parts``), or None where it is loaded otherwise.
 _STORED_INTO_ITEM: dict[tuple[Any, int], Any] = {}
 
 # The instructions of jumps: an expression that holds one is not followed back (_start_of).
@@ -1216,25 +1216,29 @@ def _how_stored(frame: Any) -> int:
         return True
     if how is None:
         return _ITEM_OPERATOR
-    op, name = how
+    op, name, attrs = how
     if op == "LOAD_GLOBAL":
         scopes: tuple[Any, ...] = (frame.f_globals, frame.f_builtins)
     elif op == "LOAD_NAME":
         scopes = (frame.f_locals, frame.f_globals, frame.f_builtins)
     else:  # (LOAD_FAST, LOAD_DEREF)
         scopes = (frame.f_locals,)
-    for scope in scopes:
-        if name in scope:
-            if type(scope[name]) in (list, tuple, dict):
-                return True
-            break
-    return _ITEM_OPERATOR
+    scope = next((scope for scope in scopes if name in scope), None)
+    if scope is None:
+        return _ITEM_OPERATOR
+    container = scope[name]
+    for attr in attrs:  # (an object's own attributes only: a property may do anything)
+        own = getattr(container, "__dict__", None)
+        if type(own) is not dict or attr not in own:
+            return _ITEM_OPERATOR
+        container = own[attr]
+    return True if type(container) in (list, tuple, dict) else _ITEM_OPERATOR
 
 
 def _item_loader(code: Any, offset: int) -> Any:
     """For the augmented assignment at ``offset`` of ``code``: False where its result is not
-    stored into an item; else the instruction that loads the container, where it is one
-    that loads a name (``(opname, name)``), else None.  Read from the instructions around
+    stored into an item; else how the container is loaded, where by a name and attributes
+    of it (``(opname, name, attributes)``), else None.  Read from the instructions around
     it: ``<container> <index> COPY 2 COPY 2 BINARY_SUBSCR <operand> BINARY_OP ... SWAP
     STORE_SUBSCR``."""
     instructions = list(dis.get_instructions(code))
@@ -1254,11 +1258,13 @@ def _item_loader(code: Any, offset: int) -> Any:
         return None
     index = _start_of(instructions, operand - 3)
     container = None if index is None else _start_of(instructions, index)
-    if container is None or index - container != 1:
+    if container is None:
         return None
-    ins = instructions[container]
-    if ins.opname in ("LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"):
-        return ins.opname, ins.argval
+    ins, attrs = instructions[container], instructions[container + 1 : index]
+    if ins.opname in ("LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF") and all(
+        a.opname == "LOAD_ATTR" for a in attrs
+    ):  # (a name, and attributes of it: self.parts)
+        return ins.opname, ins.argval, tuple(a.argval for a in attrs)
     return None
 
 
