@@ -814,29 +814,20 @@ def _norm_forward(self: Any, input: Any) -> Any:
             return rec.record(self, "module", (input,), {})
         self._check_input_dim(input)
         return rec.record(batch_norm_forward, "torch", (self, input), {})
-    if (
-        rec is not None
-        and not rec.paused
-        and self.training
-        and self.track_running_stats
-        and self.running_mean is not None
-        and type(input) is torch.Tensor
-    ):
+    if rec is not None and type(input) is torch.Tensor:
         # Run at once by an example (finishing as eager code): its update kept, to be
-        # made in eager order when the call ends (fold.autobatch.running).
+        # made in eager order when the call ends, its call count too (_kept).
         self._check_input_dim(input)
-        out = running.eager_norm(
-            rec,
+        out = _kept(
             input,
             self.running_mean,
             self.running_var,
+            self.training and self.track_running_stats,
+            (self.weight, self.bias, self.momentum, self.eps),
+            "batch",
             self.num_batches_tracked,
-            self.weight,
-            self.bias,
-            self.momentum,
-            self.eps,
         )
-        if out is not None:
+        if out is not _MISS:
             return out
     return _BATCH_NORM_FORWARD(self, input)
 
@@ -897,16 +888,12 @@ def running_norm(
             running_norm, (input, weight, bias), input, weight, bias, momentum, eps, stats
         )
     mean, var = stats.tensors()
-    instance = stats.kind == "instance"
     rec = _LOCAL.rec
     if rec is not None and rec.paused:  # shape inference, on zeros: the statistics untouched
         mean, var = mean.clone(), var.clone()
-    elif rec is not None and type(input) is torch.Tensor:
-        # (run at once by an example: its update kept, see _norm_forward)
-        out = running.eager_norm(rec, input, mean, var, None, weight, bias, momentum, eps, instance)
-        if out is not None:
-            return out
-    norm = _INSTANCE_NORM_F if instance else _BATCH_NORM_F
+    # (torch.nn.functional's, looked up now: while autobatch runs, _eager_batch_norm and
+    # _eager_instance_norm, which keep the update of a call an example runs at once)
+    norm = _F.instance_norm if stats.kind == "instance" else _F.batch_norm
     return norm(input, mean, var, weight, bias, True, momentum, eps)
 
 
@@ -961,12 +948,21 @@ _BATCH_NORM_F = _F.batch_norm
 _INSTANCE_NORM_F = _F.instance_norm
 
 
-def _kept(input: Any, mean: Any, var: Any, stats: Any, args: tuple[Any, ...], kind: str) -> Any:
+def _kept(
+    input: Any,
+    mean: Any,
+    var: Any,
+    stats: Any,
+    args: tuple[Any, ...],
+    kind: str,
+    calls: torch.Tensor | None = None,
+) -> Any:
     """A norm call in training on running statistics that an example runs at once on a
     tensor (its input, a value computed at once): its output, its update kept for the
     call's end, in eager order (fold.autobatch.running); ``_MISS`` for any other call.
     ``stats``: whether the call uses the batch's statistics (``training``,
-    ``use_input_stats``); ``args``: weight, bias, momentum, eps."""
+    ``use_input_stats``); ``args``: weight, bias, momentum, eps; ``calls``: a module's call
+    count, grown with the update."""
     rec = _LOCAL.rec
     if (
         rec is None
@@ -975,7 +971,7 @@ def _kept(input: Any, mean: Any, var: Any, stats: Any, args: tuple[Any, ...], ki
         or not _updates(stats, mean, var)
     ):
         return _MISS
-    out = running.eager_norm(rec, input, mean, var, None, *args, kind == "instance")
+    out = running.eager_norm(rec, input, mean, var, calls, *args, kind == "instance")
     return _MISS if out is None else out
 
 

@@ -1338,34 +1338,6 @@ class _Recorder:
         name = _fn_name(fn, kind)
         if self.lockstep is not None:
             raise FoldError(f"autobatch: {name} inside a torch.func transform, rows recorded once")
-        session = self.session
-
-        def value(a: Any) -> Any:
-            t = type(a)
-            if t is Lazy:
-                row = _value_of(a) if a.rec.session is session else None
-                if row is None:
-                    raise FoldError(
-                        f"autobatch: example {self.example}: {name} inside a torch.func "
-                        "transform (torch.func.grad, vjp, jacrev, ...) was given a lazy value "
-                        "the function computed in this round: the transform runs its "
-                        "function at once, and the value is computed only when the round "
-                        "runs. Fix: compute the value inside the transformed function from "
-                        "its inputs, or read a value before the transform starts (after a "
-                        "read such as float(v.sum()), what was computed before it is a value "
-                        "of an earlier round, which the transform takes as a tensor)."
-                    )
-                return row
-            if t is Known:
-                return a.tensor()
-            if t is list or t is tuple:
-                return t([value(x) for x in a])
-            if t is _Written:  # a buffer the example fills: the value it holds
-                return value(buffers.held_by(a, self))
-            return a
-
-        given = tuple([value(a) for a in args])
-        kw = {k: value(v) for k, v in kwargs.items()} if kwargs else {}
         if (
             args
             and type(args[0]) is Lazy
@@ -1378,6 +1350,29 @@ class _Recorder:
                 f"autobatch: example {self.example}: in-place {name} on a lazy value inside a "
                 "torch.func transform. Fix: compute out of place (x = x.add(1), not x.add_(1))."
             )
+        session = self.session
+
+        def value(a: Any) -> Any:  # (values._eager_value, where none is of this round)
+            t = type(a)
+            if t is Lazy and a.rec.session is session and a.rec.values is None:
+                raise FoldError(
+                    f"autobatch: example {self.example}: {name} inside a torch.func "
+                    "transform (torch.func.grad, vjp, jacrev, ...) was given a lazy value "
+                    "the function computed in this round: the transform runs its "
+                    "function at once, and the value is computed only when the round "
+                    "runs. Fix: compute the value inside the transformed function from "
+                    "its inputs, or read a value before the transform starts (after a "
+                    "read such as float(v.sum()), what was computed before it is a value "
+                    "of an earlier round, which the transform takes as a tensor)."
+                )
+            if t is list or t is tuple:
+                return t([value(x) for x in a])
+            if t is _Written:  # a buffer the example fills: the value it holds
+                return value(buffers.held_by(a, self))
+            return _eager_value(a, session)
+
+        given = tuple([value(a) for a in args])
+        kw = {k: value(v) for k, v in kwargs.items()} if kwargs else {}
         return self._eager(fn, kind, given, kw)
 
     def _now(self, fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
