@@ -1915,6 +1915,32 @@ def test_tensor_rows_stop_at_the_shortest_and_keep_errors():
         fold.autobatch(lambda r: reads(lin(r)), x)
 
 
+def test_a_batch_module_whose_code_mixes_rows_runs_per_example():
+    """A BatchModule whose model centres its batch (h - h.mean(0)): the examples' rows of one
+    group would mix, so its calls run one example at a time; a model whose code keeps its
+    rows apart still runs the group as one call."""
+    from fold.batched_ops import BatchModule
+
+    class Centred(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h - h.mean(0)
+
+    torch.manual_seed(0)
+    bm = BatchModule.from_modules([Centred() for _ in range(3)]).double()
+    xs = [torch.randn(3, 2, 4, dtype=torch.float64) for _ in range(5)]
+    with pytest.warns(UserWarning, match="acts along the rows' dim"):
+        assert_same(lambda x: bm(x).square(), list(bm.parameters()), xs)
+    assert bm.rows_kept("forward", xs[0]) is False
+    kept = BatchModule(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), batch=3).double()
+    assert_same(lambda x: kept(x).square(), list(kept.parameters()), xs)
+    assert kept.rows_kept("forward", xs[0]) is True
+
+
 def test_batch_module_call_per_example():
     from fold.batched_ops import BatchModule
 

@@ -671,3 +671,229 @@ def test_every_batched_layer_pickles_and_saves(base, tmp_path) -> None:
             bm.eval(), copy_.eval()
             x = torch.randn(2, *shape)
             torch.testing.assert_close(copy_(x), bm(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------- code that mixes the rows of a batch
+class _Mix(nn.Module):
+    """One model whose own code between its layers is ``body(self, x)``."""
+
+    def __init__(self, body, features: int = 5) -> None:
+        super().__init__()
+        self.body = body
+        self.lin = nn.Linear(features, 4)
+        self.gru = nn.GRU(4, 4, batch_first=True, num_layers=2)
+        self.seq_first = nn.GRU(4, 4)
+        self.lstm = nn.LSTM(4, 3, batch_first=True, bidirectional=True)
+        self.cell = nn.GRUCell(4, 4)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x, *rest):
+        return self.body(self, x, *rest)
+
+
+def _seq(m, x):  # (b, T, 5) -> (b, T, 4)
+    return torch.tanh(m.lin(x))
+
+
+# Code that keeps every row apart: runs with the models' rows merged, no warning.
+ROW_WISE = {
+    "flatten-by-size": (lambda m, x: m.conv(x).view(x.size(0), -1), (6, 1, 5, 5)),
+    "rnn-last-state": (lambda m, x: m.gru(_seq(m, x))[1][-1], (6, 7, 5)),
+    "bilstm-both-states": (
+        lambda m, x: torch.cat([m.lstm(_seq(m, x))[1][0][-2], m.lstm(_seq(m, x))[1][0][-1]], -1),
+        (6, 7, 5),
+    ),
+    "seq-first-states": (
+        lambda m, x: (
+            m.seq_first(_seq(m, x).transpose(0, 1))[0][-1]
+            + m.seq_first(_seq(m, x).transpose(0, 1))[1].sum(0)
+        ),
+        (6, 7, 5),
+    ),
+    "attention-within-rows": (
+        lambda m, x: torch.softmax(_seq(m, x) @ _seq(m, x).transpose(1, 2) / 2, -1) @ _seq(m, x),
+        (6, 7, 5),
+    ),
+    "einsum": (
+        lambda m, x: torch.einsum("btd,de->bte", _seq(m, x), torch.ones(4, 3, dtype=x.dtype)),
+        (6, 7, 5),
+    ),
+    "loss-per-row": (
+        lambda m, x, y: F.cross_entropy(m.lin(x), y, reduction="none"),
+        (6, 5),
+    ),
+    "cell-loop-from-zeros": (
+        lambda m, x: _cell_loop(m, _seq(m, x)),
+        (6, 7, 5),
+    ),
+    "slices-masks-pads": (
+        lambda m, x: (
+            F.pad(m.lin(x)[..., :3].masked_fill(x[:, :3] > 0, 0.5), (1, 1))
+            + F.layer_norm(m.lin(x), (4,))[:, 1:2].sum(-1, keepdim=True)
+        ),
+        (6, 5),
+    ),
+    "stack-expand-permute": (
+        lambda m, x: (
+            torch.stack([m.lin(x), -m.lin(x)], 1)
+            .unsqueeze(2)
+            .expand(-1, -1, 3, -1)
+            .permute(0, 3, 1, 2)
+            .amax(-1)
+            .topk(2, -1)
+            .values
+        ),
+        (6, 5),
+    ),
+}
+
+
+def _cell_loop(m, seq):
+    h = torch.zeros(seq.size(0), 4, dtype=seq.dtype)
+    for t in range(seq.size(1)):
+        h = m.cell(seq[:, t], h)
+    return h
+
+
+# Code that reads across rows: the first call finds it, and every call runs one model at a
+# time (each model's exact result), with a warning naming the call.
+MIXING = {
+    "centred-over-the-batch": (lambda m, x: m.lin(x) - m.lin(x).mean(0), (6, 5), "mean"),
+    "loss-over-the-batch": (
+        lambda m, x, y: F.cross_entropy(m.lin(x), y),
+        (6, 5),
+        "reduces over the batch",
+    ),
+    "attention-between-samples": (
+        lambda m, x: torch.softmax(m.lin(x) @ m.lin(x).T, -1) @ m.lin(x),
+        (6, 5),
+        "multiplies rows by rows",
+    ),
+    "whole-tensor-norm": (lambda m, x: m.lin(x) / m.lin(x).norm(), (6, 5), "whole tensor"),
+    "rows-joined": (
+        lambda m, x: torch.cat([m.lin(x), m.lin(x)[:1]], 0).sum(0, keepdim=True) + m.lin(x),
+        (6, 5),
+        "slices the rows",
+    ),
+    "positions-by-row-count": (
+        lambda m, x: m.lin(x) + torch.arange(x.shape[0], dtype=x.dtype)[:, None],
+        (6, 5),
+        "made another way",
+    ),
+    "one-row-squeezed": (lambda m, x: m.lin(x).squeeze(), (1, 5), "squeezes"),
+    "rows-sliced": (lambda m, x: m.lin(x)[:2], (6, 5), "slices the rows"),
+    "states-into-a-layer-at-the-wrong-dim": (
+        lambda m, x: m.gru(_seq(m, x).transpose(0, 1))[0],
+        (6, 7, 5),
+        "rows in dim 1 where it takes them in dim 0",
+    ),
+}
+
+
+def _mix_inputs(shape, with_target):
+    x = torch.randn(N, *shape, dtype=torch.float64)
+    if with_target:
+        return x, torch.randint(0, 4, (N, shape[0]))
+    return (x,)
+
+
+def _against_separate(name, body, shape, chunk, calls=2):
+    """BatchModule(models) against each model on its own, call after call: values and
+    gradients (float64)."""
+    torch.manual_seed(0)
+    models = [_Mix(body).double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.chunk_size = chunk
+    for _ in range(calls):
+        args = _mix_inputs(shape, "loss" in name)
+        got = bm(*args)
+        want = [m(*[a[i] for a in args]) for i, m in enumerate(models)]
+        torch.testing.assert_close(got, torch.stack(want))
+        weights = torch.randn_like(got)
+        bm.zero_grad(set_to_none=True)
+        (weights * got).sum().backward()
+        for i, (m, y) in enumerate(zip(models, want)):
+            m.zero_grad(set_to_none=True)
+            (weights[i] * y).sum().backward()
+            grads = bm.grads_of(i)
+            for k, p in m.named_parameters():
+                zero = torch.zeros_like(p)
+                ref = zero if p.grad is None else p.grad
+                torch.testing.assert_close(zero if grads[k] is None else grads[k], ref)
+    return bm
+
+
+@pytest.mark.parametrize("chunk", [None, 2], ids=["all-models", "chunks-of-2"])
+@pytest.mark.parametrize("name", list(ROW_WISE))
+def test_code_that_keeps_rows_apart_runs_merged(name, chunk) -> None:
+    body, shape = ROW_WISE[name]
+    bm = _against_separate(name, body, shape, chunk)  # (a warning would fail the test)
+    assert list(bm._row_verdicts.values()) == [None]
+    assert bm.rows_kept("forward", *_mix_inputs(shape, "loss" in name)) is True
+
+
+@pytest.mark.parametrize("chunk", [None, 2], ids=["all-models", "chunks-of-2"])
+@pytest.mark.parametrize("name", list(MIXING))
+def test_code_that_mixes_rows_runs_one_model_at_a_time(name, chunk) -> None:
+    body, shape, why = MIXING[name]
+    with pytest.warns(UserWarning, match=rf"_Mix's code .*{why}.*run one model at a time"):
+        bm = _against_separate(name, body, shape, chunk)
+    (verdict,) = bm._row_verdicts.values()
+    assert verdict is not None and why in verdict
+    assert bm.rows_kept("forward", *_mix_inputs(shape, "loss" in name)) is False
+
+
+def test_a_layers_weights_read_by_the_models_code_are_a_fold_error() -> None:
+    """``self.lin.weight`` in the model's own code is all N models' weights stacked: a
+    FoldError naming it, where the values would be wrong."""
+    body = lambda m, x: m.lin(x) * m.lin.weight.sum()  # noqa: E731
+    bm = BatchModule.from_modules([_Mix(body) for _ in range(N)])
+    with pytest.raises(FoldError, match=r"reads the layer's tensor lin\.weight .*Fix: use"):
+        bm(torch.randn(N, 6, 5))
+
+
+def test_a_call_run_again_leaves_buffers_and_random_state_as_one_run() -> None:
+    """A first call found mixing rows runs again one model at a time: its batch norm's
+    running statistics move once, and its dropout draws as a run one model at a time does."""
+
+    def body(m, x):
+        h = m.drop(m.norm(m.lin(x)))
+        return h - h.mean(0)
+
+    def make() -> nn.Module:
+        m = _Mix(body)
+        m.norm, m.drop = nn.BatchNorm1d(4), nn.Dropout(0.3)
+        return m.double()
+
+    torch.manual_seed(0)
+    models = [make() for _ in range(N)]
+    again = BatchModule.from_modules(copy.deepcopy(models))
+    alone = BatchModule.from_modules(copy.deepcopy(models))
+    alone.chunk_size = 1  # one model at a time from the start: nothing to run again
+    x = torch.randn(N, 6, 5, dtype=torch.float64)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="acts along the rows' dim"):
+        got = again(x)
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    want = alone(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
+    for a, b in zip(again.buffers(), alone.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the statistics moved once, as each model alone moves its own (they are read
+    # before the dropout)
+    for i, m in enumerate(models):
+        m(x[i])
+        torch.testing.assert_close(again.state_dicts()[i]["norm.running_mean"], m.norm.running_mean)
+        torch.testing.assert_close(again.state_dicts()[i]["norm.running_var"], m.norm.running_var)
+
+
+def test_models_whose_results_differ_in_shape_are_a_fold_error() -> None:
+    body = lambda m, x: m.lin(x)[m.lin(x)[:, 0] > 0]  # noqa: E731  (rows kept by value)
+    torch.manual_seed(0)
+    bm = BatchModule.from_modules([_Mix(body) for _ in range(N)])
+    x = torch.randn(N, 40, 5)
+    with pytest.warns(UserWarning, match="indexes the rows' dim"):
+        with pytest.raises(FoldError, match=r"BatchModule.forward: the models' results differ"):
+            bm(x)

@@ -1005,6 +1005,11 @@ class _Op:
         """A BatchModule call: per example (N, b, ...) values; the group's (n, N, b, ...)
         become (N, n * b, ...), one call, and back."""
         n = values[0].shape[0]
+        if n > 1 and not self.fn.rows_kept("forward", *[v[0] for v in values]):
+            # Code that may mix the rows of a batch (or not yet seen): one call per example
+            # (its first call finds which).
+            outs = [self.per_example(*[v[i] for v in values]) for i in range(n)]
+            return pytree.tree_map(lambda *ts: torch.stack(ts), *outs)
         merged = [v.movedim(0, 1).flatten(1, 2) for v in values]
         out = self.per_example(*merged)
         return pytree.tree_map(lambda t: t.unflatten(1, (n, -1)).movedim(1, 0), out)

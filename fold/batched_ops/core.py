@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fold.errors import FoldError
 
@@ -142,6 +143,14 @@ class AbstractBatchModule(nn.Module):
             return stacked
         return nn.Parameter(stacked, requires_grad=values[0].requires_grad)
 
+    def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+        """The dim of the merged rows in each tensor of ``forward``'s arguments, in the
+        order ``torch.utils._pytree`` lists them (``BatchModule``'s row check holds the
+        model's code to it): the leading dim unless the layer says otherwise."""
+        return [0] * sum(
+            1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        )
+
     def split_models(self, x: torch.Tensor) -> torch.Tensor:
         """``(b*N, ...)`` -> ``(b, N, ...)`` (a view)."""
         return x.view(-1, self.n, *x.shape[1:])
@@ -188,7 +197,10 @@ def to_merged(x: torch.Tensor, batch: int, where: str) -> torch.Tensor:
 
 
 def from_merged(y: torch.Tensor, batch: int) -> torch.Tensor:
-    """``(b*N, ...)`` -> ``(N, b, ...)``."""
+    """``(b*N, ...)`` -> ``(N, b, ...)``; for one model, any result (a scalar too) gets its
+    model dim."""
+    if batch == 1:
+        return y.unsqueeze(0)
     return y.view(-1, batch, *y.shape[1:]).transpose(0, 1)
 
 

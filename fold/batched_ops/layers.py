@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fold.batched_ops.core import AbstractBatchModule, register_batch_module
 
@@ -347,6 +348,11 @@ class _BatchRNN(AbstractBatchModule):
         if self.mode == "LSTM":
             return lstm_step(gi, gh, c)
         return gru_step(gi, gh, h), None
+
+    def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+        # the input's batch dim (0 batch-first, else 1), then the states' (1)
+        n = sum(1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return [0 if self.batch_first else 1] + [1] * (n - 1)
 
     def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
         seq = x if self.batch_first else x.transpose(0, 1)  # (B*N, T, in)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fold.batched_ops import layers as _layers  # noqa: F401  (registers the batched layers)
+from fold.batched_ops import layers as _built_in  # noqa: F401  (registers the batched layers)
 from fold.batched_ops.core import (
     AbstractBatchModule,
     from_merged,
@@ -21,6 +22,7 @@ from fold.batched_ops.core import (
     tensors_of,
     to_merged,
 )
+from fold.batched_ops.rows import RowCheck
 from fold.errors import FoldError
 from fold.executor import ModelBatched
 
@@ -29,14 +31,24 @@ __all__ = ["BatchModule", "VmapFallback"]
 _CPU_CHUNK_BYTES = 256 * 1024
 
 
-def _cat_outputs(parts: list[Any]) -> Any:
+def _cat_outputs(parts: list[Any], where: str) -> Any:
     """Concatenate per-chunk outputs (tensors, or tuples of them) along the model dim."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
+        for k, p in enumerate(parts):
+            if p.shape[1:] != first.shape[1:]:
+                raise FoldError(
+                    f"{where}: the models' results differ in shape ({tuple(first.shape[1:])} "
+                    f"from the first models, {tuple(p.shape[1:])} from chunk {k}). Fix: return "
+                    "results of one shape from every model (pad them)."
+                )
         return torch.cat(parts, 0)
     if isinstance(first, (tuple, list)):
-        return type(first)(_cat_outputs([p[i] for p in parts]) for i in range(len(first)))
+        return type(first)(_cat_outputs([p[i] for p in parts], where) for i in range(len(first)))
     return first
+
+
+_UNSEEN = object()
 
 
 # Method names a model may define that shadow nn.Module's own (TorchFold's SPINN example calls
@@ -396,6 +408,15 @@ def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
             owner._buffers[leaf] = shared
 
 
+def _caller_level() -> int:
+    """The stack level of the first frame outside fold and torch, for ``warnings.warn``
+    called from the function that calls this."""
+    f, level = sys._getframe(2), 2
+    while f is not None and f.f_globals.get("__name__", "").partition(".")[0] in ("fold", "torch"):
+        f, level = f.f_back, level + 1
+    return level
+
+
 class BatchModule(nn.Module, ModelBatched):
     """N models of one architecture as one module.
 
@@ -436,6 +457,11 @@ class BatchModule(nn.Module, ModelBatched):
         # Models per pass of forward/method calls: None picks it (all on a GPU; on a CPU
         # enough to keep a pass's input within a cache-sized budget).  Set an int to force.
         self.chunk_size: int | None = None
+        # Whether the first call of each kind is watched for code that mixes the rows of a
+        # batch (see ``method``), and the verdicts: None where the rows stay apart.
+        self.check_rows = True
+        self._row_verdicts: dict[Any, str | None] = {}
+        self._row_warned: set[Any] = set()
         # The architecture, for unbatch(); kept out of the module tree (not a submodule), so
         # .to() and .train() never reach a model whose own methods shadow nn.Module's.
         self.__dict__["template"] = copy.deepcopy(modules[0])
@@ -478,6 +504,9 @@ class BatchModule(nn.Module, ModelBatched):
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("check_rows", True)  # (pickled before the row check)
+        state.setdefault("_row_verdicts", {})
+        state.setdefault("_row_warned", set())
         super().__setstate__(state)
         if "model" in self._modules:  # a copy (deepcopy, pickle): tag its new parameters
             self._tag_parameters()
@@ -491,29 +520,152 @@ class BatchModule(nn.Module, ModelBatched):
         return _own_method(self.model, name)
 
     def method(self, name: str) -> Callable[..., Any]:
-        """Method ``name`` of the model, batched: ``(N, b, ...)`` in, ``(N, b, ...)`` out."""
+        """Method ``name`` of the model, batched: ``(N, b, ...)`` in, ``(N, b, ...)`` out.
+
+        The first call of each kind (method, input shapes and dtypes, train or eval, grad
+        mode) is watched by ``RowCheck``: where the model's own code may mix the rows of a
+        batch (``h - h.mean(0)``, a loss reduced over the batch, attention between the
+        samples), the models' rows merged would mix, so the call runs again one model at a
+        time (buffers and random state as they were before it), and so do the later calls of
+        its kind, with a warning naming the call.  ``bm.check_rows = False`` skips the check."""
         fn = self.merged(name)
         n = self.batch
         where = f"BatchModule.{name}"
 
-        def run(args: tuple[Any, ...], m: int) -> Any:
+        def run(args: tuple[Any, ...], m: int, key: Any = None) -> Any:
             merged = [map_tensors(lambda t: to_merged(t, m, where), a) for a in args]
-            return map_tensors(lambda t: from_merged(t, m), fn(*merged))
+            if key is None:
+                out = fn(*merged)
+            else:
+                out = self._watched(fn, merged, m, key)
+            return map_tensors(lambda t: from_merged(t, m), out)
 
-        def batched(*args: Any) -> Any:
-            for t in tensors_of(args):  # check the model dim once, on the whole inputs
-                if t.dim() < 2 or t.shape[0] != n:
-                    to_merged(t, n, where)  # raises, naming the shape
-            size = self._chunk_for(args)
+        def calls(args: tuple[Any, ...], size: int, key: Any = None) -> Any:
             if size >= n:
-                return run(args, n)
+                return run(args, n, key)
             parts = []
             for cut in self.chunks(size):
                 chunk_args = tuple(map_tensors(lambda t, c=cut: t[c], a) for a in args)
-                parts.append(run(chunk_args, cut.stop - cut.start))
-            return _cat_outputs(parts)
+                parts.append(run(chunk_args, cut.stop - cut.start, key if cut.start == 0 else None))
+            return _cat_outputs(parts, where)
+
+        watch = self.check_rows and not isinstance(self.model, AbstractBatchModule)
+
+        def batched(*args: Any) -> Any:
+            tensors = tensors_of(args)
+            for t in tensors:  # check the model dim once, on the whole inputs
+                if t.dim() < 2 or t.shape[0] != n:
+                    to_merged(t, n, where)  # raises, naming the shape
+            size = self._chunk_for(args)
+            if watch:
+                key = self._row_key(name, tensors)
+                verdict = self._row_verdicts.get(key, _UNSEEN)
+                if verdict is _UNSEEN:
+                    # (one model at a time is exact: nothing to run again)
+                    before = self._state_before() if size > 1 else None
+                    try:
+                        out = calls(args, size, key)
+                    except Exception:
+                        if before is None or self._row_verdicts.get(key) is None:
+                            raise  # (the call's own error)
+                    if self._row_verdicts[key] is None or before is None:
+                        return out
+                    before()  # its buffers and random state back: it runs again
+                    verdict = self._row_verdicts[key]
+                if verdict is not None and size > 1:
+                    if key not in self._row_warned:  # (where it costs: once a kind)
+                        self._row_warned.add(key)
+                        self._warn_rows(where, verdict)
+                    size = 1
+            return calls(args, size)
 
         return batched
+
+    def _row_key(self, name: str, tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+        key = (name, self.training, torch.is_grad_enabled())
+        return key + tuple((t.shape[1:], t.dtype) for t in tensors)
+
+    def rows_kept(self, name: str, *args: Any) -> bool | None:
+        """Whether method ``name``'s code keeps the rows of a batch apart on arguments like
+        ``args`` (``(N, b, ...)``), as its first call of that kind found (None: not called
+        so yet).  Rows of several batches merged (autobatch's examples) may share a call
+        only where it does."""
+        if not self.check_rows or isinstance(self.model, AbstractBatchModule):
+            return True
+        verdict = self._row_verdicts.get(self._row_key(name, tensors_of(args)), _UNSEEN)
+        return None if verdict is _UNSEEN else verdict is None
+
+    def _watched(self, fn: Callable[..., Any], merged: list[Any], models: int, key: Any) -> Any:
+        """``fn(*merged)`` (the rows of ``models`` models) watched by ``RowCheck``; keeps the
+        verdict under ``key``."""
+        inputs = tensors_of(merged)
+        rows = inputs[0].shape[0] if inputs else 0
+        stacked = {
+            id(t): f"{path}.{k}" if path else k
+            for path, m in self.model.named_modules()
+            if isinstance(m, AbstractBatchModule)
+            for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        }
+        check = RowCheck(rows, rows // models, inputs, stacked)
+        if any(t.shape[0] != rows for t in inputs):
+            check.found = "takes inputs whose batches differ in size"
+        hooks = [
+            m.register_forward_pre_hook(
+                lambda layer, a, k: check.entering(layer, a, k), with_kwargs=True
+            )
+            for m in self.model.modules()
+            if isinstance(m, AbstractBatchModule)
+        ]
+        try:
+            if check.found is not None:
+                return fn(*merged)
+            with check:
+                out = fn(*merged)
+        finally:
+            for h in hooks:
+                h.remove()
+            if check.stacked_use is not None:
+                raise FoldError(
+                    f"BatchModule.{key[0]}: {type(self.template).__name__}'s code "
+                    f"{check.stacked_use}, which holds all {self.batch} models' values stacked "
+                    "here (one per model in each model alone). Fix: use the tensor inside a "
+                    "module of its own (its forward then runs per model under torch.vmap), or "
+                    "call the layer instead of reading its weights."
+                )
+            # Kept where the rows mixed, also if the call then failed (a loss reduced over
+            # all rows: its one value has no rows to split); a call that failed with its
+            # rows apart is watched again next time.
+            if check.found is not None:
+                self._row_verdicts[key] = check.found
+        self._row_verdicts[key] = check.found
+        return out
+
+    def _state_before(self) -> Callable[[], None]:
+        """A function that puts the buffers and the random generators' states back as they
+        are now (a watched call that mixes rows runs again)."""
+        buffers = [(b, b.clone()) for b in self.buffers()]
+        cpu = torch.random.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+        def restore() -> None:
+            with torch.no_grad():
+                for b, was in buffers:
+                    b.copy_(was)
+            torch.random.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+
+        return restore
+
+    def _warn_rows(self, where: str, found: str) -> None:
+        warnings.warn(
+            f"{where}: {type(self.template).__name__}'s code {found}, which may mix the rows "
+            "of the models' batches merged: its calls of this kind run one model at a time "
+            "(slower; each model's exact result). Fix: keep the rows apart (give a dim, "
+            "reduction='none'), or set check_rows = False on the BatchModule if the call does "
+            "keep them apart.",
+            stacklevel=_caller_level(),
+        )
 
     def chunks(self, size: int) -> Iterator[slice]:
         """Run the models ``size`` at a time: yields each chunk's model slice while the
