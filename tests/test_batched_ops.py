@@ -161,6 +161,19 @@ CASES = [
         randn(2, 5, 3),
     ),
     ("sequential-block", Block, randn(2, 3, 6, 6)),
+    # RNNs alone: their sequence-first inputs and their states keep the batch in dim 1
+    ("gru-alone-seq-first-2-layers", lambda: nn.GRU(3, 4, num_layers=2), randn(5, 4, 3)),
+    (
+        "lstm-alone-batch-first-bidirectional",
+        lambda: nn.LSTM(3, 4, batch_first=True, bidirectional=True),
+        randn(4, 5, 3),
+    ),
+    ("rnn-relu-alone", lambda: nn.RNN(3, 4, num_layers=2, nonlinearity="relu"), randn(5, 4, 3)),
+    (
+        "rnn-tanh-alone-with-state",
+        lambda: nn.RNN(3, 4),
+        lambda n: (torch.randn(n, 5, 4, 3), torch.randn(n, 1, 4, 4)),
+    ),
     ("vmap-fallback", Scaled, randn(5, 4)),
 ]
 
@@ -640,6 +653,7 @@ _PICKLE_CASES = {
     nn.LSTMCell: (lambda: nn.LSTMCell(3, 2), (4, 3)),
     nn.LSTM: (lambda: nn.LSTM(3, 2), None),
     nn.GRU: (lambda: nn.GRU(3, 2), None),
+    nn.RNN: (lambda: nn.RNN(3, 2, nonlinearity="relu"), None),
 }
 
 

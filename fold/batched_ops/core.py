@@ -151,6 +151,11 @@ class AbstractBatchModule(nn.Module):
             1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         )
 
+    def result_row_dims(self, out: Any) -> list[int]:
+        """The dim of the merged rows in each tensor of ``forward``'s result (pytree
+        order): the leading dim unless the layer says otherwise."""
+        return [0] * sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
     def split_models(self, x: torch.Tensor) -> torch.Tensor:
         """``(b*N, ...)`` -> ``(b, N, ...)`` (a view)."""
         return x.view(-1, self.n, *x.shape[1:])
@@ -185,22 +190,27 @@ def model_index(i: Any, n: int, where: str) -> int:
     return k
 
 
-def to_merged(x: torch.Tensor, batch: int, where: str) -> torch.Tensor:
-    """``(N, b, ...)`` -> ``(b*N, ...)`` in ``(b g)`` order."""
-    if x.dim() < 2 or x.shape[0] != batch:
+def to_merged(x: torch.Tensor, batch: int, where: str, dim: int = 0) -> torch.Tensor:
+    """``(N, b, ...)`` -> ``(b*N, ...)`` in ``(b g)`` order; with ``dim``, each model's rows
+    are its dim ``dim`` (an RNN's states ``(N, layers, b, H)``: ``dim=1``)."""
+    if x.dim() < 2 + dim or x.shape[0] != batch:
         raise FoldError(
             f"{where}: expected an input of shape (N={batch}, b, ...), one slice per model, "
             f"got {tuple(x.shape)}. Fix: stack the models' inputs along dim 0, or use "
             "x.expand(N, *x.shape) to give every model the same batch."
         )
+    if dim:
+        return x.movedim(0, dim + 1).flatten(dim, dim + 1)
     return x.transpose(0, 1).reshape(-1, *x.shape[2:])
 
 
-def from_merged(y: torch.Tensor, batch: int) -> torch.Tensor:
-    """``(b*N, ...)`` -> ``(N, b, ...)``; for one model, any result (a scalar too) gets its
-    model dim."""
+def from_merged(y: torch.Tensor, batch: int, dim: int = 0) -> torch.Tensor:
+    """``(b*N, ...)`` -> ``(N, b, ...)`` (rows in ``dim``); for one model, any result (a
+    scalar too) gets its model dim."""
     if batch == 1:
         return y.unsqueeze(0)
+    if dim:
+        return y.unflatten(dim, (-1, batch)).movedim(dim + 1, 0)
     return y.view(-1, batch, *y.shape[1:]).transpose(0, 1)
 
 

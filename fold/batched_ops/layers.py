@@ -22,6 +22,7 @@ __all__ = [
     "BatchBilinear",
     "BatchConvTranspose",
     "BatchGRU",
+    "BatchRNN",
     "BatchLSTM",
     "BatchConv",
     "BatchEmbedding",
@@ -347,11 +348,17 @@ class _BatchRNN(AbstractBatchModule):
         gh = batched_linear(h, w, b)
         if self.mode == "LSTM":
             return lstm_step(gi, gh, c)
-        return gru_step(gi, gh, h), None
+        if self.mode == "GRU":
+            return gru_step(gi, gh, h), None
+        return (torch.relu if self.mode == "RNN_RELU" else torch.tanh)(gi + gh), None
 
     def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
         # the input's batch dim (0 batch-first, else 1), then the states' (1)
         n = sum(1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return [0 if self.batch_first else 1] + [1] * (n - 1)
+
+    def result_row_dims(self, out: Any) -> list[int]:
+        n = sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return [0 if self.batch_first else 1] + [1] * (n - 1)
 
     def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
@@ -400,6 +407,17 @@ class BatchLSTM(_BatchRNN):
 class BatchGRU(_BatchRNN):
     base_class = nn.GRU
     mode = "GRU"
+
+
+@register_batch_module
+class BatchRNN(_BatchRNN):
+    """Multi-layer (bi)directional Elman RNNs of N models (tanh or relu)."""
+
+    base_class = nn.RNN
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__(modules)
+        self.mode = "RNN_RELU" if modules[0].nonlinearity == "relu" else "RNN_TANH"
 
 
 class BatchConvTranspose(BatchConv):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils import _pytree as pytree
 
 from fold.batched_ops import layers as _built_in  # noqa: F401  (registers the batched layers)
 from fold.batched_ops.core import (
@@ -408,6 +409,30 @@ def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
             owner._buffers[leaf] = shared
 
 
+def _layer_call(
+    layer: AbstractBatchModule, fn: Callable[..., Any], args: tuple[Any, ...], m: int, where: str
+) -> Any:
+    """``fn`` (a batched layer's method) on ``(N, ...)`` arguments: each tensor's rows merged
+    in the dim the layer takes them (``row_dims``: an RNN's sequence-first input and states
+    in dim 1), and its results split where it gives them (``result_row_dims``)."""
+    leaves, spec = pytree.tree_flatten(args)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    per_model = pytree.tree_unflatten(
+        [t[0] if isinstance(t, torch.Tensor) else t for t in leaves], spec
+    )
+    dims = iter(layer.row_dims(tuple(per_model), {}) if m > 1 else [0] * len(tensors))
+    merged = [
+        to_merged(t, m, where, next(dims)) if isinstance(t, torch.Tensor) else t for t in leaves
+    ]
+    out = fn(*pytree.tree_unflatten(merged, spec))
+    out_leaves, out_spec = pytree.tree_flatten(out)
+    out_dims = iter(layer.result_row_dims(out) if m > 1 else [0] * len(out_leaves))
+    split = [
+        from_merged(t, m, next(out_dims)) if isinstance(t, torch.Tensor) else t for t in out_leaves
+    ]
+    return pytree.tree_unflatten(split, out_spec)
+
+
 def _caller_level() -> int:
     """The stack level of the first frame outside fold and torch, for ``warnings.warn``
     called from the function that calls this."""
@@ -532,7 +557,11 @@ class BatchModule(nn.Module, ModelBatched):
         n = self.batch
         where = f"BatchModule.{name}"
 
+        layer = self.model if isinstance(self.model, AbstractBatchModule) else None
+
         def run(args: tuple[Any, ...], m: int, key: Any = None) -> Any:
+            if layer is not None:  # a layer alone: its rows where it keeps them
+                return _layer_call(layer, fn, args, m, where)
             merged = [map_tensors(lambda t: to_merged(t, m, where), a) for a in args]
             if key is None:
                 out = fn(*merged)
