@@ -911,3 +911,51 @@ def test_models_whose_results_differ_in_shape_are_a_fold_error() -> None:
     with pytest.warns(UserWarning, match="indexes the rows' dim"):
         with pytest.raises(FoldError, match=r"BatchModule.forward: the models' results differ"):
             bm(x)
+
+
+class _Transformer(nn.Module):
+    """An encoder layer and a decoder layer with masks given by keyword: attention runs under
+    the vmap fallback, called with keywords, returning None for its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.dec = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x, pad):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        h = self.enc(x, src_mask=mask, src_key_padding_mask=pad.to(x.dtype) * -1e9)
+        return self.dec(h, x, tgt_mask=mask)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "eval-no-grad"])
+def test_transformer_layers_run_like_separate_models(mode) -> None:
+    """Two calls in each mode; in eval mode without gradients torch's fused encoder path
+    (which would read the stacked weights) stays off."""
+    torch.manual_seed(0)
+    models = [_Transformer().double().train(mode == "train") for _ in range(N)]
+    with pytest.warns(UserWarning, match="no batched layer for enc.self_attn"):
+        bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.train(mode == "train")
+    with warnings.catch_warnings():  # torch's own: vmap of attention has no fused rule
+        warnings.filterwarnings("ignore", "There is a performance drop")
+        for _ in range(2):
+            x = torch.randn(N, 4, 6, 8, dtype=torch.float64)
+            pad = torch.zeros(N, 4, 6, dtype=torch.bool)
+            pad[:, :, -1] = True
+            with torch.set_grad_enabled(mode != "eval-no-grad"):
+                got = bm(x, pad)
+                want = [m(x[i], pad[i]) for i, m in enumerate(models)]
+            torch.testing.assert_close(got, torch.stack(want))
+            if mode == "eval-no-grad":
+                continue
+            w = torch.randn_like(got)
+            bm.zero_grad(set_to_none=True)
+            (w * got).sum().backward()
+            for i, m in enumerate(models):
+                m.zero_grad(set_to_none=True)
+                (w[i] * want[i]).sum().backward()
+                grads = bm.grads_of(i)
+                for k, p in m.named_parameters():
+                    torch.testing.assert_close(grads[k], p.grad)
+    assert list(bm._row_verdicts.values()) == [None]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fold.batched_ops import layers as _built_in  # noqa: F401  (registers the batched layers)
@@ -50,6 +51,15 @@ def _cat_outputs(parts: list[Any], where: str) -> Any:
 
 
 _UNSEEN = object()
+_FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+class _Plain(TorchFunctionMode):
+    """A torch function mode that changes no call: while it is on, torch's fused fast paths
+    (which test ``has_torch_function``) stay off."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
 
 
 # Method names a model may define that shadow nn.Module's own (TorchFold's SPINN example calls
@@ -77,8 +87,8 @@ class _Call(nn.Module):
         self.module = module
         self.method = method
 
-    def forward(self, *args: Any) -> Any:
-        return _own_method(self.module, self.method)(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _own_method(self.module, self.method)(*args, **kwargs)
 
 
 class VmapFallback(AbstractBatchModule):
@@ -142,8 +152,10 @@ class VmapFallback(AbstractBatchModule):
             self.get_buffer(k) for k in self._fb_bnames
         ]
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run ``method`` of the template on merged ``(b*N, ...)`` arguments."""
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` of the template on merged ``(b*N, ...)`` arguments: a tensor whose
+        leading dim is the first tensor's holds rows (each model's its own); any other tensor
+        (an attention mask ``(T, T)``) and any other value is the same for every model."""
         n = self.n
         target = _Call(self.template, method)
         tensors = self._tensors()
@@ -152,14 +164,35 @@ class VmapFallback(AbstractBatchModule):
             size, index = chunk
             tensors = [t.split(size, 0)[index] for t in tensors]
         keys = [f"module.{k}" for k in self._fb_names + self._fb_bnames]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+        rows = None if first is None else first.shape[0]
+        at = [
+            k
+            for k, t in enumerate(leaves)
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+        ]
+
+        result: list[Any] = []  # the result's leaves that are no tensors, and its structure
 
         def one(flat: list[torch.Tensor], *xs: Any) -> Any:
-            return functional_call(target, dict(zip(keys, flat)), xs)
+            values = list(leaves)
+            for k, x in zip(at, xs):
+                values[k] = x
+            a, kw = pytree.tree_unflatten(values, spec)
+            out_leaves, out_spec = pytree.tree_flatten(
+                functional_call(target, dict(zip(keys, flat)), a, kw)
+            )
+            result[:] = [out_leaves, out_spec]
+            return tuple(t for t in out_leaves if isinstance(t, torch.Tensor))
 
-        split = [map_tensors(lambda t: t.view(-1, n, *t.shape[1:]), a) for a in args]
-        dims = tuple(1 if isinstance(a, torch.Tensor) else None for a in args)
+        split = [leaves[k].view(-1, n, *leaves[k].shape[1:]) for k in at]
         try:
-            out = vmap(one, in_dims=(0, *dims), out_dims=1)(tensors, *split)
+            outs = iter(vmap(one, in_dims=(0, *[1] * len(at)), out_dims=1)(tensors, *split))
+            # (an attention's weights left out: None where the model gives None)
+            out = pytree.tree_unflatten(
+                [next(outs) if isinstance(t, torch.Tensor) else t for t in result[0]], result[1]
+            )
         except Exception as err:
             raise FoldError(
                 f"BatchModule: {self._fb_path} ({type(self.template).__name__}.{method}) has no "
@@ -169,8 +202,19 @@ class VmapFallback(AbstractBatchModule):
             ) from err
         return map_tensors(lambda t: t.reshape(-1, *t.shape[2:]), out)
 
-    def forward(self, *args: Any) -> Any:
-        return self.call("forward", *args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("forward", *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # The model's settings (an attention's batch_first, num_heads), as its parent's
+            # code reads them; never its tensors or submodules (the stacked ones are here).
+            value = getattr(self.__dict__.get("template"), name, None)
+            if value is None or isinstance(value, (torch.Tensor, nn.Module)) or callable(value):
+                raise
+            return value
 
     def state_of(self, i: int) -> dict[str, torch.Tensor]:
         names = self._fb_names + self._fb_bnames
@@ -513,6 +557,10 @@ class BatchModule(nn.Module, ModelBatched):
                 stacklevel=3,
             )
         self._template_state_keys = list(modules[0].state_dict().keys())
+        # A layer whose forward may take a fused path that reads its sublayers' weights
+        # itself (TransformerEncoderLayer in eval mode without gradients): such paths are
+        # off in the model's own code, as a torch function mode turns them off.
+        self._fast_paths = any(isinstance(m, _FAST_PATHS) for m in modules[0].modules())
 
     def _tag_parameters(self) -> None:
         # Every stacked parameter knows its number of models, so fold.optim infers N from
@@ -532,6 +580,7 @@ class BatchModule(nn.Module, ModelBatched):
         state.setdefault("check_rows", True)  # (pickled before the row check)
         state.setdefault("_row_verdicts", {})
         state.setdefault("_row_warned", set())
+        state.setdefault("_fast_paths", False)
         super().__setstate__(state)
         if "model" in self._modules:  # a copy (deepcopy, pickle): tag its new parameters
             self._tag_parameters()
@@ -563,10 +612,13 @@ class BatchModule(nn.Module, ModelBatched):
             if layer is not None:  # a layer alone: its rows where it keeps them
                 return _layer_call(layer, fn, args, m, where)
             merged = [map_tensors(lambda t: to_merged(t, m, where), a) for a in args]
-            if key is None:
-                out = fn(*merged)
-            else:
+            if key is not None:
                 out = self._watched(fn, merged, m, key)
+            elif self._fast_paths:
+                with _Plain():  # (torch's fast path would read the layers' stacked weights)
+                    out = fn(*merged)
+            else:
+                out = fn(*merged)
             return map_tensors(lambda t: from_merged(t, m), out)
 
         def calls(args: tuple[Any, ...], size: int, key: Any = None) -> Any:
