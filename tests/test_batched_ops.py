@@ -959,3 +959,22 @@ def test_transformer_layers_run_like_separate_models(mode) -> None:
                 for k, p in m.named_parameters():
                     torch.testing.assert_close(grads[k], p.grad)
     assert list(bm._row_verdicts.values()) == [None]
+
+
+def test_a_mask_as_long_as_the_merged_batch_is_not_taken_for_rows() -> None:
+    """Three models of two sequences of six: the (6, 6) attention mask has the merged rows'
+    length; the row check sees it is no rows, and the calls run one model at a time."""
+    torch.manual_seed(0)
+    models = [_Transformer().double() for _ in range(N)]
+    with pytest.warns(UserWarning, match="no batched layer"):
+        bm = BatchModule.from_modules(copy.deepcopy(models))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "There is a performance drop")
+        for _ in range(2):
+            x = torch.randn(N, 2, 6, 8, dtype=torch.float64)
+            pad = torch.zeros(N, 2, 6, dtype=torch.bool)
+            with pytest.warns(UserWarning, match="a tensor of as many rows as the batch"):
+                got = bm(x, pad)
+            want = torch.stack([m(x[i], pad[i]) for i, m in enumerate(models)])
+            torch.testing.assert_close(got, want)
+            bm._row_warned.clear()  # (it warns once a kind: again for the second call)

@@ -153,9 +153,10 @@ class VmapFallback(AbstractBatchModule):
         ]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``method`` of the template on merged ``(b*N, ...)`` arguments: a tensor whose
-        leading dim is the first tensor's holds rows (each model's its own); any other tensor
-        (an attention mask ``(T, T)``) and any other value is the same for every model."""
+        """Run ``method`` of the template on merged ``(b*N, ...)`` arguments: every tensor
+        given by position holds rows (each model's its own), and so does a tensor given by
+        keyword whose leading dim is the first tensor's; any other tensor (an attention mask
+        ``(T, T)``) and any other value is the same for every model."""
         n = self.n
         target = _Call(self.template, method)
         tensors = self._tensors()
@@ -165,12 +166,13 @@ class VmapFallback(AbstractBatchModule):
             tensors = [t.split(size, 0)[index] for t in tensors]
         keys = [f"module.{k}" for k in self._fb_names + self._fb_bnames]
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        given = len(pytree.tree_leaves(args))  # the positional arguments' leaves come first
         first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
         rows = None if first is None else first.shape[0]
         at = [
             k
             for k, t in enumerate(leaves)
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+            if isinstance(t, torch.Tensor) and (k < given or t.dim() and t.shape[0] == rows)
         ]
 
         result: list[Any] = []  # the result's leaves that are no tensors, and its structure

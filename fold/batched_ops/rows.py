@@ -214,6 +214,12 @@ class RowCheck(TorchFunctionMode):
         tensors = _tensors((args, kwargs))
         for t, want in zip(tensors, layer.row_dims(args, kwargs)):
             d = self.row_dim(t)
+            if d is None and t.dim() and t.shape[0] == self.rows and self.rows > 1:
+                self.found = (
+                    f"gives {type(layer).__name__} a tensor of as many rows as the batch, "
+                    f"made another way ({_place()})"
+                )
+                return
             if d is not None and d not in (want, _ANYWHERE):
                 self.found = (
                     f"gives {type(layer).__name__} rows in dim {d} where it takes them in dim "
