@@ -794,7 +794,29 @@ MIXING = {
         (6, 5),
         "made another way",
     ),
+    "batch-and-time-flattened-by-size": (
+        lambda m, x: torch.tanh(m.lin(x.reshape(x.shape[0] * x.shape[1], -1))).view(
+            x.size(0), x.size(1), -1
+        ),
+        (6, 7, 5),
+        "reshapes the rows' dim into others",  # (rows of one model would meet another's weights)
+    ),
+    "scaled-by-the-batch-size-less-one": (
+        lambda m, x: m.lin(x) * (x.shape[0] - 1),
+        (6, 5),
+        "uses the batch's size in arithmetic",
+    ),
     "one-row-squeezed": (lambda m, x: m.lin(x).squeeze(), (1, 5), "squeezes"),
+    "divided-by-the-batch-size": (
+        lambda m, x: m.lin(x).sum(1, keepdim=True) / x.shape[0],
+        (6, 5),
+        "uses the batch's size as a value",
+    ),
+    "branch-on-the-batch-size": (
+        lambda m, x: m.lin(x) * (2 if x.size(0) > 4 else 3),
+        (4, 5),
+        "uses the batch's size in a comparison",
+    ),
     "rows-sliced": (lambda m, x: m.lin(x)[:2], (6, 5), "slices the rows"),
     "states-into-a-layer-at-the-wrong-dim": (
         lambda m, x: m.gru(_seq(m, x).transpose(0, 1))[0],
@@ -978,3 +1000,45 @@ def test_a_mask_as_long_as_the_merged_batch_is_not_taken_for_rows() -> None:
             want = torch.stack([m(x[i], pad[i]) for i, m in enumerate(models)])
             torch.testing.assert_close(got, want)
             bm._row_warned.clear()  # (it warns once a kind: again for the second call)
+
+
+def test_dropout_under_the_vmap_fallback_draws_per_model() -> None:
+    """Attention dropout inside the vmap fallback: each model draws its own mask (vmap's
+    randomness="different"), as N separate models would."""
+    with pytest.warns(UserWarning, match="no batched layer"):
+        bm = BatchModule(nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True), batch=3)
+    x = torch.randn(1, 4, 6, 8).expand(3, 4, 6, 8)
+    y = bm(x, x, x)[0]
+    assert not torch.allclose(y[0], y[1])  # same weights, same input, different masks
+    bm.eval()
+    y = bm(x, x, x)[0]
+    torch.testing.assert_close(y[0], y[1])
+
+
+def test_the_vmap_fallback_follows_train_and_eval() -> None:
+    """A model with a raw parameter runs under the vmap fallback whole: .eval() reaches its
+    batch norm (running statistics used, not moved) and its dropout."""
+
+    class Raw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.rand(4) + 0.5)
+            self.norm = nn.BatchNorm1d(4)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.norm(x * self.scale))
+
+    torch.manual_seed(0)
+    models = [Raw().double() for _ in range(N)]
+    for m in models:  # running statistics of their own
+        m(torch.randn(8, 4, dtype=torch.float64) * 3 + 1)
+    with pytest.warns(UserWarning, match="uses its own parameters directly"):
+        bm = BatchModule.from_modules(copy.deepcopy(models))  # (in training mode)
+    bm.eval()
+    for m in models:
+        m.eval()
+    x = torch.randn(N, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(bm(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+    for i, m in enumerate(models):  # not moved
+        torch.testing.assert_close(bm.state_dicts()[i]["norm.running_mean"], m.norm.running_mean)

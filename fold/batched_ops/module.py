@@ -158,6 +158,8 @@ class VmapFallback(AbstractBatchModule):
         keyword whose leading dim is the first tensor's; any other tensor (an attention mask
         ``(T, T)``) and any other value is the same for every model."""
         n = self.n
+        if self.template.training != self.training:  # (kept out of the tree: .eval() misses it)
+            self.template.train(self.training)
         target = _Call(self.template, method)
         tensors = self._tensors()
         chunk = self.chunk
@@ -190,7 +192,8 @@ class VmapFallback(AbstractBatchModule):
 
         split = [leaves[k].view(-1, n, *leaves[k].shape[1:]) for k in at]
         try:
-            outs = iter(vmap(one, in_dims=(0, *[1] * len(at)), out_dims=1)(tensors, *split))
+            run = vmap(one, in_dims=(0, *[1] * len(at)), out_dims=1, randomness="different")
+            outs = iter(run(tensors, *split))
             # (an attention's weights left out: None where the model gives None)
             out = pytree.tree_unflatten(
                 [next(outs) if isinstance(t, torch.Tensor) else t for t in result[0]], result[1]

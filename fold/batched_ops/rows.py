@@ -161,6 +161,12 @@ _FILLS = frozenset(
     "zeros ones full empty rand randn randint normal new_zeros new_ones new_full new_empty".split()
 )
 
+# Calls that take sizes: the rows' size read from a tensor may be given to them.
+_SIZES = frozenset(
+    """view reshape expand broadcast_to unflatten repeat tile zeros ones full empty rand randn
+    randint normal new_zeros new_ones new_full new_empty arange narrow""".split()
+)
+
 # Calls that read no values: sizes, types, flags.
 _METADATA = frozenset(
     """size dim numel __len__ is_floating_point is_complex is_contiguous element_size stride
@@ -248,6 +254,17 @@ class RowCheck(TorchFunctionMode):
             return out
         name = _name_of(func)
         trusted = _trusted()
+        if name in (".shape", "size") and not trusted:
+            d = self.row_dim(args[0]) if args else None
+            if d is not None and d >= 0:
+                return _counted(self, out, d, args, kwargs)
+        if not trusted and name not in _SIZES:
+            for v in pytree.tree_leaves((args, kwargs)):
+                if isinstance(v, _RowCount):  # h / x.size(0): a value, not a size
+                    self.found = (
+                        f"{_called(func, name)} uses the batch's size as a value ({_place()})"
+                    )
+                    return out
         if self.stacked and not trusted and self.stacked_use is None:
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and id(t) in self.stacked:
@@ -279,6 +296,73 @@ class RowCheck(TorchFunctionMode):
         for t in pytree.tree_leaves(out):
             self.mark(t, d)
         return out
+
+
+class _RowCount(int):
+    """The size of the rows' dim as the model's code reads it (``x.shape[0]``): merged, it
+    is all the models' rows, so arithmetic on it (``h / x.size(0)``, ``n - 1``, ``n == 1``)
+    would differ from each model's; a size given to torch (``view(n, -1)``, ``zeros(n, h)``)
+    or multiplied by another size (``view(n * t, -1)``) is fine."""
+
+    check: RowCheck
+
+    def __new__(cls, value: int, check: RowCheck) -> _RowCount:
+        out = super().__new__(cls, value)
+        out.check = check
+        return out
+
+    def _flag(self, op: str) -> None:
+        if self.check.found is None:
+            self.check.found = f"uses the batch's size in {op} ({_place()})"
+
+    def __mul__(self, other: Any) -> Any:
+        if isinstance(other, int) and not isinstance(other, bool):
+            return _RowCount(int(self) * int(other), self.check)
+        self._flag("a product")
+        return int(self) * other
+
+    __rmul__ = __mul__
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, _RowCount):
+            self._flag("a comparison")
+        return int(self) == other
+
+    def __ne__(self, other: Any) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = int.__hash__
+
+
+def _arithmetic(op: str) -> Callable[..., Any]:
+    plain = getattr(int, op)
+
+    def flagged(self: _RowCount, *other: Any) -> Any:
+        self._flag(
+            "arithmetic" if op not in ("__lt__", "__le__", "__gt__", "__ge__") else "a comparison"
+        )
+        return plain(int(self), *other)
+
+    flagged.__name__ = op
+    return flagged
+
+
+for _op in (
+    "__add__ __radd__ __sub__ __rsub__ __truediv__ __rtruediv__ __floordiv__ __rfloordiv__ "
+    "__mod__ __rmod__ __pow__ __rpow__ __divmod__ __rdivmod__ __neg__ __float__ __lt__ "
+    "__le__ __gt__ __ge__ __lshift__ __rshift__ __and__ __rand__ __or__ __ror__"
+).split():
+    setattr(_RowCount, _op, _arithmetic(_op))
+
+
+def _counted(
+    check: RowCheck, out: Any, d: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A shape read of a tensor of rows: the rows' size as a ``_RowCount``."""
+    if isinstance(out, torch.Size):
+        return torch.Size([_RowCount(s, check) if k == d else s for k, s in enumerate(out)])
+    dims = _dims(_arg(args, kwargs, 1, ("dim",), None), args[0].dim())
+    return _RowCount(out, check) if dims == [d] else out
 
 
 def _name_of(func: Callable[..., Any]) -> str:
