@@ -1042,3 +1042,36 @@ def test_the_vmap_fallback_follows_train_and_eval() -> None:
     torch.testing.assert_close(bm(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
     for i, m in enumerate(models):  # not moved
         torch.testing.assert_close(bm.state_dicts()[i]["norm.running_mean"], m.norm.running_mean)
+
+
+def test_keyword_and_dict_arguments_are_per_model_like_positional_ones() -> None:
+    """bm(x, mask=m) and a dict of tensors: each tensor (N, b, ...), one slice per model."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(5, 4)
+
+        def forward(self, x, extra=None, *, mask=None, scale=1.0):
+            h = self.lin(x) * scale
+            if extra is not None:
+                h = h + extra["bias"]
+            return h.masked_fill(mask, 0.0) if mask is not None else h
+
+    torch.manual_seed(0)
+    models = [Masked().double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    x = torch.randn(N, 6, 5, dtype=torch.float64)
+    mask = torch.rand(N, 6, 4) > 0.5
+    extra = {"bias": torch.randn(N, 6, 4, dtype=torch.float64)}
+    for _ in range(2):
+        got = bm(x, extra, mask=mask, scale=2.0)
+        want = [
+            m(x[i], {"bias": extra["bias"][i]}, mask=mask[i], scale=2.0)
+            for i, m in enumerate(models)
+        ]
+        torch.testing.assert_close(got, torch.stack(want))
+    rnn = BatchModule(nn.GRU(5, 4), batch=N)  # a layer alone, its state by keyword
+    seq, h0 = torch.randn(N, 7, 6, 5), torch.randn(N, 1, 6, 4)
+    torch.testing.assert_close(rnn(seq, hx=h0)[0], rnn(seq, h0)[0])
+    torch.testing.assert_close(rnn(seq, hx=h0)[0][1], rnn.unbatch(1)(seq[1], h0[1])[0])

@@ -215,18 +215,25 @@ def from_merged(y: torch.Tensor, batch: int, dim: int = 0) -> torch.Tensor:
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors of a tensor, or of a tuple or list of them (nested), in order."""
+    """The tensors of a tensor, or of a tuple, list or dict of them (nested), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
     return []
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """Apply ``fn`` to every tensor of a tensor, tuple or list; other values pass through."""
+    """Apply ``fn`` to every tensor of a tensor, tuple, list or dict; other values pass
+    through."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
+        if hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(map_tensors(fn, v) for v in value))
         return type(value)(map_tensors(fn, v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(fn, v)) for k, v in value.items())
     return value

@@ -458,22 +458,42 @@ def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
             owner._buffers[leaf] = shared
 
 
+class _Keywords(dict):  # type: ignore[type-arg]
+    """A call's keyword arguments, carried as its last positional argument through the
+    merging and chunking of ``BatchModule.method`` (``_unpacking`` gives them back)."""
+
+
+def _unpacking(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called with a trailing ``_Keywords`` as its keyword arguments."""
+
+    def call(*args: Any) -> Any:
+        if args and isinstance(args[-1], _Keywords):
+            return fn(*args[:-1], **args[-1])
+        return fn(*args)
+
+    return call
+
+
 def _layer_call(
     layer: AbstractBatchModule, fn: Callable[..., Any], args: tuple[Any, ...], m: int, where: str
 ) -> Any:
     """``fn`` (a batched layer's method) on ``(N, ...)`` arguments: each tensor's rows merged
     in the dim the layer takes them (``row_dims``: an RNN's sequence-first input and states
     in dim 1), and its results split where it gives them (``result_row_dims``)."""
-    leaves, spec = pytree.tree_flatten(args)
+    kwargs: dict[str, Any] = {}
+    if args and isinstance(args[-1], _Keywords):
+        args, kwargs = args[:-1], dict(args[-1])
+    leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    per_model = pytree.tree_unflatten(
+    one_args, one_kwargs = pytree.tree_unflatten(
         [t[0] if isinstance(t, torch.Tensor) else t for t in leaves], spec
     )
-    dims = iter(layer.row_dims(tuple(per_model), {}) if m > 1 else [0] * len(tensors))
+    dims = iter(layer.row_dims(one_args, one_kwargs) if m > 1 else [0] * len(tensors))
     merged = [
         to_merged(t, m, where, next(dims)) if isinstance(t, torch.Tensor) else t for t in leaves
     ]
-    out = fn(*pytree.tree_unflatten(merged, spec))
+    merged_args, merged_kwargs = pytree.tree_unflatten(merged, spec)
+    out = fn(*merged_args, _Keywords(merged_kwargs)) if merged_kwargs else fn(*merged_args)
     out_leaves, out_spec = pytree.tree_flatten(out)
     out_dims = iter(layer.result_row_dims(out) if m > 1 else [0] * len(out_leaves))
     split = [
@@ -595,7 +615,7 @@ class BatchModule(nn.Module, ModelBatched):
         """Method ``name`` on merged ``(b*N, ...)`` rows in ``(b g)`` order (what fold uses)."""
         if isinstance(self.model, VmapFallback):
             fb = self.model
-            return lambda *args: fb.call(name, *args)
+            return lambda *args, **kwargs: fb.call(name, *args, **kwargs)
         return _own_method(self.model, name)
 
     def method(self, name: str) -> Callable[..., Any]:
@@ -607,7 +627,7 @@ class BatchModule(nn.Module, ModelBatched):
         samples), the models' rows merged would mix, so the call runs again one model at a
         time (buffers and random state as they were before it), and so do the later calls of
         its kind, with a warning naming the call.  ``bm.check_rows = False`` skips the check."""
-        fn = self.merged(name)
+        fn = _unpacking(self.merged(name))
         n = self.batch
         where = f"BatchModule.{name}"
 
@@ -637,7 +657,9 @@ class BatchModule(nn.Module, ModelBatched):
 
         watch = self.check_rows and not isinstance(self.model, AbstractBatchModule)
 
-        def batched(*args: Any) -> Any:
+        def batched(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:  # (carried as a last argument, a dict: merged and split alike)
+                return batched(*args, _Keywords(kwargs))
             tensors = tensors_of(args)
             for t in tensors:  # check the model dim once, on the whole inputs
                 if t.dim() < 2 or t.shape[0] != n:
@@ -787,8 +809,8 @@ class BatchModule(nn.Module, ModelBatched):
         per_model = sum(t[0].numel() * t.element_size() for t in tensors)
         return max(1, _CPU_CHUNK_BYTES // max(1, per_model))
 
-    def forward(self, *args: Any) -> Any:
-        return self.method("forward")(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method("forward")(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
