@@ -1075,3 +1075,31 @@ def test_keyword_and_dict_arguments_are_per_model_like_positional_ones() -> None
     seq, h0 = torch.randn(N, 7, 6, 5), torch.randn(N, 1, 6, 4)
     torch.testing.assert_close(rnn(seq, hx=h0)[0], rnn(seq, h0)[0])
     torch.testing.assert_close(rnn(seq, hx=h0)[0][1], rnn.unbatch(1)(seq[1], h0[1])[0])
+
+
+@pytest.mark.parametrize("chunk", [None, 2], ids=["all-models", "chunks-of-2"])
+def test_results_in_dicts_and_named_tuples_come_back_per_model(chunk) -> None:
+    from collections import namedtuple
+
+    Out = namedtuple("Out", "logits hidden")
+
+    class Structured(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(5, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            return {"out": Out(h * 2, h), "h": h}
+
+    torch.manual_seed(0)
+    models = [Structured().double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.chunk_size = chunk
+    x = torch.randn(N, 6, 5, dtype=torch.float64)
+    got = bm(x)
+    assert isinstance(got["out"], Out)
+    for i, m in enumerate(models):
+        want = m(x[i])
+        torch.testing.assert_close(got["h"][i], want["h"])
+        torch.testing.assert_close(got["out"].logits[i], want["out"].logits)

@@ -46,7 +46,10 @@ def _cat_outputs(parts: list[Any], where: str) -> Any:
                 )
         return torch.cat(parts, 0)
     if isinstance(first, (tuple, list)):
-        return type(first)(_cat_outputs([p[i] for p in parts], where) for i in range(len(first)))
+        items = [_cat_outputs([p[i] for p in parts], where) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if isinstance(first, dict):
+        return type(first)((k, _cat_outputs([p[k] for p in parts], where)) for k in first)
     return first
 
 
