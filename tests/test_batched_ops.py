@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -995,7 +996,7 @@ def test_a_mask_as_long_as_the_merged_batch_is_not_taken_for_rows() -> None:
         for _ in range(2):
             x = torch.randn(N, 2, 6, 8, dtype=torch.float64)
             pad = torch.zeros(N, 2, 6, dtype=torch.bool)
-            with pytest.warns(UserWarning, match="a tensor of as many rows as the batch"):
+            with pytest.warns(UserWarning, match="gives VmapFallback a tensor made another way"):
                 got = bm(x, pad)
             want = torch.stack([m(x[i], pad[i]) for i, m in enumerate(models)])
             torch.testing.assert_close(got, want)
@@ -1103,3 +1104,88 @@ def test_results_in_dicts_and_named_tuples_come_back_per_model(chunk) -> None:
         want = m(x[i])
         torch.testing.assert_close(got["h"][i], want["h"])
         torch.testing.assert_close(got["out"].logits[i], want["out"].logits)
+
+
+class _CausalSelfAttention(nn.Module):
+    """Attention written by hand, as small GPTs write it: the model's own code reshapes by
+    the batch's size, splits heads, masks and softmaxes within each sequence."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = (
+            nn.Linear(width, 3 * width),
+            nn.Linear(width, width),
+            heads,
+        )
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        att = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class _TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(16, width)
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = _CausalSelfAttention(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.size()
+        # positions for every row (the same in each): given as arange(t) alone, one tensor
+        # for all rows, the embedding could not tell the models' rows apart
+        pos = torch.arange(0, t, dtype=torch.long).unsqueeze(0).expand(b, t)
+        x = self.tok(idx) + self.pos(pos)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        logits = self.head(x)
+        probs = F.softmax(logits[:, -1, :], dim=-1)
+        return logits, torch.multinomial(probs, 1), F.gumbel_softmax(logits, tau=0.5) * 0
+
+
+def test_a_small_gpt_runs_with_its_rows_merged() -> None:
+    """No call of a hand-written GPT block mixes rows: the row check keeps it merged (no
+    warning), and its values and gradients are each model's own."""
+    torch.manual_seed(0)
+    models = [_TinyGPT().double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    idx = torch.randint(0, 11, (N, 4, 6))
+    logits, _, _ = bm(idx)
+    want = [m(idx[i])[0] for i, m in enumerate(models)]
+    torch.testing.assert_close(logits, torch.stack(want))
+    w = torch.randn_like(logits)
+    (w * logits).sum().backward()
+    for i, m in enumerate(models):
+        (w[i] * want[i]).sum().backward()
+        grads = bm.grads_of(i)
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad)
+    assert list(bm._row_verdicts.values()) == [None]
+
+
+def test_positions_shared_by_every_row_given_to_a_layer_run_one_model_at_a_time() -> None:
+    """nanoGPT's `self.pos(torch.arange(t))`: one tensor for all rows given to a batched
+    layer, which would read it as rows of the models merged; found, and exact."""
+
+    class Positions(_TinyGPT):
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+            return self.head(x + self.attn(self.ln1(x)))
+
+    torch.manual_seed(0)
+    models = [Positions().double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    idx = torch.randint(0, 11, (N, 4, 6))
+    with pytest.warns(UserWarning, match="gives BatchEmbedding a tensor made another way"):
+        got = bm(idx)
+    torch.testing.assert_close(got, torch.stack([m(idx[i]) for i, m in enumerate(models)]))

@@ -143,10 +143,11 @@ class AbstractBatchModule(nn.Module):
             return stacked
         return nn.Parameter(stacked, requires_grad=values[0].requires_grad)
 
-    def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
         """The dim of the merged rows in each tensor of ``forward``'s arguments, in the
         order ``torch.utils._pytree`` lists them (``BatchModule``'s row check holds the
-        model's code to it): the leading dim unless the layer says otherwise."""
+        model's code to it): the leading dim unless the layer says otherwise; None for a
+        tensor the layer takes as the same for every model."""
         return [0] * sum(
             1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         )

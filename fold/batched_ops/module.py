@@ -213,6 +213,11 @@ class VmapFallback(AbstractBatchModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.call("forward", *args, **kwargs)
 
+    def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
+        # positional tensors hold rows; a keyword tensor may be every model's (see call)
+        count = lambda v: sum(1 for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))  # noqa: E731
+        return [0] * count(args) + [None] * count(kwargs)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

@@ -45,6 +45,7 @@ _POINTWISE = frozenset(
     special_expit relu relu6 leaky_relu elu selu celu gelu silu mish softplus softsign
     hardtanh hardsigmoid hardswish hardshrink softshrink tanhshrink threshold logsigmoid
     rrelu prelu dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
+    bernoulli poisson
     real imag conj
     __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
     __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__
@@ -82,6 +83,7 @@ for _names, _pos, _kw, _default in (
     ("topk", 2, ("dim",), -1),
     ("normalize cosine_similarity", 2, ("dim",), 1),
     ("glu", 1, ("dim",), -1),
+    ("gumbel_softmax", 4, ("dim",), -1),
     ("norm", 2, ("dim",), None),
     ("take_along_dim", 2, ("dim",), None),
     ("flip", 1, ("dims",), None),
@@ -144,6 +146,7 @@ _BATCH_FIRST = {
     "upsample": 3,
     "scaled_dot_product_attention": 3,
     "embedding_bag": 2,
+    "multinomial": 2,
     "cdist": 3,
 }
 
@@ -214,23 +217,25 @@ class RowCheck(TorchFunctionMode):
 
     def entering(self, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A batched layer's call (a forward pre-hook): its arguments' rows must be where
-        the layer takes them (``row_dims``)."""
+        the layer takes them (``row_dims``; None for a tensor it may take as the same for
+        every model, such as the vmap fallback's keyword tensors)."""
         if self.found is not None:
             return
-        tensors = _tensors((args, kwargs))
-        for t, want in zip(tensors, layer.row_dims(args, kwargs)):
+        name = type(layer).__name__
+        for t, want in zip(_tensors((args, kwargs)), layer.row_dims(args, kwargs)):
             d = self.row_dim(t)
-            if d is None and t.dim() and t.shape[0] == self.rows and self.rows > 1:
-                self.found = (
-                    f"gives {type(layer).__name__} a tensor of as many rows as the batch, "
-                    f"made another way ({_place()})"
-                )
-                return
-            if d is not None and d not in (want, _ANYWHERE):
-                self.found = (
-                    f"gives {type(layer).__name__} rows in dim {d} where it takes them in dim "
-                    f"{want} ({_place()})"
-                )
+            at = 0 if want is None else want
+            fits = t.dim() > at and t.shape[at] == self.rows
+            if d is None and want is None and not (fits and self.rows > 1):
+                continue  # every model's (the fallback tells rows by their length)
+            if d is None:
+                why = "a tensor made another way, not of the batch's rows"
+            elif d == _ANYWHERE:
+                why = None if fits else "a tensor not of the batch's rows"
+            else:
+                why = None if d == at else f"rows in dim {d} where it takes them in dim {at}"
+            if why is not None:
+                self.found = f"gives {name} {why} ({_place()})"
                 return
 
     def mark(self, t: Any, d: int) -> None:
@@ -274,6 +279,8 @@ class RowCheck(TorchFunctionMode):
                     )
                     self.found = self.stacked_use
                     return out
+        if name == "new_tensor":  # data of its own, a tensor's type and device
+            return out
         if name in _FILLS:
             for t in pytree.tree_leaves(out):
                 self.mark(t, _ANYWHERE)
@@ -285,6 +292,8 @@ class RowCheck(TorchFunctionMode):
             return out
         dims = [self.row_dim(t) for t in pytree.tree_leaves((args, kwargs))]
         if all(d is None for d in dims):
+            if name in _EXPAND and any(isinstance(v, _RowCount) for v in pytree.tree_leaves(args)):
+                self.mark(out, _ANYWHERE)  # arange(t).expand(x.size(0), t): the same every row
             return out
         if all(d is None or d == _ANYWHERE for d in dims):
             d: int | str = _ANYWHERE if name in _POINTWISE or name in _CONVERT else -2
