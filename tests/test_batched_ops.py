@@ -807,6 +807,16 @@ MIXING = {
         (6, 5),
         "uses the batch's size in arithmetic",
     ),
+    "divided-by-len": (
+        lambda m, x: m.lin(x) / len(x),
+        (6, 5),
+        "reads the batch's size with len()",
+    ),
+    "divided-by-numel": (
+        lambda m, x: m.lin(x) * (x.numel() / 5),
+        (6, 5),
+        "uses the batch's size in arithmetic",
+    ),
     "one-row-squeezed": (lambda m, x: m.lin(x).squeeze(), (1, 5), "squeezes"),
     "divided-by-the-batch-size": (
         lambda m, x: m.lin(x).sum(1, keepdim=True) / x.shape[0],

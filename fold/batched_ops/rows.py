@@ -259,9 +259,13 @@ class RowCheck(TorchFunctionMode):
             return out
         name = _name_of(func)
         trusted = _trusted()
-        if name in (".shape", "size") and not trusted:
+        if name in (".shape", "size", "numel", "nelement", "__len__") and not trusted:
             d = self.row_dim(args[0]) if args else None
             if d is not None and d >= 0:
+                if name == "__len__":  # (len() makes a plain int of it: h / len(x) unseen)
+                    if d == 0:
+                        self.found = f"reads the batch's size with len() ({_place()})"
+                    return out
                 return _counted(self, out, d, args, kwargs)
         if not trusted and name not in _SIZES:
             for v in pytree.tree_leaves((args, kwargs)):
@@ -370,6 +374,8 @@ def _counted(
     """A shape read of a tensor of rows: the rows' size as a ``_RowCount``."""
     if isinstance(out, torch.Size):
         return torch.Size([_RowCount(s, check) if k == d else s for k, s in enumerate(out)])
+    if not args[1:] and "dim" not in kwargs:  # numel(): a multiple of the rows' size
+        return _RowCount(out, check)
     dims = _dims(_arg(args, kwargs, 1, ("dim",), None), args[0].dim())
     return _RowCount(out, check) if dims == [d] else out
 
