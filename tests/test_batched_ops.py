@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fold import FoldError
@@ -1199,3 +1201,82 @@ def test_positions_shared_by_every_row_given_to_a_layer_run_one_model_at_a_time(
     with pytest.warns(UserWarning, match="gives BatchEmbedding a tensor made another way"):
         got = bm(idx)
     torch.testing.assert_close(got, torch.stack([m(idx[i]) for i, m in enumerate(models)]))
+
+
+# ------------------------------------------------ random chains of row-wise and mixing code
+_W = torch.randn(6, 6, dtype=torch.float64) / 3
+_PERM = torch.tensor([3, 0, 5, 1, 4, 2])
+# Each takes (model, h (b, 6), x (b, 6)) and gives (b, 6): the rows kept apart, or not.
+CHAIN_OPS = [
+    lambda m, h, x: torch.tanh(m.lin(h)),
+    lambda m, h, x: h.softmax(-1),
+    lambda m, h, x: h.cumsum(1) / 6,
+    lambda m, h, x: h.flip(1) * h.norm(dim=1, keepdim=True),
+    lambda m, h, x: h.view(h.size(0), -1)[:, _PERM],
+    lambda m, h, x: torch.einsum("bi,ij->bj", h, _W),
+    lambda m, h, x: h.T.T + F.layer_norm(h, (6,)),
+    lambda m, h, x: torch.stack([h, x], 1).sum(1),
+    lambda m, h, x: h.reshape(h.shape[0], 2, 3).transpose(1, 2).flatten(1),
+    lambda m, h, x: torch.cat([h[:, 3:], h[:, :3]], 1) + x.size(1),
+    lambda m, h, x: h.unsqueeze(0).expand(2, -1, -1).mean(0),
+    lambda m, h, x: torch.where(h > 0, h, x) @ _W,
+    # these read across rows
+    lambda m, h, x: h - h.mean(0),
+    lambda m, h, x: h.cumsum(0) / 6,
+    lambda m, h, x: h.roll(1, 0),
+    lambda m, h, x: h * h.std(),
+    lambda m, h, x: (h @ h.T) @ h / 36,
+    lambda m, h, x: h + h[:1],
+    lambda m, h, x: h / x.shape[0],
+    lambda m, h, x: torch.cat([h[1:], h[:1]]),
+    lambda m, h, x: h.sort(0).values,
+    lambda m, h, x: F.normalize(h, dim=0),
+    lambda m, h, x: h.T.reshape(h.shape),
+    lambda m, h, x: h + torch.arange(h.shape[0], dtype=h.dtype)[:, None],
+    lambda m, h, x: m.lin(h.T.contiguous().view(-1, 6)).view(h.shape),
+]
+
+
+class _Chain(nn.Module):
+    def __init__(self, ops) -> None:
+        super().__init__()
+        self.lin, self.ops = nn.Linear(6, 6), ops
+
+    def forward(self, x):
+        h = self.lin(x)
+        for k in self.ops:
+            h = CHAIN_OPS[k](self, h, x)
+        return h
+
+
+@settings(max_examples=60, deadline=None)
+# rows and features of one size (6 = 2 rows x 3 models): a result with its rows in dim 1, and a
+# reshape to a size equal to all the models' rows by chance (each model's own is 2)
+@example(ops=[22], rows=2, chunk=None)
+@example(ops=[22, 22], rows=2, chunk=None)
+@given(
+    ops=st.lists(st.integers(0, len(CHAIN_OPS) - 1), min_size=1, max_size=5),
+    rows=st.sampled_from([1, 2, 6]),
+    chunk=st.sampled_from([None, 2]),
+)
+def test_random_chains_of_the_models_code_equal_the_models_alone(ops, rows, chunk) -> None:
+    """Whatever the model's own code does, with or without reads across rows: each model's
+    result is its own, in values and gradients, call after call."""
+    torch.manual_seed(0)
+    models = [_Chain(ops).double() for _ in range(N)]
+    bm = BatchModule.from_modules(copy.deepcopy(models))
+    bm.chunk_size = chunk
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (mixing code warns)
+        for _ in range(2):
+            x = torch.randn(N, rows, 6, dtype=torch.float64)
+            got = bm(x)
+            want = [m(x[i]) for i, m in enumerate(models)]
+            torch.testing.assert_close(got, torch.stack(want))
+            w = torch.randn_like(got)
+            bm.zero_grad(set_to_none=True)
+            (w * got).sum().backward()
+            for i, m in enumerate(models):
+                m.zero_grad(set_to_none=True)
+                (w[i] * want[i]).sum().backward()
+                torch.testing.assert_close(bm.grads_of(i)["lin.weight"], m.lin.weight.grad)

@@ -737,6 +737,7 @@ class BatchModule(nn.Module, ModelBatched):
                 return fn(*merged)
             with check:
                 out = fn(*merged)
+            check.returning(out)
         finally:
             for h in hooks:
                 h.remove()

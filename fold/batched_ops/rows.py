@@ -238,6 +238,18 @@ class RowCheck(TorchFunctionMode):
                 self.found = f"gives {name} {why} ({_place()})"
                 return
 
+    def returning(self, out: Any) -> None:
+        """The call's result: each tensor must hold rows in its dim 0 (its models' rows are
+        split there)."""
+        for t in _tensors(out):
+            if self.found is not None:
+                return
+            d = self.row_dim(t)
+            if d == 0 or d == _ANYWHERE and t.dim() and t.shape[0] == self.rows:
+                continue
+            where = "holds no rows" if d in (None, _ANYWHERE) else f"holds its rows in dim {d}"
+            self.found = f"returns a tensor of shape {tuple(t.shape)} that {where}"
+
     def mark(self, t: Any, d: int) -> None:
         if not isinstance(t, torch.Tensor):
             return
@@ -497,7 +509,7 @@ def _judge(
         if dims is None or d in dims:
             return "squeezes the rows' dim (one row a model)"
     if base in _RESHAPE:
-        return _reshaped(check, d, first, out)
+        return _reshaped(check, d, first, out, base, args, kwargs)
     if base in _EXPAND:
         shift = out.dim() - first.dim()
         if base in ("repeat", "tile"):
@@ -628,20 +640,41 @@ def _along(
     return d
 
 
-def _reshaped(check: RowCheck, d: int, first: torch.Tensor, out: Any) -> int | str:
+def _reshaped(
+    check: RowCheck,
+    d: int,
+    first: torch.Tensor,
+    out: Any,
+    base: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> int | str:
     """A view or copy of ``first``'s elements in their order: its rows stay rows where the
-    result has a dim of their size after as many elements as came before them."""
+    result has a dim of their size after as many elements as came before them, and where
+    each model's own call asks for its rows' size there (the size read from a tensor, or
+    -1; a number equal to all the models' rows by chance would not be each model's)."""
     if not isinstance(out, torch.Tensor):
         return "reshapes the rows"
     before = 1
     for s in first.shape[:d]:
         before *= s
-    seen = 1
+    seen, at = 1, None
     for k, s in enumerate(out.shape):
         if seen == before and s == check.rows:
-            return k
+            at = k
+            break
         seen *= s
-    return "reshapes the rows' dim into others"
+    if at is None:
+        return "reshapes the rows' dim into others"
+    if base in ("view", "reshape"):
+        sizes = list(args[1:]) or list(kwargs.get("shape", kwargs.get("size", ())))
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+            sizes = list(sizes[0])
+        if len(sizes) == out.dim() and not (isinstance(sizes[at], _RowCount) or sizes[at] == -1):
+            return "reshapes to a size that equals the rows' by chance (use x.size(0) or -1)"
+    if base in ("view_as", "reshape_as") and check.row_dim(args[1]) not in (at, _ANYWHERE):
+        return "reshapes to the shape of a tensor whose rows are elsewhere"
+    return at
 
 
 def _transposed(
