@@ -186,6 +186,7 @@ _PROPERTIES: dict[str, Callable[[int, int], int]] = {
 }
 
 _ANYWHERE = -1  # a tensor the same in every row (zeros(R, h)): rows wherever the others' are
+_NO_ROWS = -2  # a result that holds no rows (a size, a constant made of constants)
 
 
 class RowCheck(TorchFunctionMode):
@@ -312,7 +313,7 @@ class RowCheck(TorchFunctionMode):
                 self.mark(out, _ANYWHERE)  # arange(t).expand(x.size(0), t): the same every row
             return out
         if all(d is None or d == _ANYWHERE for d in dims):
-            d: int | str = _ANYWHERE if name in _POINTWISE or name in _CONVERT else -2
+            d: int | str = _ANYWHERE if name in _POINTWISE or name in _CONVERT else _NO_ROWS
         else:
             d = _judge(self, name, args, kwargs, out)
         if isinstance(d, str):
@@ -475,7 +476,7 @@ def _judge(
         move = _PROPERTIES.get(name[1:])
         return d if move is None else move(d, first.dim())
     if base in _METADATA:
-        return -2
+        return _NO_ROWS
     if base in _CONVERT:
         return "converts a tensor made another way to rows" if d is None else d
     if base in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
