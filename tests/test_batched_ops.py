@@ -1304,3 +1304,23 @@ def test_random_chains_of_the_models_code_equal_the_models_alone(ops, rows, chun
                 m.zero_grad(set_to_none=True)
                 (w[i] * want[i]).sum().backward()
                 torch.testing.assert_close(bm.grads_of(i)["lin.weight"], m.lin.weight.grad)
+
+
+def test_a_model_under_the_vmap_fallback_takes_keyword_tensors_per_model() -> None:
+    """A model run whole under the vmap fallback, called with a keyword tensor of a length
+    of its own (a memory of 5 rows beside a batch of 2): each model gets its own slice."""
+
+    class Read(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x, memory=None):
+            return x * self.w + memory.softmax(0).sum(0)
+
+    with pytest.warns(UserWarning, match="uses its own parameters directly"):
+        bm = BatchModule.from_modules([Read() for _ in range(N)])
+    x, memory = torch.randn(N, 2, 4), torch.randn(N, 5, 4)
+    got = bm(x, memory=memory)
+    for i in range(N):
+        torch.testing.assert_close(got[i], bm.unbatch(i)(x[i], memory=memory[i]))

@@ -156,10 +156,18 @@ class VmapFallback(AbstractBatchModule):
         ]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` of the template on merged ``(b*N, ...)`` arguments (see
+        ``call_rows``)."""
+        return self.call_rows(method, args, kwargs, False)
+
+    def call_rows(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], every: bool
+    ) -> Any:
         """Run ``method`` of the template on merged ``(b*N, ...)`` arguments: every tensor
         given by position holds rows (each model's its own), and so does a tensor given by
         keyword whose leading dim is the first tensor's; any other tensor (an attention mask
-        ``(T, T)``) and any other value is the same for every model."""
+        ``(T, T)``) and any other value is the same for every model.  With ``every``, every
+        tensor holds rows (a BatchModule's own arguments: (N, b, ...) each)."""
         n = self.n
         if self.template.training != self.training:  # (kept out of the tree: .eval() misses it)
             self.template.train(self.training)
@@ -177,7 +185,8 @@ class VmapFallback(AbstractBatchModule):
         at = [
             k
             for k, t in enumerate(leaves)
-            if isinstance(t, torch.Tensor) and (k < given or t.dim() and t.shape[0] == rows)
+            if isinstance(t, torch.Tensor)
+            and (every or k < given or t.dim() and t.shape[0] == rows)
         ]
 
         result: list[Any] = []  # the result's leaves that are no tensors, and its structure
@@ -496,9 +505,11 @@ def _layer_call(
     one_args, one_kwargs = pytree.tree_unflatten(
         [t[0] if isinstance(t, torch.Tensor) else t for t in leaves], spec
     )
+    # (a layer alone takes its arguments from the BatchModule's: each holds rows, (N, b, ...))
     dims = iter(layer.row_dims(one_args, one_kwargs) if m > 1 else [0] * len(tensors))
     merged = [
-        to_merged(t, m, where, next(dims)) if isinstance(t, torch.Tensor) else t for t in leaves
+        to_merged(t, m, where, next(dims) or 0) if isinstance(t, torch.Tensor) else t
+        for t in leaves
     ]
     merged_args, merged_kwargs = pytree.tree_unflatten(merged, spec)
     out = fn(*merged_args, _Keywords(merged_kwargs)) if merged_kwargs else fn(*merged_args)
@@ -623,7 +634,7 @@ class BatchModule(nn.Module, ModelBatched):
         """Method ``name`` on merged ``(b*N, ...)`` rows in ``(b g)`` order (what fold uses)."""
         if isinstance(self.model, VmapFallback):
             fb = self.model
-            return lambda *args, **kwargs: fb.call(name, *args, **kwargs)
+            return lambda *args, **kwargs: fb.call_rows(name, args, kwargs, True)
         return _own_method(self.model, name)
 
     def method(self, name: str) -> Callable[..., Any]:
