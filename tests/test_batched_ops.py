@@ -1230,7 +1230,9 @@ CHAIN_OPS = [
     lambda m, h, x: h.index_select(1, _PERM) + h.narrow(1, 0, 6),
     lambda m, h, x: torch.stack(h.unbind(1), 1),
     lambda m, h, x: h.view(x.size(0), 3, 2).sum(-1).repeat(1, 2),
-    lambda m, h, x: h.reshape(-1, 6) * (x.size(0) * 2 // x.size(0)) if False else h.reshape(-1, 6),
+    lambda m, h, x: h.reshape(-1, 6),
+    lambda m, h, x: m.norm(h),  # (a batch norm of each model's rows)
+    lambda m, h, x: m.cell(h, torch.tanh(x)),
     # these read across rows
     lambda m, h, x: h - h.mean(0),
     lambda m, h, x: h.t() @ h,
@@ -1260,6 +1262,7 @@ class _Chain(nn.Module):
     def __init__(self, ops) -> None:
         super().__init__()
         self.lin, self.ops = nn.Linear(6, 6), ops
+        self.norm, self.cell = nn.BatchNorm1d(6), nn.GRUCell(6, 6)
 
     def forward(self, x):
         h = self.lin(x)
@@ -1291,8 +1294,8 @@ def test_random_chains_of_the_models_code_equal_the_models_alone(ops, rows, chun
             x = torch.randn(N, rows, 6, dtype=torch.float64)
             try:
                 want = [m(x[i]) for i, m in enumerate(models)]
-            except RuntimeError:  # (shapes that do not fit the models alone either)
-                with pytest.raises(RuntimeError):
+            except (RuntimeError, ValueError):  # (what the models alone refuse too)
+                with pytest.raises((RuntimeError, ValueError)):
                     bm(x)
                 return
             got = bm(x)
@@ -1324,3 +1327,18 @@ def test_a_model_under_the_vmap_fallback_takes_keyword_tensors_per_model() -> No
     got = bm(x, memory=memory)
     for i in range(N):
         torch.testing.assert_close(got[i], bm.unbatch(i)(x[i], memory=memory[i]))
+
+
+@pytest.mark.parametrize("cls", [nn.RNNCell, nn.GRUCell, nn.LSTMCell, nn.GRU, nn.LSTM, nn.RNN])
+def test_a_state_of_another_batch_is_a_fold_error(cls) -> None:
+    """torch's cells and RNNs refuse a state whose batch is not the input's; merged rows
+    would have broadcast one state row over every input row."""
+    bm = BatchModule(cls(6, 4), batch=N)
+    cell = "Cell" in cls.__name__
+    x = torch.randn(N, 3, 6) if cell else torch.randn(N, 5, 3, 6)
+    h = torch.randn(N, 1, 4) if cell else torch.randn(N, 1, 1, 4)
+    state = (h, h) if cls in (nn.LSTMCell, nn.LSTM) else h
+    with pytest.raises(RuntimeError):  # as the model alone
+        bm.unbatch(0)(x[0], tuple(s[0] for s in state) if isinstance(state, tuple) else state[0])
+    with pytest.raises(FoldError, match=r"the input's batch of 3 .*does not match the state's"):
+        bm(x, state)

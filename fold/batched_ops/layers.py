@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fold.batched_ops.core import AbstractBatchModule, register_batch_module
+from fold.errors import FoldError
 
 __all__ = [
     "BatchBatchNorm",
@@ -288,6 +289,19 @@ class _BatchCell(AbstractBatchModule):
     def _zeros(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(x.shape[0], self.hidden_size)
 
+    def _same_batch(self, x: torch.Tensor, *states: torch.Tensor) -> None:
+        """torch's cells refuse a state of another batch size; merged rows would broadcast
+        (one state row for all inputs) instead."""
+        for s in states:
+            if s.dim() != x.dim() or s.shape[0] != x.shape[0]:
+                n = self.n
+                raise FoldError(
+                    f"{type(self).__name__}: the input's batch of {x.shape[0] // n} rows does "
+                    f"not match the state's shape {(s.shape[0] // n, *s.shape[1:])} (as "
+                    f"{self.base_class.__name__} refuses it). Fix: give the state one row per "
+                    "input row."
+                )
+
 
 @register_batch_module
 class BatchRNNCell(_BatchCell):
@@ -298,7 +312,9 @@ class BatchRNNCell(_BatchCell):
         self.nonlinearity = modules[0].nonlinearity
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        gi, gh = self._gates(x, self._zeros(x) if h is None else h)
+        h = self._zeros(x) if h is None else h
+        self._same_batch(x, h)
+        gi, gh = self._gates(x, h)
         return torch.tanh(gi + gh) if self.nonlinearity == "tanh" else torch.relu(gi + gh)
 
 
@@ -308,6 +324,7 @@ class BatchGRUCell(_BatchCell):
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         h = self._zeros(x) if h is None else h
+        self._same_batch(x, h)
         return gru_step(*self._gates(x, h), h)
 
 
@@ -319,6 +336,7 @@ class BatchLSTMCell(_BatchCell):
         self, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, c = (self._zeros(x), self._zeros(x)) if hx is None else hx
+        self._same_batch(x, h, c)
         return lstm_step(*self._gates(x, h), c)
 
 
@@ -370,6 +388,15 @@ class _BatchRNN(AbstractBatchModule):
             h0, c0 = zeros, zeros if lstm else None
         else:
             h0, c0 = hx if lstm else (hx, None)
+            for s in (h0,) if c0 is None else (h0, c0):
+                if s.dim() != 3 or s.shape[1] != rows:
+                    n = self.n
+                    raise FoldError(
+                        f"{type(self).__name__}: the input's batch of {rows // n} sequences "
+                        f"does not match the state's shape {(s.shape[0], s.shape[1] // n, *s.shape[2:])}"
+                        f" (as {self.base_class.__name__} refuses it). Fix: give the state "
+                        "(layers * directions, batch, hidden)."
+                    )
         hs, cs = [], []
         for layer in range(self.num_layers):
             outs = []
