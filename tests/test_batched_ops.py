@@ -1233,6 +1233,9 @@ CHAIN_OPS = [
     lambda m, h, x: h.reshape(-1, 6),
     lambda m, h, x: m.norm(h),  # (a batch norm of each model's rows)
     lambda m, h, x: m.cell(h, torch.tanh(x)),
+    lambda m, h, x: m.scaled(h),  # (a child under the vmap fallback)
+    lambda m, h, x: m.seq_first(h[None])[0][0],  # (rows in dim 1 of a sequence)
+    lambda m, h, x: m.attn(h[:, None], x[:, None], x[:, None], need_weights=False)[0][:, 0],
     # these read across rows
     lambda m, h, x: h - h.mean(0),
     lambda m, h, x: h.t() @ h,
@@ -1258,11 +1261,22 @@ CHAIN_OPS = [
 ]
 
 
+class _Scaled6(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, h):
+        return h * self.scale
+
+
 class _Chain(nn.Module):
     def __init__(self, ops) -> None:
         super().__init__()
         self.lin, self.ops = nn.Linear(6, 6), ops
         self.norm, self.cell = nn.BatchNorm1d(6), nn.GRUCell(6, 6)
+        self.scaled, self.seq_first = _Scaled6(), nn.GRU(6, 6)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
 
     def forward(self, x):
         h = self.lin(x)
@@ -1286,10 +1300,10 @@ def test_random_chains_of_the_models_code_equal_the_models_alone(ops, rows, chun
     result is its own, in values and gradients, call after call."""
     torch.manual_seed(0)
     models = [_Chain(ops).double() for _ in range(N)]
-    bm = BatchModule.from_modules(copy.deepcopy(models))
-    bm.chunk_size = chunk
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (mixing code warns)
+        warnings.simplefilter("ignore")  # (mixing code warns, the fallbacks too)
+        bm = BatchModule.from_modules(copy.deepcopy(models))
+        bm.chunk_size = chunk
         for _ in range(2):
             x = torch.randn(N, rows, 6, dtype=torch.float64)
             try:
