@@ -858,18 +858,24 @@ def _against_separate(name, body, shape, chunk, calls=2):
         got = bm(*args)
         want = [m(*[a[i] for a in args]) for i, m in enumerate(models)]
         torch.testing.assert_close(got, torch.stack(want))
-        weights = torch.randn_like(got)
-        bm.zero_grad(set_to_none=True)
-        (weights * got).sum().backward()
-        for i, (m, y) in enumerate(zip(models, want)):
-            m.zero_grad(set_to_none=True)
-            (weights[i] * y).sum().backward()
-            grads = bm.grads_of(i)
-            for k, p in m.named_parameters():
-                zero = torch.zeros_like(p)
-                ref = zero if p.grad is None else p.grad
-                torch.testing.assert_close(zero if grads[k] is None else grads[k], ref)
+        _same_grads(bm, models, got, want)
     return bm
+
+
+def _same_grads(bm, models, got, want) -> None:
+    """Backprop of random weights through the BatchModule's result ``got`` and through each
+    model's own ``want[i]``: each model's parameter gradients are its own."""
+    weights = torch.randn_like(got)
+    bm.zero_grad(set_to_none=True)
+    (weights * got).sum().backward()
+    for i, (m, y) in enumerate(zip(models, want)):
+        m.zero_grad(set_to_none=True)
+        (weights[i] * y).sum().backward()
+        grads = bm.grads_of(i)
+        for k, p in m.named_parameters():
+            zero = torch.zeros_like(p)
+            ref = zero if p.grad is None else p.grad
+            torch.testing.assert_close(zero if grads[k] is None else grads[k], ref)
 
 
 @pytest.mark.parametrize("chunk", [None, 2], ids=["all-models", "chunks-of-2"])
@@ -982,17 +988,8 @@ def test_transformer_layers_run_like_separate_models(mode) -> None:
                 got = bm(x, pad)
                 want = [m(x[i], pad[i]) for i, m in enumerate(models)]
             torch.testing.assert_close(got, torch.stack(want))
-            if mode == "eval-no-grad":
-                continue
-            w = torch.randn_like(got)
-            bm.zero_grad(set_to_none=True)
-            (w * got).sum().backward()
-            for i, m in enumerate(models):
-                m.zero_grad(set_to_none=True)
-                (w[i] * want[i]).sum().backward()
-                grads = bm.grads_of(i)
-                for k, p in m.named_parameters():
-                    torch.testing.assert_close(grads[k], p.grad)
+            if mode != "eval-no-grad":
+                _same_grads(bm, models, got, want)
     assert list(bm._row_verdicts.values()) == [None]
 
 
@@ -1175,13 +1172,7 @@ def test_a_small_gpt_runs_with_its_rows_merged() -> None:
     logits, _, _ = bm(idx)
     want = [m(idx[i])[0] for i, m in enumerate(models)]
     torch.testing.assert_close(logits, torch.stack(want))
-    w = torch.randn_like(logits)
-    (w * logits).sum().backward()
-    for i, m in enumerate(models):
-        (w[i] * want[i]).sum().backward()
-        grads = bm.grads_of(i)
-        for k, p in m.named_parameters():
-            torch.testing.assert_close(grads[k], p.grad)
+    _same_grads(bm, models, logits, want)
     assert list(bm._row_verdicts.values()) == [None]
 
 
@@ -1314,13 +1305,7 @@ def test_random_chains_of_the_models_code_equal_the_models_alone(ops, rows, chun
                 return
             got = bm(x)
             torch.testing.assert_close(got, torch.stack(want))
-            w = torch.randn_like(got)
-            bm.zero_grad(set_to_none=True)
-            (w * got).sum().backward()
-            for i, m in enumerate(models):
-                m.zero_grad(set_to_none=True)
-                (w[i] * want[i]).sum().backward()
-                torch.testing.assert_close(bm.grads_of(i)["lin.weight"], m.lin.weight.grad)
+            _same_grads(bm, models, got, want)
 
 
 def test_a_model_under_the_vmap_fallback_takes_keyword_tensors_per_model() -> None:
