@@ -1222,6 +1222,7 @@ CHAIN_OPS = [
     lambda m, h, x: torch.stack(h.unbind(1), 1),
     lambda m, h, x: h.view(x.size(0), 3, 2).sum(-1).repeat(1, 2),
     lambda m, h, x: h.reshape(-1, 6),
+    lambda m, h, x: h[:, None, None].expand(-1, 2, 3, -1).unfold(3, 2, 2).flatten(3).sum((1, 2)),
     lambda m, h, x: m.norm(h),  # (a batch norm of each model's rows)
     lambda m, h, x: m.cell(h, torch.tanh(x)),
     lambda m, h, x: m.scaled(h),  # (a child under the vmap fallback)
@@ -1237,6 +1238,7 @@ CHAIN_OPS = [
     lambda m, h, x: torch.where(h > h.median(), h, -h),
     lambda m, h, x: h * (x.size(0) - 1 + 1),
     lambda m, h, x: h[torch.tensor([0] * h.size(0))],
+    lambda m, h, x: h[:, None, None].expand(-1, 2, 3, -1).unfold(0, 2, 1)[..., 0].sum((1, 2)),
     lambda m, h, x: h.cumsum(0) / 6,
     lambda m, h, x: h.roll(1, 0),
     lambda m, h, x: h * h.std(),

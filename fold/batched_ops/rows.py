@@ -97,6 +97,7 @@ for _names, _pos, _kw, _default in (
     ),
     ("split chunk tensor_split", 2, ("dim",), 0),
     ("repeat_interleave", 2, ("dim",), None),
+    ("tensor_unfold", 1, ("dimension",), None),
     ("tril triu", 99, (), (-2, -1)),
 ):
     for _name in _names.split():
@@ -395,6 +396,8 @@ def _counted(
 
 def _name_of(func: Callable[..., Any]) -> str:
     name = getattr(func, "__name__", "")
+    if name == "unfold" and getattr(func, "__qualname__", "").startswith("TensorBase"):
+        return "tensor_unfold"  # x.unfold(dim, size, step): windows along a dim (not F.unfold)
     if name == "__get__":  # a property: Tensor.T, Tensor.data
         owner = getattr(func, "__self__", None)
         return "." + getattr(owner, "__name__", "?")
