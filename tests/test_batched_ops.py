@@ -731,6 +731,10 @@ ROW_WISE = {
         lambda m, x: torch.softmax(_seq(m, x) @ _seq(m, x).transpose(1, 2) / 2, -1) @ _seq(m, x),
         (6, 7, 5),
     ),
+    "in-place conversions": (
+        lambda m, x: m.lin(x).detach().requires_grad_() * 0 + m.lin(x).clone().zero_() + m.lin(x),
+        (6, 5),
+    ),
     "einsum": (
         lambda m, x: torch.einsum("btd,de->bte", _seq(m, x), torch.ones(4, 3, dtype=x.dtype)),
         (6, 7, 5),

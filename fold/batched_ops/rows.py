@@ -471,6 +471,8 @@ def _judge(
     """The dim of the rows in the result of a call with tensors of rows among its arguments,
     or why the call may mix rows."""
     base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    if name in _CONVERT:  # (requires_grad_, zero_: in-place forms named as such)
+        base = name
     first = args[0] if args else None
     d = check.row_dim(first)
     if name.startswith("."):
