@@ -1206,7 +1206,9 @@ CHAIN_OPS = [
     lambda m, h, x: torch.tanh(m.lin(h)),
     lambda m, h, x: h.softmax(-1),
     lambda m, h, x: h.cumsum(1) / 6,
-    lambda m, h, x: h.flip(1) * h.norm(dim=1, keepdim=True),
+    lambda m, h, x: (
+        h.flip(1) * h.norm(dim=1, keepdim=True) + torch.linalg.vector_norm(h, dim=-1)[:, None]
+    ),
     lambda m, h, x: h.view(h.size(0), -1)[:, _PERM],
     lambda m, h, x: torch.einsum("bi,ij->bj", h, _W),
     lambda m, h, x: h.T.T + F.layer_norm(h, (6,)),
@@ -1252,6 +1254,7 @@ CHAIN_OPS = [
     lambda m, h, x: torch.cat([h[1:], h[:1]]),
     lambda m, h, x: h.sort(0).values,
     lambda m, h, x: F.normalize(h, dim=0),
+    lambda m, h, x: h / torch.linalg.vector_norm(h),
     lambda m, h, x: h.T.reshape(h.shape),
     lambda m, h, x: h + torch.arange(h.shape[0], dtype=h.dtype)[:, None],
     lambda m, h, x: m.lin(h.T.contiguous().view(-1, 6)).view(h.shape),

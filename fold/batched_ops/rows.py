@@ -45,7 +45,7 @@ _POINTWISE = frozenset(
     special_expit relu relu6 leaky_relu elu selu celu gelu silu mish softplus softsign
     hardtanh hardsigmoid hardswish hardshrink softshrink tanhshrink threshold logsigmoid
     rrelu prelu dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
-    bernoulli poisson
+    bernoulli poisson bucketize
     real imag conj
     __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
     __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__
@@ -84,7 +84,7 @@ for _names, _pos, _kw, _default in (
     ("normalize cosine_similarity", 2, ("dim",), 1),
     ("glu", 1, ("dim",), -1),
     ("gumbel_softmax", 4, ("dim",), -1),
-    ("norm", 2, ("dim",), None),
+    ("norm linalg_vector_norm linalg_norm", 2, ("dim",), None),
     ("take_along_dim", 2, ("dim",), None),
     ("flip", 1, ("dims",), None),
     ("roll", 2, ("dims",), None),
@@ -105,7 +105,7 @@ for _names, _pos, _kw, _default in (
 _REDUCING = frozenset(
     """sum mean nansum nanmean prod amax amin all any std var std_mean var_mean count_nonzero
     logsumexp max min argmax argmin median nanmedian aminmax kthvalue mode norm
-    cosine_similarity unbind select""".split()
+    linalg_vector_norm linalg_norm cosine_similarity unbind select""".split()
 )
 _JOIN = frozenset("cat concat concatenate stack".split())
 
