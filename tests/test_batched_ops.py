@@ -1228,6 +1228,7 @@ CHAIN_OPS = [
     lambda m, h, x: torch.stack(h.unbind(1), 1),
     lambda m, h, x: h.view(x.size(0), 3, 2).sum(-1).repeat(1, 2),
     lambda m, h, x: h.reshape(-1, 6),
+    lambda m, h, x: h.view(x.size(0), 2, 3)[:, [1, 0]][:, :, [0, 2, 1]].flatten(1),
     lambda m, h, x: h[:, None, None].expand(-1, 2, 3, -1).unfold(3, 2, 2).flatten(3).sum((1, 2)),
     lambda m, h, x: m.norm(h),  # (a batch norm of each model's rows)
     lambda m, h, x: m.cell(h, torch.tanh(x)),
@@ -1255,6 +1256,7 @@ CHAIN_OPS = [
     lambda m, h, x: h.sort(0).values,
     lambda m, h, x: F.normalize(h, dim=0),
     lambda m, h, x: h / torch.linalg.vector_norm(h),
+    lambda m, h, x: h.view(x.size(0), 1, 2, 3)[:, [0], :, [0, 1, 2]].reshape(h.shape),
     lambda m, h, x: h.T.reshape(h.shape),
     lambda m, h, x: h + torch.arange(h.shape[0], dtype=h.dtype)[:, None],
     lambda m, h, x: m.lin(h.T.contiguous().view(-1, 6)).view(h.shape),

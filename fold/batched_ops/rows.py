@@ -719,9 +719,13 @@ def _indexed(
         for i in items
         if i is not None and i is not Ellipsis
     )
+    tensor_like = [isinstance(i, (torch.Tensor, list)) for i in items]
+    if any(tensor_like):  # ints index as tensors then; apart, the indexed dims go first
+        spots = [k for k, i in enumerate(items) if tensor_like[k] or isinstance(i, int)]
+        if spots[-1] - spots[0] + 1 != len(spots):
+            return "indexes with tensors apart (torch puts their dims first)"
     src = out = 0
     at: int | None = None
-    advanced = False
     for i in items:
         if i is None:
             out += 1
@@ -744,7 +748,6 @@ def _indexed(
                 return "indexes with a tensor of rows"
             if at is None:
                 return "indexes with a tensor before the rows' dim"
-            advanced = True
             src += width
             continue
         if isinstance(i, int):
@@ -762,7 +765,6 @@ def _indexed(
         return "indexes with an object the check does not know"
     if at is None:
         at = out + (d - src)
-    del advanced
     for v in value:  # t[index] = v: v's rows where the indexed part has them
         if isinstance(v, torch.Tensor) and v.dim():
             part = t[index]
