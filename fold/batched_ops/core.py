@@ -236,5 +236,14 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
             return type(value)(*(map_tensors(fn, v) for v in value))
         return type(value)(map_tensors(fn, v) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, map_tensors(fn, v)) for k, v in value.items())
+        return _same_kind(value, {k: map_tensors(fn, v) for k, v in value.items()})
     return value
+
+
+def _same_kind(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """``items`` as a dict of ``like``'s type, where that type is built from a dict (a
+    ``defaultdict`` is not: a plain dict then)."""
+    try:
+        return type(like)(items)
+    except TypeError:
+        return items

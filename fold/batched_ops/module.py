@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from fold.batched_ops import layers as _built_in  # noqa: F401  (registers the batched layers)
 from fold.batched_ops.core import (
     AbstractBatchModule,
+    _same_kind,
     from_merged,
     map_tensors,
     model_index,
@@ -49,7 +50,7 @@ def _cat_outputs(parts: list[Any], where: str) -> Any:
         items = [_cat_outputs([p[i] for p in parts], where) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     if isinstance(first, dict):
-        return type(first)((k, _cat_outputs([p[k] for p in parts], where)) for k in first)
+        return _same_kind(first, {k: _cat_outputs([p[k] for p in parts], where) for k in first})
     return first
 
 
