@@ -148,14 +148,12 @@ class AbstractBatchModule(nn.Module):
         order ``torch.utils._pytree`` lists them (``BatchModule``'s row check holds the
         model's code to it): the leading dim unless the layer says otherwise; None for a
         tensor the layer takes as the same for every model."""
-        return [0] * sum(
-            1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        )
+        return [0] * count_tensors((args, kwargs))
 
     def result_row_dims(self, out: Any) -> list[int]:
         """The dim of the merged rows in each tensor of ``forward``'s result (pytree
         order): the leading dim unless the layer says otherwise."""
-        return [0] * sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return [0] * count_tensors(out)
 
     def split_models(self, x: torch.Tensor) -> torch.Tensor:
         """``(b*N, ...)`` -> ``(b, N, ...)`` (a view)."""
@@ -213,6 +211,12 @@ def from_merged(y: torch.Tensor, batch: int, dim: int = 0) -> torch.Tensor:
     if dim:
         return y.unflatten(dim, (-1, batch)).movedim(dim + 1, 0)
     return y.view(-1, batch, *y.shape[1:]).transpose(0, 1)
+
+
+def count_tensors(value: Any) -> int:
+    """How many tensors ``value`` holds, anywhere in its ``torch.utils._pytree`` tree (the
+    order ``row_dims`` lists them in)."""
+    return sum(1 for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:

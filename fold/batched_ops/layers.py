@@ -13,9 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from fold.batched_ops.core import AbstractBatchModule, register_batch_module
+from fold.batched_ops.core import AbstractBatchModule, count_tensors, register_batch_module
 from fold.errors import FoldError
 
 __all__ = [
@@ -372,12 +371,10 @@ class _BatchRNN(AbstractBatchModule):
 
     def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
         # the input's batch dim (0 batch-first, else 1), then the states' (1)
-        n = sum(1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        return [0 if self.batch_first else 1] + [1] * (n - 1)
+        return [0 if self.batch_first else 1] + [1] * (count_tensors((args, kwargs)) - 1)
 
     def result_row_dims(self, out: Any) -> list[int]:
-        n = sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        return [0 if self.batch_first else 1] + [1] * (n - 1)
+        return [0 if self.batch_first else 1] + [1] * (count_tensors(out) - 1)
 
     def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
         seq = x if self.batch_first else x.transpose(0, 1)  # (B*N, T, in)

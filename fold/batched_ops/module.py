@@ -18,6 +18,7 @@ from fold.batched_ops import layers as _built_in  # noqa: F401  (registers the b
 from fold.batched_ops.core import (
     AbstractBatchModule,
     _same_kind,
+    count_tensors,
     from_merged,
     map_tensors,
     model_index,
@@ -225,8 +226,7 @@ class VmapFallback(AbstractBatchModule):
 
     def row_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
         # positional tensors hold rows; a keyword tensor may be every model's (see call)
-        count = lambda v: sum(1 for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))  # noqa: E731
-        return [0] * count(args) + [None] * count(kwargs)
+        return [0] * count_tensors(args) + [None] * count_tensors(kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

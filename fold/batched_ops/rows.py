@@ -17,6 +17,7 @@ the verdict errs on the side of running one model at a time, which is always rig
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -166,9 +167,8 @@ _FILLS = frozenset(
 )
 
 # Calls that take sizes: the rows' size read from a tensor may be given to them.
-_SIZES = frozenset(
-    """view reshape expand broadcast_to unflatten repeat tile zeros ones full empty rand randn
-    randint normal new_zeros new_ones new_full new_empty arange narrow""".split()
+_SIZES = _FILLS | frozenset(
+    "view reshape expand broadcast_to unflatten repeat tile arange narrow".split()
 )
 
 # Calls that read no values: sizes, types, flags.
@@ -228,7 +228,7 @@ class RowCheck(TorchFunctionMode):
             d = self.row_dim(t)
             at = 0 if want is None else want
             fits = t.dim() > at and t.shape[at] == self.rows
-            if d is None and want is None and not (fits and self.rows > 1):
+            if d is None and want is None and not _stranger(self, t, at):
                 continue  # every model's (the fallback tells rows by their length)
             if d is None:
                 why = "a tensor made another way, not of the batch's rows"
@@ -461,6 +461,17 @@ def _dims(value: Any, ndim: int) -> list[int] | None:
         return None
 
 
+def _stranger(check: RowCheck, t: torch.Tensor, j: int) -> bool:
+    """Whether ``t`` is no tensor of rows yet has the rows' size in its dim ``j``: made
+    another way (``arange(x.size(0))``), its dim ``j`` would be read as the models' rows."""
+    return (
+        check.row_dim(t) is None
+        and 0 <= j < t.dim()
+        and t.shape[j] == check.rows
+        and check.rows > 1
+    )
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -509,7 +520,7 @@ def _judge(
     if d is None or d == _ANYWHERE:
         return "uses rows in an argument past its first"
     if base in _ALONG:
-        return _along(check, base, d, args, kwargs, out)
+        return _along(check, base, d, args, kwargs)
     if base == "squeeze" and check.batch == 1:  # one row a model: squeeze drops it
         dims = _dims(_arg(args, kwargs, 1, ("dim",), None), first.dim())
         if dims is None or d in dims:
@@ -579,7 +590,7 @@ def _pointwise(check: RowCheck, tensors: list[torch.Tensor]) -> int | str:
     (p,) = at
     for t in tensors:
         j = p - (ndim - t.dim())
-        if check.row_dim(t) is None and j >= 0 and t.shape[j] == check.rows and check.rows > 1:
+        if _stranger(check, t, j):
             return "pairs the rows with a tensor of as many rows made another way"
     return p
 
@@ -587,12 +598,11 @@ def _pointwise(check: RowCheck, tensors: list[torch.Tensor]) -> int | str:
 def _batch_first(check: RowCheck, tensors: list[torch.Tensor], start: int) -> int | str:
     """Rows in dim 0 of every tensor from ``tensors[start]`` on (a loss's input and target,
     a convolution's input): the batch dim."""
-    for t in tensors[start:] if start else tensors:
+    for t in tensors[start:]:
         d = check.row_dim(t)
-        if d is None:
-            if t.dim() and t.shape[0] == check.rows and check.rows > 1:
-                return "pairs the rows with a tensor of as many rows made another way"
-        elif d not in (0, _ANYWHERE):
+        if _stranger(check, t, 0):
+            return "pairs the rows with a tensor of as many rows made another way"
+        if d is not None and d not in (0, _ANYWHERE):
             return "takes the rows' dim for another dim than the batch's"
     return 0
 
@@ -619,7 +629,7 @@ def _join(check: RowCheck, base: str, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _along(
-    check: RowCheck, base: str, d: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    check: RowCheck, base: str, d: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> int | str:
     first = args[0]
     pos, kws, default = _ALONG[base]
@@ -630,13 +640,7 @@ def _along(
         return "acts along the rows' dim"
     for t in _tensors((args[1:], kwargs)):  # an index, a source: rows where first has them
         if t.dim() == first.dim():
-            e = check.row_dim(t)
-            if (
-                e is None
-                and t.shape[d] == check.rows
-                and check.rows > 1
-                or e not in (None, d, _ANYWHERE)
-            ):
+            if _stranger(check, t, d) or check.row_dim(t) not in (None, d, _ANYWHERE):
                 return "indexes with a tensor whose rows are not the input's"
     keep = _arg(args, kwargs, 99, ("keepdim",), False)
     if len(args) > pos + 1 and isinstance(args[pos + 1], bool):
@@ -661,9 +665,7 @@ def _reshaped(
     -1; a number equal to all the models' rows by chance would not be each model's)."""
     if not isinstance(out, torch.Tensor):
         return "reshapes the rows"
-    before = 1
-    for s in first.shape[:d]:
-        before *= s
+    before = math.prod(first.shape[:d])
     seen, at = 1, None
     for k, s in enumerate(out.shape):
         if seen == before and s == check.rows:
@@ -769,14 +771,7 @@ def _indexed(
         if isinstance(v, torch.Tensor) and v.dim():
             part = t[index]
             j = at - (part.dim() - v.dim())
-            e = check.row_dim(v)
-            if (
-                e is None
-                and j >= 0
-                and v.shape[j] == check.rows
-                and check.rows > 1
-                or e not in (None, j, _ANYWHERE)
-            ):
+            if _stranger(check, v, j) or check.row_dim(v) not in (None, j, _ANYWHERE):
                 return "writes rows into other rows"
     return at
 
@@ -827,7 +822,7 @@ def _product(
     (p,) = places
     for t, e in ((a, da), (b, db)):
         j = p - (n - t.dim())
-        if e is None and 0 <= j < t.dim() - 2 and t.shape[j] == check.rows and check.rows > 1:
+        if e is None and j < t.dim() - 2 and _stranger(check, t, j):
             return "pairs the rows with a tensor of as many rows made another way"
     if added is not None and check.row_dim(added) not in (None, _ANYWHERE, p - (n - added.dim())):
         return "adds rows at another dim"
