@@ -307,6 +307,9 @@ class Fold:
         self._c = _CRecorder  # (tests compare the recorders with and without it)
         self._holds = 1
         self._remake: list[tuple[Any, ...]] = []
+        global _OWN_STATE
+        if _OWN_STATE is None:
+            _OWN_STATE = frozenset(self.__dict__)
 
     # ------------------------------------------------------------------ kept recorders
     # A per-sample training loop makes a Fold per step, and each Fold's first call of each op
@@ -334,6 +337,8 @@ class Fold:
         above); None where it has more than ``_LEFT_SIGNATURES`` signatures, an op that is
         not a name (a callable kept would keep its object alive), or a live snapshot."""
         if not self._named or len(self.signatures) > _LEFT_SIGNATURES:
+            return None
+        if not self.__dict__.keys() <= _OWN_STATE:  # (the caller's own attributes: not kept)
             return None
         self._snapshot = None
         for r in self._views:
@@ -824,6 +829,10 @@ class Fold:
 
 # What dropped Folds left for the next ones (Fold.__del__, Fold._adopt).
 _LEFT: list[dict[str, Any]] = []
+# The names of a Fold's own state (set by the first Fold made): a dropped Fold that holds
+# others (set by its caller: ``f.epoch = 3``, an ``apply`` wrapped) leaves nothing, so that
+# they never reappear on the next Fold.
+_OWN_STATE: frozenset[str] | None = None
 _LEFT_MAX = 2
 _LEFT_SIGNATURES = 64
 

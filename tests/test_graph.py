@@ -813,3 +813,12 @@ def test_a_dropped_fold_leaves_nothing_a_caller_can_still_reach(monkeypatch) -> 
     f.add(_StepOps().leaf, 1)
     del f
     assert graph._LEFT == []  # a callable op: kept, it would keep its object alive
+
+    f = fold.Fold()
+    f.add("leaf", 1)
+    f.epoch = 3  # the caller's own attribute
+    f.apply = lambda *a, **k: None  # (a wrapped apply, as a test harness might)
+    del f
+    assert graph._LEFT == []  # not left: it would reappear on the next Fold
+    g = fold.Fold()
+    assert not hasattr(g, "epoch") and "apply" not in vars(g)

@@ -359,6 +359,42 @@ def test_list_arguments_with_a_batch_module_equal_n_separate_folds(max_rows, chu
         torch.set_default_dtype(old)
 
 
+@pytest.mark.parametrize("chunk", [None, 2, 3])
+def test_list_arguments_of_a_model_under_the_vmap_fallback_equal_each_model_alone(chunk) -> None:
+    """A model with raw parameters (no batched layer: it runs under torch.vmap) takes the
+    lists of N models too: each model sees its own lists, values and gradients equal to its
+    own Unfold (float64); empty lists, repeated elements and every Ragged reduction."""
+    from fold.batched_ops import BatchModule
+
+    prog = [
+        ("leaf", 1),
+        ("pool", 2, [(0, None), (0, None)]),
+        ("pool", 3, []),
+        ("fork", (1, None)),
+        ("pool", 4, [(1, None), (3, 1), (2, None)]),
+        ("pool", 5, [(4, None)]),
+    ]
+    models = [Pool() for _ in range(3)]
+    with torch.no_grad():
+        for i, m in enumerate(models):
+            for p in m.parameters():
+                p.add_(0.1 * i * torch.randn_like(p))
+    with pytest.warns(UserWarning, match="torch.vmap"):
+        bm = BatchModule.from_modules(models)
+    bm.chunk_size = chunk
+    f = fold.Fold()
+    (out,) = f.apply(bm, [_replay(f, prog)])
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), list(bm.parameters()))
+    for i, m in enumerate(models):
+        u = fold.Unfold(m)
+        (want,) = u.apply(m, [_replay(u, prog)])
+        torch.testing.assert_close(out[i], want)
+        mine = torch.autograd.grad((want * weights[i]).sum(), list(m.parameters()))
+        for stacked, g in zip(grads, mine):
+            torch.testing.assert_close(stacked[i], g)
+
+
 def test_the_lists_of_n_models_refuse_offsets_and_nested() -> None:
     from fold.ragged import ModelRagged
 

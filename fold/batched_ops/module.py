@@ -29,6 +29,7 @@ from fold.batched_ops.core import (
 from fold.batched_ops.rows import RowCheck
 from fold.errors import FoldError
 from fold.executor import ModelBatched
+from fold.ragged import ModelRagged, Ragged
 
 __all__ = ["BatchModule", "VmapFallback"]
 
@@ -94,6 +95,17 @@ class _Call(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _own_method(self.module, self.method)(*args, **kwargs)
+
+
+def _model_lengths(lists: ModelRagged, n: int) -> tuple[torch.Tensor, Any]:
+    """The lengths of one model's lists in ``lists`` (list ``i * n + m`` is node i's for
+    model m: every model's are node i's), on the device and on the host where known."""
+    if lists.models != n:
+        raise FoldError(
+            f"BatchModule: a list argument of {lists.models} models given to a call of {n}."
+        )
+    host = lists._host
+    return lists.lengths[::n], None if host is None else host[::n]
 
 
 class VmapFallback(AbstractBatchModule):
@@ -191,12 +203,20 @@ class VmapFallback(AbstractBatchModule):
             and (every or k < given or t.dim() and t.shape[0] == rows)
         ]
 
+        # The lists of N models (a list argument of a fold op): each model's own lists, as
+        # a Ragged over its rows (the models' rows of an element are together, as a node
+        # argument's are) with the lengths every model shares.
+        lists = [k for k, t in enumerate(leaves) if isinstance(t, ModelRagged)]
+        shared = [_model_lengths(leaves[k], n) for k in lists]
         result: list[Any] = []  # the result's leaves that are no tensors, and its structure
 
         def one(flat: list[torch.Tensor], *xs: Any) -> Any:
             values = list(leaves)
-            for k, x in zip(at, xs):
+            for k, x in zip(at + lists, xs):
                 values[k] = x
+            for k, (lengths, host) in zip(lists, shared):
+                values[k] = Ragged(values[k], lengths)
+                values[k]._host = host
             a, kw = pytree.tree_unflatten(values, spec)
             out_leaves, out_spec = pytree.tree_flatten(
                 functional_call(target, dict(zip(keys, flat)), a, kw)
@@ -205,8 +225,9 @@ class VmapFallback(AbstractBatchModule):
             return tuple(t for t in out_leaves if isinstance(t, torch.Tensor))
 
         split = [leaves[k].view(-1, n, *leaves[k].shape[1:]) for k in at]
+        split += [leaves[k].values.view(-1, n, *leaves[k].values.shape[1:]) for k in lists]
         try:
-            run = vmap(one, in_dims=(0, *[1] * len(at)), out_dims=1, randomness="different")
+            run = vmap(one, in_dims=(0, *[1] * len(split)), out_dims=1, randomness="different")
             outs = iter(run(tensors, *split))
             # (an attention's weights left out: None where the model gives None)
             out = pytree.tree_unflatten(
