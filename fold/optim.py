@@ -477,27 +477,42 @@ def _models_of_optimizer(optimizer: Any, where: str) -> int:
 
 
 class _Schedule:
-    """A per-model learning-rate schedule: ``lr_i(t)`` from each model's base lr and settings."""
+    """A per-model learning-rate schedule: ``lr_i(t)`` from each model's base lr and settings,
+    in every param group from that group's own base lrs (as ``torch.optim.lr_scheduler``
+    schedules each group from its own lr)."""
 
     def __init__(self, optimizer: _PerModelOptimizer) -> None:
         self.optimizer = optimizer
-        self.base = optimizer.param_groups[0]["model_lr"].clone()
+        self.base = [g["model_lr"].clone() for g in optimizer.param_groups]
         self.t = 0
-        self.optimizer.set_hyper("lr", self.lr_at(0))
+        self._set()
 
-    def lr_at(self, t: int) -> torch.Tensor:
+    def lr_at(self, t: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The (N,) lrs at step ``t`` from ``base`` (the first param group's base lrs)."""
+        return self._lr(t, self.base[0] if base is None else base)
+
+    def _lr(self, t: int, base: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _set(self) -> None:
+        groups = self.optimizer.param_groups
+        self.base += [g["model_lr"].clone() for g in groups[len(self.base) :]]  # (added since)
+        where = type(self).__name__
+        for group, base in zip(groups, self.base):
+            group["model_lr"] = _per_model("lr", self.lr_at(self.t, base), len(base), where)
 
     def step(self) -> None:
         self.t += 1
-        self.optimizer.set_hyper("lr", self.lr_at(self.t))
+        self._set()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "base": self.base.clone()}
+        return {"t": self.t, "base": [b.clone() for b in self.base]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.t, self.base = state["t"], state["base"].clone()
-        self.optimizer.set_hyper("lr", self.lr_at(self.t))
+        base = state["base"]  # (one tensor: saved before the schedules kept a base per group)
+        bases = [base] if isinstance(base, torch.Tensor) else list(base)
+        self.t, self.base = state["t"], [b.clone() for b in bases]
+        self._set()
 
 
 class StepLR(_Schedule):
@@ -509,8 +524,8 @@ class StepLR(_Schedule):
         self.gamma = _per_model("gamma", gamma, n, "StepLR")
         super().__init__(optimizer)
 
-    def lr_at(self, t: int) -> torch.Tensor:
-        return self.base * self.gamma ** torch.floor(t / self.step_size)
+    def _lr(self, t: int, base: torch.Tensor) -> torch.Tensor:
+        return base * self.gamma ** torch.floor(t / self.step_size)
 
 
 class CosineLR(_Schedule):
@@ -524,9 +539,9 @@ class CosineLR(_Schedule):
         self.min_lr = _per_model("min_lr", min_lr, n, "CosineLR")
         super().__init__(optimizer)
 
-    def lr_at(self, t: int) -> torch.Tensor:
+    def _lr(self, t: int, base: torch.Tensor) -> torch.Tensor:
         frac = (t / self.total).clamp(max=1.0)
-        return self.min_lr + (self.base - self.min_lr) * (1 + torch.cos(math.pi * frac)) / 2
+        return self.min_lr + (base - self.min_lr) * (1 + torch.cos(math.pi * frac)) / 2
 
 
 class LinearWarmup(_Schedule):
@@ -537,5 +552,5 @@ class LinearWarmup(_Schedule):
         self.warmup = _per_model("warmup_steps", warmup_steps, n, "LinearWarmup")
         super().__init__(optimizer)
 
-    def lr_at(self, t: int) -> torch.Tensor:
-        return self.base * ((t + 1) / self.warmup).clamp(max=1.0)
+    def _lr(self, t: int, base: torch.Tensor) -> torch.Tensor:
+        return base * ((t + 1) / self.warmup).clamp(max=1.0)

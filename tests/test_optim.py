@@ -197,6 +197,62 @@ def test_schedules_follow_their_closed_forms_per_model() -> None:
     torch.testing.assert_close(opt.hyper("lr"), torch.tensor([1.0, 0.5, 0.2], dtype=torch.float64))
 
 
+SCHEDULES = [
+    (
+        lambda o: fo.StepLR(o, step_size=2, gamma=0.5),
+        lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    ),
+    (
+        lambda o: fo.CosineLR(o, total_steps=4, min_lr=1e-3),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 4, 1e-3),
+    ),
+    (
+        lambda o: fo.LinearWarmup(o, warmup_steps=3),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 3)),
+    ),
+]
+
+
+@pytest.mark.parametrize("make_fold, make_torch", SCHEDULES, ids=["step", "cosine", "warmup"])
+def test_a_schedule_steps_each_param_group_from_its_own_lrs(make_fold, make_torch) -> None:
+    """Two param groups with lrs of their own (each model's), a fold schedule against torch's
+    scheduler on each model alone: each group keeps its own base lrs (group 0's lrs were set
+    on every group); and through a state_dict round trip."""
+    models, bm = make()
+    first = [p for k, p in bm.named_parameters() if k.startswith("model.0.")]
+    rest = [p for k, p in bm.named_parameters() if not k.startswith("model.0.")]
+    lrs = ([0.1, 0.05, 0.2], [0.01, 0.3, 0.02])
+    opt = fo.SGD([{"params": first, "lr": lrs[0]}, {"params": rest, "lr": lrs[1]}], momentum=0.5)
+    schedule = make_fold(opt)
+    refs = []
+    for i, m in enumerate(models):
+        groups = [{"params": list(m[0].parameters()), "lr": lrs[0][i]}]
+        groups.append({"params": list(m[2].parameters()), "lr": lrs[1][i]})
+        o = torch.optim.SGD(groups, momentum=0.5)
+        refs.append((o, make_torch(o)))
+    for s in range(4):
+        if s == 2:  # a schedule saved and loaded into a fresh one continues alike
+            state = schedule.state_dict()
+            schedule = make_fold(opt)
+            schedule.load_state_dict(state)
+        x, y = data(s)
+        opt.zero_grad()
+        batch_loss(bm(x), y, N, F.cross_entropy).sum().backward()
+        opt.step()
+        schedule.step()
+        for i, (m, (o, sched)) in enumerate(zip(models, refs)):
+            o.zero_grad()
+            F.cross_entropy(m(x[i]), y[i]).backward()
+            o.step()
+            sched.step()
+    for i, m in enumerate(models):
+        for (name, p), q in zip(bm.unbatch(i).named_parameters(), m.parameters()):
+            torch.testing.assert_close(p, q, msg=name)
+    for g, k in zip(opt.param_groups, range(2)):
+        want = [o.param_groups[k]["lr"] for o, _ in refs]
+        torch.testing.assert_close(g["model_lr"], torch.tensor(want, dtype=torch.float64))
+
+
 def test_bad_hyperparameters_and_parameters() -> None:
     _, bm = make()
     with pytest.raises(FoldError, match="lr has 2 values for 3 models"):
