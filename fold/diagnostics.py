@@ -28,13 +28,19 @@ __all__ = ["Aggregator", "Diagnostic"]
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
+    """A value as float64 on the CPU: a number or 0-d tensor (shared by all models) stays
+    0-d; anything else is per model, flattened to ``(N,)`` (``(1,)`` for a sweep's one
+    model, which is not a shared value: ``gather_diagnostics`` concatenates it)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64).flatten().cpu()
-    return torch.as_tensor(value, dtype=torch.float64).flatten()
+        t = value.detach().to(torch.float64).cpu()
+    else:
+        t = torch.as_tensor(value, dtype=torch.float64)
+    return t if t.dim() == 0 else t.flatten()
 
 
 class Diagnostic(dict):  # type: ignore[type-arg]
-    """``{group: {name: (N,) tensor}}``; numbers and 0-d tensors broadcast to every model."""
+    """``{group: {name: (N,) tensor}}``; numbers and 0-d tensors (kept 0-d) are shared by
+    every model."""
 
     def __init__(self, data: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         super().__init__()
@@ -60,7 +66,7 @@ class Diagnostic(dict):  # type: ignore[type-arg]
     def per_model(self, i: int) -> dict[str, float]:
         """Model ``i``'s values as ``{"group/name": float}``."""
         return {
-            f"{g}/{k}": float(v[i] if v.numel() > 1 else v[0])
+            f"{g}/{k}": float(v[i] if v.numel() > 1 else v.reshape(-1)[0])
             for g, vs in self.items()
             for k, v in vs.items()
         }
@@ -71,7 +77,7 @@ class Diagnostic(dict):  # type: ignore[type-arg]
             for name, v in values.items():
                 tag = f"{prefix}{group}/{name}"
                 if v.numel() == 1:
-                    writer.add_scalar(tag, float(v[0]), step)
+                    writer.add_scalar(tag, float(v.reshape(-1)[0]), step)
                 else:
                     writer.add_scalars(tag, {f"model_{i}": float(x) for i, x in enumerate(v)}, step)
 

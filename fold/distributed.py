@@ -75,7 +75,9 @@ def shard(n_models: int, rank: int | None = None, world: int | None = None) -> s
 def gather_diagnostics(diag: Diagnostic, dst: int = 0) -> Diagnostic | None:
     """Every rank's per-model diagnostics, concatenated in model order on rank ``dst``.
 
-    Values shared by all models (one number) are taken from rank ``dst``.
+    Values shared by all models (a number or a 0-d tensor on every rank) are taken from rank
+    ``dst``; any other value is per model, so a rank's share of one model gives its one
+    value (a ``(1,)`` tensor).
     """
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
     dist.gather_object(
@@ -88,7 +90,9 @@ def gather_diagnostics(diag: Diagnostic, dst: int = 0) -> Diagnostic | None:
     out = Diagnostic()
     for group, values in parts[dst].items():
         out[group] = {
-            k: v if v.numel() == 1 else torch.cat([p[group][k] for p in parts])
+            k: v
+            if all(p[group][k].dim() == 0 for p in parts)
+            else torch.cat([p[group][k].reshape(-1) for p in parts])
             for k, v in values.items()
         }
     return out

@@ -90,7 +90,7 @@ def sweep_model(i: int) -> TreeLSTM:
     return TreeLSTM(40, 8).double()
 
 
-def sweep_worker(rank: int, world: int, init: str, out: str) -> None:
+def sweep_worker(rank: int, world: int, init: str, out: str, models: int) -> None:
     import torch.nn.functional as F
 
     import fold.optim
@@ -100,10 +100,10 @@ def sweep_worker(rank: int, world: int, init: str, out: str) -> None:
 
     start(rank, world, init)
     try:
-        mine = shard(len(LRS))
-        bm = BatchModule.from_modules([sweep_model(i) for i in range(len(LRS))[mine]])
+        mine = shard(models)
+        bm = BatchModule.from_modules([sweep_model(i) for i in range(models)[mine]])
         n = bm.batch
-        opt = fold.optim.SGD(bm.parameters(), batch=n, lr=LRS[mine])
+        opt = fold.optim.SGD(bm.parameters(), batch=n, lr=LRS[:models][mine])
         trees, labels = trees_and_labels()
         for _ in range(STEPS):
             f = fold.Fold()
@@ -114,7 +114,8 @@ def sweep_worker(rank: int, world: int, init: str, out: str) -> None:
             opt.step()
         summary = gather_diagnostics(Diagnostic({"train": {"loss": losses, "lr": 0.0}}))
         if rank == 0:
-            assert summary is not None and summary["train"]["loss"].shape == (len(LRS),)
+            assert summary is not None and summary["train"]["loss"].shape == (models,)
+            assert summary["train"]["lr"].shape == ()  # shared: rank 0's
             torch.save(summary["train"]["loss"], out + ".losses")
         else:
             assert summary is None
@@ -125,14 +126,17 @@ def sweep_worker(rank: int, world: int, init: str, out: str) -> None:
     finish()
 
 
-def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("models", [4, 2])
+def test_sharded_sweep_trains_each_model_as_if_alone(tmp_path: Path, models: int) -> None:
+    """Two ranks, each a BatchModule of its share; with 2 models, a share of one model
+    (whose per-model values are (1,): gathered as one model's, not as a shared value)."""
     out = str(tmp_path / "sweep.pt")
-    mp.spawn(sweep_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    mp.spawn(sweep_worker, args=(2, str(tmp_path / "init"), out, models), nprocs=2, join=True)
     states = torch.load(out, weights_only=True)
     losses = torch.load(out + ".losses", weights_only=True)
-    assert len(states) == len(LRS)
+    assert len(states) == len(losses) == models
     trees, labels = trees_and_labels()
-    for i, lr in enumerate(LRS):
+    for i, lr in enumerate(LRS[:models]):
         alone = sweep_model(i)
         opt = torch.optim.SGD(alone.parameters(), lr=lr)
         for _ in range(STEPS):
