@@ -8051,3 +8051,22 @@ def test_a_module_of_ones_own_recorded_whole_runs_its_groups_as_a_program(traini
     assert_same_grads(got, want, [*cell.parameters(), *lin.parameters()])
     ops = [op for op in _OPS.values() if op.fn is cell]
     assert ops and all(op._vmapped is None for op in ops)  # (recorded whole, never vmapped)
+
+
+def test_a_channels_last_layout_of_a_per_example_value_equals_eager():
+    """``contiguous``/``to``/``clone`` with ``memory_format=torch.channels_last`` on an
+    example's 4-D value (a conv's output of ``x[None]``): the stacked values have one dim
+    more, which that layout does not take (a FoldError); the values are the same in any
+    layout, so the stacked ones keep the usual one."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3)
+
+    def fn(x):
+        y = conv(x.unsqueeze(0))
+        a = y.contiguous(memory_format=torch.channels_last)
+        b = y.to(memory_format=torch.channels_last)
+        c = y.clone(memory_format=torch.channels_last)
+        return (a + 2 * b + 3 * c).sum((0, 1))
+
+    xs = [torch.randn(3, 6, 6, requires_grad=True) for _ in range(3)]
+    assert_same(fn, [*conv.parameters(), *xs], xs)

@@ -277,6 +277,22 @@ def _aligned_call(fn: Any, pads: tuple[int, ...], *args: Any, **kwargs: Any) -> 
     )
 
 
+_LAYOUTS = (torch.channels_last, torch.channels_last_3d)
+_CONTIGUOUS = torch.Tensor.contiguous
+
+
+def _any_layout(
+    fn: Any, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """``contiguous``/``to``/``clone`` asking for a layout of the example's rank (channels
+    last), which the stacked values (one dim more) cannot take: the values are the same in
+    any layout, so the stacked ones keep the usual one."""
+    if kwargs.get("memory_format") in _LAYOUTS:
+        usual = torch.contiguous_format if fn is _CONTIGUOUS else torch.preserve_format
+        kwargs = {**kwargs, "memory_format": usual}
+    return args, kwargs
+
+
 def _direct_template(
     fn: Any, args: list[Any], kwargs: dict[str, Any], outs: list[_Meta]
 ) -> tuple[list[Any], dict[str, Any]] | None:
@@ -289,7 +305,7 @@ def _direct_template(
         # Broadcasting aligns trailing dims: the batch dims line up only where every batched
         # argument has the output's number of dims.
         if len(outs) == 1 and all(s.meta.ndim == outs[0].ndim for s in slots):
-            return args, kwargs
+            return _any_layout(fn, args, kwargs)
         return None
     if fn in _MATMUL or fn is _LINEAR:
         rest = [a for a in args[1:]] + list(kwargs.values())
