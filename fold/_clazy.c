@@ -54,6 +54,8 @@ static PyObject *g_slow_method;    /* fold.autobatch.values._record_method(func,
 static PyObject *g_slow_function;  /* fold.autobatch.values._torch_function(cls, func, types, args, kw) */
 static PyObject *g_batched_kind;   /* fold.autobatch.common._BATCHED, the kind of a batched=True function */
 static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
+static PyObject *g_strided;        /* torch.strided, taken at the first tensor row */
+static PyObject *s_layout;
 static PyObject *g_default_dtype;  /* torch.get_default_dtype */
 static PyObject *g_known_type;     /* fold.autobatch.values.Known */
 static PyObject *g_small[64];      /* the ints 0..63 (list lengths in keys) */
@@ -571,6 +573,21 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
     Py_DECREF(rows);
     if (listed != 0)
         return listed < 0 ? -1 : 0;
+    /* A sparse tensor (a graph's adjacency per example): the slow path, whose meta keeps
+       its layout (a key of its own, never padded). */
+    if (g_strided == NULL) {
+        PyObject *torch = PyImport_ImportModule("torch");
+        g_strided = torch == NULL ? NULL : PyObject_GetAttrString(torch, "strided");
+        Py_XDECREF(torch);
+        if (g_strided == NULL)
+            return -1;
+    }
+    PyObject *layout = PyObject_GetAttr(a, s_layout);
+    if (layout == NULL)
+        return -1;
+    Py_DECREF(layout); /* (compared by identity: torch.strided lives on) */
+    if (layout != g_strided)
+        return 0;
     PyObject *version = row_version(a);
     if (version == NULL)
         return -1;
@@ -3171,6 +3188,8 @@ PyInit__clazy(void)
     for (int i = 0; i < 16; i++)
         if ((*more[i] = PyUnicode_InternFromString(more_names[i])) == NULL)
             return NULL;
+    if ((s_layout = PyUnicode_InternFromString("layout")) == NULL)
+        return NULL;
     if ((s_dim = PyUnicode_InternFromString("dim")) == NULL ||
         (s_state = PyUnicode_InternFromString("state")) == NULL ||
         (s_note_state = PyUnicode_InternFromString("note_state")) == NULL)

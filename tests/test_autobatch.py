@@ -8070,3 +8070,34 @@ def test_a_channels_last_layout_of_a_per_example_value_equals_eager():
 
     xs = [torch.randn(3, 6, 6, requires_grad=True) for _ in range(3)]
     assert_same(fn, [*conv.parameters(), *xs], xs)
+
+
+def test_sparse_adjacency_per_example_and_shared_equals_eager():
+    """A graph convolution written for one graph, ``relu(A @ W(h))`` twice: each example's
+    own sparse adjacency (several sizes; some examples dense: a sparse and a dense value of
+    one shape are never one group, and sparse ones are never padded), one sparse matrix
+    shared by every example used twice (its group's stack cannot broadcast: bmm), a sparse
+    matrix on the right, and ops on the sparse values themselves."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    def graph(n, sparse):
+        a = (torch.rand(n, n) < 0.4).double() * torch.rand(n, n)
+        return a.to_sparse() if sparse else a
+
+    sizes = (4, 5, 4, 6, 4, 4, 5)
+    xs = [torch.randn(n, 3, requires_grad=True) for n in sizes]
+    adjs = [graph(n, i % 3 != 1) for i, n in enumerate(sizes)]
+    shared = graph(4, True)
+
+    def gcn(x, a):
+        h = torch.relu(a @ lin(torch.relu(a @ lin(x))))
+        right = lin(x).t() @ (a * 2).t()
+        return torch.cat([h.sum(0), right.sum(1), (a @ lin(x)[:, 0]).sum()[None]])
+
+    def shared_twice(x):
+        return (shared @ lin(shared @ (x * 2))).sum(0)
+
+    params = [*lin.parameters(), *xs]
+    assert_same(gcn, params, xs, adjs)
+    assert_same(shared_twice, params, [x for x in xs if len(x) == 4])

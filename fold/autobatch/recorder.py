@@ -1458,7 +1458,7 @@ class _Recorder:
                 fargs.append(a.unsqueeze(0))
                 if a._base is None:  # (a view of a tensor that needs a gradient: as it is)
                     self.aliases.append((a, a._version, self.example, *self._calling))
-            return _meta(a.shape, dtype, device)
+            return _meta(a.shape, dtype, device, a.layout)
         if isinstance(a, nn.Module):  # a module, a method's self: keyed by identity
             if _identity_keyed(a):
                 return a
@@ -1737,9 +1737,9 @@ class _Recorder:
                     f"returned {tuple(bad[0].shape)} for a batch of one; a batched function keeps "
                     "the batch in dim 0. Fix: keep dim 0, or drop batched=True."
                 )
-            metas = [_meta(t.shape[1:], t.dtype, t.device) for t in leaves]
+            metas = [_meta(t.shape[1:], t.dtype, t.device, t.layout) for t in leaves]
         else:
-            metas = [_meta(t.shape, t.dtype, t.device) for t in leaves]
+            metas = [_meta(t.shape, t.dtype, t.device, t.layout) for t in leaves]
         op.outs = metas
         op.treedef = treedef
         op.single = isinstance(out, torch.Tensor)
@@ -2066,6 +2066,8 @@ def _group_padded(op: _Op, key: tuple[Any, ...], mode: Any) -> None:
     slots = sorted(_slots((op.args, op.kwargs)), key=lambda s: s.i)
     if not slots or any(s.ragged or s.meta is None for s in slots):
         return
+    if any(m.layout is not torch.strided for m in [*(s.meta for s in slots), *op.outs]):
+        return  # (a sparse value cannot be padded)
     how = _PADDED[op.fn] if op.kind == "torch" else "keys" if op.transformer else "zeros"
     dim = None
     if how in ("cat", "index"):

@@ -870,6 +870,28 @@ _REWRITES: dict[Any, Any] = {
 }
 
 
+def _sparse_matmul_group(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a group where an operand is a sparse matrix per example (a graph's
+    adjacency, stacked: a sparse ``(n, m, k)``), whose stack ``matmul`` cannot broadcast:
+    ``bmm`` of the sparse stack on the left of the dense one (a vector as a column); a sparse
+    right operand through the transposes; anything else one product per example."""
+    if b.layout is torch.strided and a.layout is not torch.strided and a.dim() == 3:
+        if b.dim() == 2:
+            return torch.bmm(_coo(a), b.unsqueeze(-1)).squeeze(-1)
+        if b.dim() == 3:
+            return torch.bmm(_coo(a), b)
+    if a.layout is torch.strided and b.layout is not torch.strided and b.dim() == 3:
+        if a.dim() == 2:
+            return torch.bmm(_coo(b).transpose(1, 2), a.unsqueeze(-1)).squeeze(-1)
+        if a.dim() == 3:
+            return torch.bmm(_coo(b).transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
+    return torch.stack([torch.matmul(x, y) for x, y in zip(a.unbind(0), b.unbind(0))])
+
+
+def _coo(t: torch.Tensor) -> torch.Tensor:
+    return t if t.layout is torch.sparse_coo else t.to_sparse_coo()
+
+
 def _matmul_group(a: torch.Tensor, b: torch.Tensor, cpu: bool | None = None) -> torch.Tensor:
     """``a @ b`` for a group whose two operands are both per example (stacked, n first):
     vectors and matrices (or stacks of matrices) as one batched call (``mem @ query`` and
@@ -882,6 +904,8 @@ def _matmul_group(a: torch.Tensor, b: torch.Tensor, cpu: bool | None = None) -> 
     backward avoids the slow outer products (183 against 816 us forward and backward).
     Values equal the per-example matmul up to the order of the sum.  ``cpu``: which forms
     to take, by ``a``'s device where None (tests take the GPU's on the CPU)."""
+    if a.layout is not torch.strided or b.layout is not torch.strided:
+        return _sparse_matmul_group(a, b)
     da, db = a.dim() - 1, b.dim() - 1
     if da == 1 and db == 1:
         return (a * b).sum(-1)

@@ -45,16 +45,24 @@ from fold.autobatch.common import (
 
 
 class _Meta:
-    """The per-example shape, dtype and device of a batched value; one object per triple,
-    so keys compare them by identity."""
+    """The per-example shape, dtype and device of a batched value (and its layout where it
+    is not strided: a sparse matrix per example); one object per triple, so keys compare
+    them by identity."""
 
-    __slots__ = ("shape", "dtype", "device", "ndim")
+    __slots__ = ("shape", "dtype", "device", "ndim", "layout")
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: torch.layout = torch.strided,
+    ) -> None:
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.ndim = len(shape)
+        self.layout = layout
 
     def __repr__(self) -> str:
         return describe(self.shape, self.dtype)
@@ -63,11 +71,13 @@ class _Meta:
 _METAS: dict[tuple[Any, ...], _Meta] = {}
 
 
-def _meta(shape: Any, dtype: torch.dtype, device: torch.device) -> _Meta:
-    key = (tuple(shape), dtype, device)
+def _meta(
+    shape: Any, dtype: torch.dtype, device: torch.device, layout: torch.layout = torch.strided
+) -> _Meta:
+    key = (tuple(shape), dtype, device) if layout is torch.strided else (shape, dtype, device, layout)
     m = _METAS.get(key)
     if m is None:
-        m = _METAS[key] = _Meta(torch.Size(key[0]), dtype, device)
+        m = _METAS[key] = _Meta(torch.Size(key[0]), dtype, device, layout)
     return m
 
 
@@ -1123,7 +1133,7 @@ def _memo_wrap(rec: Any, out: torch.Tensor, key: Any, memo: dict[Any, Any], x: A
     node = -1 - len(memo)  # (the round's nodes are handles, >= 0)
     rec.values[node] = (out.unsqueeze(0), 0)
     rec.rows_of[node] = out
-    got = memo[key] = Lazy(node, _meta(out.shape, out.dtype, out.device), rec)
+    got = memo[key] = Lazy(node, _meta(out.shape, out.dtype, out.device, out.layout), rec)
     if x is None:
         return got
     if key[0] in _VIEW_METHODS:
