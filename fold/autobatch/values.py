@@ -74,7 +74,9 @@ _METAS: dict[tuple[Any, ...], _Meta] = {}
 def _meta(
     shape: Any, dtype: torch.dtype, device: torch.device, layout: torch.layout = torch.strided
 ) -> _Meta:
-    key = (tuple(shape), dtype, device) if layout is torch.strided else (shape, dtype, device, layout)
+    key = (tuple(shape), dtype, device)
+    if layout is not torch.strided:
+        key += (layout,)
     m = _METAS.get(key)
     if m is None:
         m = _METAS[key] = _Meta(torch.Size(key[0]), dtype, device, layout)
