@@ -813,6 +813,11 @@ MIXING = {
         (6, 5),
         "uses the batch's size in arithmetic",
     ),
+    "divided-by-the-size-as-an-int": (
+        lambda m, x: m.lin(x) / int(x.shape[0]) + round(x.size(0)) * 0.1,
+        (6, 5),
+        "uses the batch's size in a conversion",  # (int(n) is a plain int: unseen after it)
+    ),
     "divided-by-len": (
         lambda m, x: m.lin(x) / len(x),
         (6, 5),

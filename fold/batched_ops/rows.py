@@ -344,16 +344,16 @@ class _RowCount(int):
 
     def __mul__(self, other: Any) -> Any:
         if isinstance(other, int) and not isinstance(other, bool):
-            return _RowCount(int(self) * int(other), self.check)
+            return _RowCount(_plain(self) * _plain(other), self.check)
         self._flag("a product")
-        return int(self) * other
+        return _plain(self) * other
 
     __rmul__ = __mul__
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, _RowCount):
             self._flag("a comparison")
-        return int(self) == other
+        return _plain(self) == other
 
     def __ne__(self, other: Any) -> bool:
         return not self.__eq__(other)
@@ -361,14 +361,23 @@ class _RowCount(int):
     __hash__ = int.__hash__
 
 
+# The value of an int (a plain int of a _RowCount), without its __int__ (which flags).
+_plain = int.__index__
+
+
 def _arithmetic(op: str) -> Callable[..., Any]:
     plain = getattr(int, op)
+    what = (
+        "a comparison"
+        if op in ("__lt__", "__le__", "__gt__", "__ge__")
+        else "a conversion"
+        if op in ("__int__", "__float__", "__round__", "__trunc__", "__floor__", "__ceil__")
+        else "arithmetic"
+    )
 
     def flagged(self: _RowCount, *other: Any) -> Any:
-        self._flag(
-            "arithmetic" if op not in ("__lt__", "__le__", "__gt__", "__ge__") else "a comparison"
-        )
-        return plain(int(self), *other)
+        self._flag(what)
+        return plain(_plain(self), *other)
 
     flagged.__name__ = op
     return flagged
@@ -377,7 +386,10 @@ def _arithmetic(op: str) -> Callable[..., Any]:
 for _op in (
     "__add__ __radd__ __sub__ __rsub__ __truediv__ __rtruediv__ __floordiv__ __rfloordiv__ "
     "__mod__ __rmod__ __pow__ __rpow__ __divmod__ __rdivmod__ __neg__ __float__ __lt__ "
-    "__le__ __gt__ __ge__ __lshift__ __rshift__ __and__ __rand__ __or__ __ror__"
+    "__le__ __gt__ __ge__ __lshift__ __rshift__ __and__ __rand__ __or__ __ror__ __xor__ "
+    "__rxor__ __rlshift__ __rrshift__ __pos__ __abs__ __invert__ "
+    # (int(n), round(n), math.floor(n): a plain int, whose later use would go unseen)
+    "__int__ __round__ __trunc__ __floor__ __ceil__"
 ).split():
     setattr(_RowCount, _op, _arithmetic(_op))
 
