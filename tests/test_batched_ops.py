@@ -818,6 +818,11 @@ MIXING = {
         (6, 5),
         "uses the batch's size in a conversion",  # (int(n) is a plain int: unseen after it)
     ),
+    "filled-with-the-size": (
+        lambda m, x: m.lin(x) + m.lin(x).new_full((1, 4), x.size(0)) - torch.full((4,), x.size(0)),
+        (6, 5),
+        "uses the batch's size as a value",
+    ),
     "divided-by-len": (
         lambda m, x: m.lin(x) / len(x),
         (6, 5),

@@ -166,6 +166,10 @@ _FILLS = frozenset(
     "zeros ones full empty rand randn randint normal new_zeros new_ones new_full new_empty".split()
 )
 
+# Of those, the ones that also take values (a fill, bounds, a mean): their sizes come as a
+# sequence, so a count given alone is a value.
+_VALUED_FILLS = frozenset("full new_full randint normal".split())
+
 # Calls that take sizes: the rows' size read from a tensor may be given to them.
 _SIZES = _FILLS | frozenset(
     "view reshape expand broadcast_to unflatten repeat tile arange narrow".split()
@@ -281,6 +285,12 @@ class RowCheck(TorchFunctionMode):
                         self.found = f"reads the batch's size with len() ({_place()})"
                     return out
                 return _counted(self, out, d, args, kwargs)
+        if not trusted and name in _VALUED_FILLS:  # full((n, h), n): n as the fill is a value
+            values = [a for a in args if not isinstance(a, (tuple, list))]
+            values += [v for k, v in kwargs.items() if k != "size"]
+            if any(isinstance(v, _RowCount) for v in values):
+                self.found = f"{_called(func, name)} uses the batch's size as a value ({_place()})"
+                return out
         if not trusted and name not in _SIZES:
             for v in pytree.tree_leaves((args, kwargs)):
                 if isinstance(v, _RowCount):  # h / x.size(0): a value, not a size
