@@ -116,6 +116,12 @@ class Trainer:
                 f"examples, but a batch is a {type(batch).__name__}. Fix: give batches as lists "
                 "of examples (a DataLoader with collate_fn=list), or micro_batch=None."
             )
+        if not len(batch):
+            raise FoldError(
+                f"Trainer: an empty batch (micro_batch={self.micro_batch}); a step needs at "
+                "least one example. Fix: drop empty batches (a DataLoader with drop_last=True "
+                "never yields one)."
+            )
         size = self.micro_batch
         total: torch.Tensor | None = None
         for start in range(0, len(batch), size):

@@ -50,6 +50,13 @@ def test_micro_batches_of_unequal_size_equal_one_step_on_the_whole_batch() -> No
         torch.testing.assert_close(p, q)
 
 
+def test_an_empty_batch_in_micro_batches_is_a_fold_error() -> None:
+    _, trainer = make()
+    trainer.micro_batch = 4
+    with pytest.raises(fold.FoldError, match=r"empty batch \(micro_batch=4\).*Fix: drop"):
+        trainer.train_step([])
+
+
 def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path) -> None:
     data = batches()
     full, trainer = make()
