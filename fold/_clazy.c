@@ -54,7 +54,7 @@ static PyObject *g_slow_method;    /* fold.autobatch.values._record_method(func,
 static PyObject *g_slow_function;  /* fold.autobatch.values._torch_function(cls, func, types, args, kw) */
 static PyObject *g_batched_kind;   /* fold.autobatch.common._BATCHED, the kind of a batched=True function */
 static PyObject *g_long, *g_bool;  /* torch.long, torch.bool */
-static PyObject *g_strided;        /* torch.strided, taken at the first tensor row */
+static PyObject *g_strided;        /* torch.strided */
 static PyObject *s_layout;
 static PyObject *g_default_dtype;  /* torch.get_default_dtype */
 static PyObject *g_known_type;     /* fold.autobatch.values.Known */
@@ -575,13 +575,6 @@ tensor_row(Key *k, PyObject *rec, PyObject *a)
         return listed < 0 ? -1 : 0;
     /* A sparse tensor (a graph's adjacency per example): the slow path, whose meta keeps
        its layout (a key of its own, never padded). */
-    if (g_strided == NULL) {
-        PyObject *torch = PyImport_ImportModule("torch");
-        g_strided = torch == NULL ? NULL : PyObject_GetAttrString(torch, "strided");
-        Py_XDECREF(torch);
-        if (g_strided == NULL)
-            return -1;
-    }
     PyObject *layout = PyObject_GetAttr(a, s_layout);
     if (layout == NULL)
         return -1;
@@ -2782,19 +2775,20 @@ torch_function(PyObject *module, PyObject *const *args, size_t nargsf, PyObject 
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
-    PyObject *v[15];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14]))
+    PyObject *v[16];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14],
+                          &v[15]))
         return NULL;
     if (!PyType_Check(v[0]) || !PyType_IsSubtype((PyTypeObject *)v[0], &LazyBaseType)) {
         PyErr_SetString(PyExc_TypeError, "configure: Lazy must subclass LazyBase");
         return NULL;
     }
-    PyObject **slots[15] = {&g_lazy_type,    &g_module_type,   &g_tensor_type, &g_miss,
+    PyObject **slots[16] = {&g_lazy_type,    &g_module_type,   &g_tensor_type, &g_miss,
                             &g_local,        &g_grad_enabled,  &g_any_autocast, &g_torch_kind,
                             &g_slow_method,  &g_slow_function, &g_batched_kind, &g_long,
-                            &g_bool,         &g_default_dtype, &g_known_type};
-    for (int i = 0; i < 15; i++) {
+                            &g_bool,         &g_default_dtype, &g_known_type, &g_strided};
+    for (int i = 0; i < 16; i++) {
         Py_INCREF(v[i]);
         Py_XSETREF(*slots[i], v[i]);
     }

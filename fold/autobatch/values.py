@@ -1740,6 +1740,7 @@ if _C is not None:
         torch.bool,
         torch.get_default_dtype,
         Known,
+        torch.strided,
     )
     _C.configure_memo(
         _PURE_METHODS,
