@@ -285,19 +285,17 @@ class RowCheck(TorchFunctionMode):
                         self.found = f"reads the batch's size with len() ({_place()})"
                     return out
                 return _counted(self, out, d, args, kwargs)
-        if not trusted and name in _VALUED_FILLS:  # full((n, h), n): n as the fill is a value
-            values = [a for a in args if not isinstance(a, (tuple, list))]
-            values += [v for k, v in kwargs.items() if k != "size"]
+        if not trusted:
+            if name not in _SIZES:  # h / x.size(0): a value, not a size
+                values = pytree.tree_leaves((args, kwargs))
+            elif name in _VALUED_FILLS:  # full((n, h), n): n as the fill is a value
+                values = [a for a in args if not isinstance(a, (tuple, list))]
+                values += [v for k, v in kwargs.items() if k != "size"]
+            else:
+                values = []
             if any(isinstance(v, _RowCount) for v in values):
                 self.found = f"{_called(func, name)} uses the batch's size as a value ({_place()})"
                 return out
-        if not trusted and name not in _SIZES:
-            for v in pytree.tree_leaves((args, kwargs)):
-                if isinstance(v, _RowCount):  # h / x.size(0): a value, not a size
-                    self.found = (
-                        f"{_called(func, name)} uses the batch's size as a value ({_place()})"
-                    )
-                    return out
         if self.stacked and not trusted and self.stacked_use is None:
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and id(t) in self.stacked:
